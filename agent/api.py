@@ -1,0 +1,226 @@
+"""The client API: OpenAI-compatible endpoints in front of this node's backends (DESIGN §6-7).
+
+Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
+``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``. Every error is OpenAI-shaped
+(``agent/errors.py``): 400 malformed JSON, missing model or the wrong endpoint for the model's
+kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
+429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
+
+The request body is forwarded as received (never re-serialised); mesh headers
+(``X-Viiwork-*``) are stripped before a request reaches an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from viiwork import __version__
+from viiwork.agent.admission import AdmissionError, ModelAdmission
+from viiwork.agent.backends import ModelRuntime
+from viiwork.agent.errors import error_response
+from viiwork.agent.proxy import Upstream
+from viiwork.engines.contract import Kind
+
+log = logging.getLogger(__name__)
+
+_KIND_OF_PATH = {
+    "/v1/chat/completions": Kind.CHAT,
+    "/v1/completions": Kind.CHAT,
+    "/v1/embeddings": Kind.EMBEDDING,
+}
+
+
+class ClientApi:
+    """Handlers of the client API over a node's models.
+
+    runtimes: name -> ModelRuntime (the supervisor's picture). status_source: returns the
+    ``models`` list of ``/v1/status`` (the supervisor's ``status()``); extra_status: more
+    top-level sections (gpus, mesh counters), each a callable returning JSON-able data.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        runtimes: dict[str, ModelRuntime],
+        upstream: Upstream,
+        max_body_bytes: int,
+        queue_max: int,
+        queue_timeout_s: float,
+        status_source: Callable[[], list[dict[str, Any]]],
+        extra_status: dict[str, Callable[[], Any]] | None = None,
+    ) -> None:
+        self.node_name = node_name
+        self.runtimes = runtimes
+        self.upstream = upstream
+        self.max_body_bytes = max_body_bytes
+        self.admissions = {name: ModelAdmission(rt, queue_max, queue_timeout_s) for name, rt in runtimes.items()}
+        self.status_source = status_source
+        self.extra_status = extra_status or {}
+        self.started = time.monotonic()
+        self.responses: Counter[tuple[str, int]] = Counter()
+
+    # -- app ---------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        # Bodies are bounded by our own check (413 JSON); aiohttp's limit is a backstop.
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        for path in _KIND_OF_PATH:
+            resource = app.router.add_resource(path)
+            resource.add_route("POST", self.handle_inference)
+            resource.add_route("*", self._method_not_allowed("POST"))
+        for path, handler in (
+            ("/v1/models", self.handle_models),
+            ("/health", self.handle_health),
+            ("/v1/status", self.handle_status),
+            ("/metrics", self.handle_metrics),
+        ):
+            resource = app.router.add_resource(path)
+            resource.add_route("GET", handler)
+            resource.add_route("*", self._method_not_allowed("GET"))
+        app.router.add_route("*", "/{tail:.*}", self.handle_not_found)
+        return app
+
+    @staticmethod
+    def _method_not_allowed(allowed: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            return error_response(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
+                                  headers={"Allow": allowed})
+        return handler
+
+    async def handle_not_found(self, request: web.Request) -> web.Response:
+        return error_response(404, f"no such endpoint: {request.method} {request.path}; see /v1/models, "
+                              "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status")
+
+    # -- inference -----------------------------------------------------------------------
+
+    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            return self._count("-", error_response(
+                413, f"request body is {length} bytes; the limit is {self.max_body_bytes} (api.max_body_bytes)"))
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count("-", error_response(
+                413, f"request body exceeds {self.max_body_bytes} bytes (api.max_body_bytes)"))
+        if len(body) > self.max_body_bytes:
+            return self._count("-", error_response(
+                413, f"request body exceeds {self.max_body_bytes} bytes (api.max_body_bytes)"))
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._count("-", error_response(400, f"request body is not valid JSON: {exc}"))
+        if not isinstance(payload, dict):
+            return self._count("-", error_response(400, "request body must be a JSON object"))
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return self._count("-", error_response(400, "'model' is required and must be a string", param="model"))
+        runtime = self.runtimes.get(model)
+        if runtime is None:
+            known = ", ".join(sorted(self.runtimes)) or "none"
+            return self._count("-", error_response(
+                404, f"model {model!r} is not served here; known models: {known}", param="model",
+                code="model_not_found"))
+        wanted = _KIND_OF_PATH[request.path]
+        if runtime.config.kind is not wanted:
+            return self._count(model, error_response(
+                400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} needs a "
+                f"{wanted.value} model", param="model"))
+        admission = self.admissions[model]
+        try:
+            lease = await admission.acquire()
+        except AdmissionError as exc:
+            return self._count(model, error_response(exc.status, str(exc), retry_after_s=exc.retry_after_s))
+        try:
+            headers = {
+                "X-Viiwork-Node": self.node_name,
+                "X-Viiwork-Backend": lease.backend.id,
+                "X-Viiwork-Queued-Ms": f"{lease.queued_ms:.1f}",
+                "X-Request-Id": request_id,
+            }
+            stream = payload.get("stream") is True
+            response = await self.upstream.forward(request, lease.backend, body, stream, headers, request_id)
+        finally:
+            admission.release(lease.backend)
+        return self._count(model, response)
+
+    def _count(self, model: str, response: web.StreamResponse) -> web.StreamResponse:
+        self.responses[(model, response.status)] += 1
+        return response
+
+    # -- read-only views ---------------------------------------------------------------
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        data = []
+        for name, rt in sorted(self.runtimes.items()):
+            ctx = rt.ctx_per_slot
+            data.append({
+                "id": name, "object": "model", "created": 0, "owned_by": "viiwork",
+                "kind": rt.config.kind.value, "engine": rt.config.engine,
+                "max_model_len": ctx, "context_length": ctx,
+            })
+        return web.json_response({"object": "list", "data": data})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        healthy = sum(len(rt.healthy_backends) for rt in self.runtimes.values())
+        if self.runtimes and healthy == 0:
+            return web.json_response({"status": "unavailable", "healthy_backends": 0}, status=503)
+        return web.json_response({"status": "ok", "healthy_backends": healthy})
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        models = self.status_source()
+        for entry in models:
+            admission = self.admissions.get(entry.get("name"))
+            if admission is not None:
+                entry["queued"] = admission.queued
+        doc: dict[str, Any] = {
+            "node": {"name": self.node_name, "version": __version__,
+                     "uptime_s": round(time.monotonic() - self.started, 1)},
+            "models": models,
+        }
+        for key, source in self.extra_status.items():
+            try:
+                doc[key] = source()
+            except Exception as exc:  # a broken section must not break /v1/status
+                log.warning("status section %s failed: %s", key, exc)
+                doc[key] = {"error": str(exc)}
+        return web.json_response(doc)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        lines = [
+            "# HELP viiwork_responses_total Client API responses by model and status code.",
+            "# TYPE viiwork_responses_total counter",
+        ]
+        for (model, status), n in sorted(self.responses.items()):
+            lines.append(f'viiwork_responses_total{{model="{_esc(model)}",code="{status}"}} {n}')
+        lines += ["# HELP viiwork_model_slots Slots of healthy backends.", "# TYPE viiwork_model_slots gauge"]
+        lines += [f'viiwork_model_slots{{model="{_esc(n)}"}} {sum(b.slots for b in rt.healthy_backends)}'
+                  for n, rt in sorted(self.runtimes.items())]
+        lines += ["# HELP viiwork_model_in_flight Requests running on this node's backends.",
+                  "# TYPE viiwork_model_in_flight gauge"]
+        lines += [f'viiwork_model_in_flight{{model="{_esc(n)}"}} {sum(b.in_flight for b in rt.backends)}'
+                  for n, rt in sorted(self.runtimes.items())]
+        lines += ["# HELP viiwork_model_queued Requests waiting in this node's queue.",
+                  "# TYPE viiwork_model_queued gauge"]
+        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {a.queued}' for n, a in sorted(self.admissions.items())]
+        lines += ["# HELP viiwork_backend_respawns_total Respawns per backend.",
+                  "# TYPE viiwork_backend_respawns_total counter"]
+        for rt in self.runtimes.values():
+            for b in rt.backends:
+                lines.append(f'viiwork_backend_respawns_total{{model="{_esc(rt.name)}",backend="{_esc(b.id)}"}} '
+                             f'{b.respawns}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,140 @@
+"""The runtime picture of a node's models and backends, shared by supervisor and routing.
+
+The supervisor writes these objects (state, load, pid); routing reads them and counts its
+own in-flight requests. Single-threaded (the agent's event loop): no locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NewType
+
+from viiwork.agent.config import ModelConfig
+from viiwork.engines.contract import Engine, Load
+
+BackendId = NewType("BackendId", str)
+
+
+class BackendState(StrEnum):
+    """The health ladder of DESIGN §4."""
+
+    STARTING = "starting"      # launched, probes expected to fail until ready
+    HEALTHY = "healthy"        # ready and admitting
+    DRAINING = "draining"      # ready but admitting nothing new (respawn, down, shutdown)
+    UNHEALTHY = "unhealthy"    # failed probes or exited; respawn pending
+    STOPPED = "stopped"        # stopped on purpose (down, shutdown)
+    DEAD = "dead"              # respawn budget spent; `viiworkctl up` revives
+
+
+class ModelState(StrEnum):
+    RUNNING = "running"   # backends are started or starting
+    DOWN = "down"         # parked by the operator
+    DEAD = "dead"         # every backend is dead
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine process serving one model on this node.
+
+    ``in_flight`` is routing's own count of requests it sent and has not finished; the
+    engine's ``load`` lags behind it. ``load`` is None until the first successful read.
+    Times are ``time.monotonic()`` seconds; ``None`` means never.
+    """
+
+    id: BackendId
+    model: str
+    index: int
+    gpus: tuple[str, ...] = ()
+    state: BackendState = BackendState.STARTING
+    phase: str = ""
+    progress: float = -1.0
+    reason: str = ""
+    port: int | None = None
+    pid: int | None = None
+    unit: str | None = None
+    respawns: int = 0
+    exit_result: str | None = None
+    exit_status: int | None = None
+    load: Load | None = None
+    load_at: float | None = None
+    load_stale: bool = False
+    in_flight: int = 0
+    started_at: float | None = None
+    healthy_since: float | None = None
+    parallel: int = 1
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admitting(self) -> bool:
+        return self.state is BackendState.HEALTHY and self.port is not None
+
+    @property
+    def slots(self) -> int:
+        """Sequences this backend admits: what the engine reports, else ``parallel``."""
+        if self.load is not None and not self.load_stale:
+            return self.load.slots
+        return self.parallel
+
+    @property
+    def free_slots(self) -> int:
+        if not self.admitting:
+            return 0
+        return max(0, self.slots - self.in_flight)
+
+    @property
+    def busy(self) -> int:
+        """Busy sequences: the larger of the engine's count and our own in-flight count."""
+        if self.load is not None and not self.load_stale:
+            return max(self.load.busy, self.in_flight)
+        return self.in_flight
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    """One configured model on this node: its config, engine and backends.
+
+    ``listeners`` are called (synchronously, must not block) whenever a backend's state or
+    capacity changes, so routing can dispatch queued requests at once.
+    """
+
+    config: ModelConfig
+    engine: Engine
+    backends: list[Backend] = field(default_factory=list)
+    state: ModelState = ModelState.RUNNING
+    listeners: list[Callable[[ModelRuntime], None]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def notify(self) -> None:
+        for listener in list(self.listeners):
+            listener(self)
+
+    @property
+    def healthy_backends(self) -> list[Backend]:
+        return [b for b in self.backends if b.admitting]
+
+    @property
+    def can_ever_serve(self) -> bool:
+        """False when nothing on this node can serve now or later (down, or all dead)."""
+        if self.state is not ModelState.RUNNING:
+            return False
+        return any(b.state is not BackendState.DEAD and b.state is not BackendState.STOPPED for b in self.backends)
+
+    @property
+    def ctx_per_slot(self) -> int:
+        for b in self.backends:
+            if b.load is not None:
+                return b.load.ctx_per_slot
+        return self.config.ctx_per_slot
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,99 @@
+"""viiworkctl status: the local agent's /v1/status as a table, or ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from viiwork.agent.cli.target import add_target_args, agent_url
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "status", help="models and backends of an agent (table, or --json)",
+        description="Show an agent's models and backends: state, phase/progress while loading, slots busy/total.")
+    add_target_args(parser)
+    parser.add_argument("--json", action="store_true", help="print the agent's /v1/status document")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
+    parser.set_defaults(func=run)
+
+
+def fetch_json(url: str, timeout: float) -> Any:
+    """GET ``url`` and decode JSON; raises ConnectionError with a readable message."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http to the agent)
+            return json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise ConnectionError(f"{url} answered {exc.code}: {exc.read()[:200]!r}") from None
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConnectionError(f"cannot reach the agent at {url}: {reason} "
+                              "(is viiwork-agent running? use --url or VIIWORK_URL)") from None
+    except ValueError as exc:
+        raise ConnectionError(f"{url} did not return JSON: {exc}") from None
+
+
+def _state_cell(backend: dict[str, Any]) -> str:
+    state = backend.get("state", "?")
+    phase = backend.get("phase") or ""
+    progress = backend.get("progress")
+    if state == "starting" and phase:
+        state += f" ({phase}"
+        if isinstance(progress, (int, float)) and progress >= 0:
+            state += f" {progress * 100:.0f}%"
+        state += ")"
+    if backend.get("reason") and state in ("dead", "unhealthy", "starting"):
+        state += f": {backend['reason']}"
+    return state
+
+
+def render(doc: dict[str, Any], console: Console) -> None:
+    node = doc.get("node", {})
+    console.print(f"node [bold]{node.get('name', '?')}[/bold]  version {node.get('version', '?')}  "
+                  f"uptime {node.get('uptime_s', '?')} s")
+    table = Table(show_lines=False)
+    for col in ("model", "engine", "state", "backend", "backend state", "slots busy/total", "waiting",
+                "ctx/slot", "pid", "port", "respawns"):
+        table.add_column(col)
+    for model in doc.get("models", []):
+        waiting = model.get("waiting")
+        first = True
+        backends = model.get("backends") or [{}]
+        for b in backends:
+            load = f"{b.get('busy', '-')}/{b.get('slots', '-')}" if b else ""
+            table.add_row(
+                model.get("name", "?") if first else "",
+                model.get("engine", "") if first else "",
+                model.get("state", "") if first else "",
+                str(b.get("id", "")),
+                _state_cell(b) if b else "",
+                load,
+                ("unknown" if waiting is None else str(waiting)) if first else "",
+                str(model.get("ctx_per_slot", "")) if first else "",
+                str(b.get("pid") or "-"),
+                str(b.get("port") or "-"),
+                str(b.get("respawns", "")),
+            )
+            first = False
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    url = agent_url(args) + "/v1/status"
+    try:
+        doc = fetch_json(url, args.timeout)
+    except ConnectionError as exc:
+        print(f"viiworkctl status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        render(doc, Console())
+    return 0

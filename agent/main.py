@@ -1,0 +1,154 @@
+"""``viiwork-agent``: the daemon. ``--config FILE`` runs a config; ``--demo`` the embedded one.
+
+Lifecycle: load config -> start the runner and supervisor (backends begin loading) -> bind
+the client API -> serve until SIGTERM/SIGINT -> stop admitting, drain, stop backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from viiwork import __version__
+from viiwork.agent.api import ClientApi
+from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
+from viiwork.agent.proxy import Upstream
+from viiwork.agent.runners.base import Runner, RunnerError
+from viiwork.agent.supervisor import Supervisor
+
+log = logging.getLogger("viiwork.agent")
+
+
+def setup_logging(level: str) -> None:
+    # journald adds its own timestamps; JOURNAL_STREAM is set when stderr goes to it.
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def make_runner(config: Config) -> Runner:
+    """The runner the config asks for: ``process``, ``systemd``, or ``auto`` (systemd when the
+    chosen bus answers as org.freedesktop.systemd1)."""
+    choice = config.supervisor.runner
+    if choice in ("systemd", "auto"):
+        try:
+            from viiwork.agent.runners import systemd as systemd_runner
+        except ImportError:
+            systemd_runner = None  # type: ignore[assignment]
+        if systemd_runner is not None and hasattr(systemd_runner, "create_runner"):
+            runner = await systemd_runner.create_runner(config, required=(choice == "systemd"))
+            if runner is not None:
+                return runner
+        elif choice == "systemd":
+            raise RunnerError('supervisor.runner = "systemd", but this build has no systemd runner')
+    from viiwork.agent.runners.process import ProcessRunner
+
+    return ProcessRunner()
+
+
+def _banner(host: str, port: int, config: Config) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown}:{port}"
+    lines = [f"viiwork {__version__}: node {config.node.name!r}, API on {base}"]
+    chat = [m.name for m in config.models if m.kind.value == "chat"]
+    if chat:
+        lines += [
+            "try:",
+            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f"    -d '{{\"model\": \"{chat[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+            "\"Say hello in five words.\"}], \"max_tokens\": 32}'",
+            f"status: viiworkctl status --url {base}",
+        ]
+    return "\n".join(lines)
+
+
+async def run_agent(config: Config, *, ready_banner: bool = True) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = parse_hostport(config.api.listen, "api.listen")
+    config.node.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    async with contextlib.AsyncExitStack() as stack:
+        probe_http = await stack.enter_async_context(aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True)))
+        upstream = await stack.enter_async_context(Upstream(config.api.stream_idle_timeout_s))
+        runner = await make_runner(config)
+        stack.push_async_callback(runner.close)
+        supervisor = Supervisor(config, runner, probe_http, config.node.name)
+        api = ClientApi(
+            node_name=config.node.name,
+            runtimes=supervisor.models,
+            upstream=upstream,
+            max_body_bytes=config.api.max_body_bytes,
+            queue_max=config.routing.queue_max,
+            queue_timeout_s=config.routing.queue_timeout_s,
+            status_source=supervisor.status,
+        )
+        app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
+        await app_runner.setup()
+        stack.push_async_callback(app_runner.cleanup)
+        await supervisor.start()
+        stack.push_async_callback(supervisor.stop)
+        site = web.TCPSite(app_runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("cannot listen on %s (api.listen): %s", config.api.listen, exc.strerror or exc)
+            return 1
+        log.info("API listening on %s:%d", host, port)
+        if ready_banner:
+            print(_banner(host, port, config), flush=True)
+        await stop.wait()
+        log.info("stopping: draining and stopping backends")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="viiwork-agent", description="The viiwork host agent.")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--config", type=Path, help=f"config file (default {DEFAULT_CONFIG_PATH})")
+    group.add_argument("--demo", action="store_true",
+                       help="run the embedded demo config: SmolLM2-135M on the CPU as model 'smollm2' on 127.0.0.1:8086")
+    parser.add_argument("--log-level", default=os.environ.get("VIIWORK_LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"viiwork-agent {__version__}")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        if args.demo:
+            from viiwork.agent.demo import DemoUnavailable, demo_config
+
+            try:
+                config = demo_config()
+            except DemoUnavailable as exc:
+                print(f"viiwork-agent --demo: {exc}", file=sys.stderr)
+                return 1
+        else:
+            config = load_config(args.config or DEFAULT_CONFIG_PATH)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(run_agent(config))
+    except RunnerError as exc:
+        print(f"viiwork-agent: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

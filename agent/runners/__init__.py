@@ -1,0 +1,1 @@
+"""Backend runners: process (asyncio subprocess) and systemd (transient units)."""

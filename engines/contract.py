@@ -1,0 +1,204 @@
+"""The engine contract: value types, the ``Engine`` protocol and optional capabilities.
+
+An engine adapter is a small stateless strategy object: a command line, a readiness rule,
+a load reading and an options model (DESIGN §3). It never spawns, retries, pins GPUs or
+routes; the supervisor does. Everything an adapter needs arrives as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, ClassVar, NewType, Protocol, runtime_checkable
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    import aiohttp
+
+ModelName = NewType("ModelName", str)
+
+
+class Kind(StrEnum):
+    """What a backend serves: llama-server's ``--embedding`` restricts a server to embeddings."""
+
+    CHAT = "chat"
+    EMBEDDING = "embedding"
+
+
+class EngineError(Exception):
+    """Base of the errors an engine adapter raises."""
+
+
+class EngineUnavailable(EngineError):
+    """Transport failure talking to a backend: refused, reset, timed out."""
+
+
+class LoadUnknown(EngineError):
+    """The backend answered, but its load cannot be read honestly (disabled endpoint,
+    undecodable body, missing gauge). Never replaced by zeros: the mesh reads numbers as fact."""
+
+
+class EngineOptionsError(EngineError):
+    """An engine's option block is invalid; ``path`` names the field (``models[0].llamacpp.x``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+class NoOptions(BaseModel):
+    """Options model of an engine that takes none (unknown keys are still errors)."""
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """Everything an adapter needs to build one backend's command.
+
+    Fields:
+        model: the mesh-wide model name the backend must answer to.
+        kind: chat or embedding.
+        path: model path (file for GGUF, directory or hub id for vLLM/SGLang).
+        gpus: this backend's GPUs as configured (NVML indexes or UUIDs); empty = CPU.
+        port: loopback port assigned by the supervisor.
+        vendor: "nvidia", "amd", "cpu" or "unknown"; informational.
+        ctx_per_slot: tokens of context per sequence, >= 1.
+        parallel: sequences the backend admits at once, >= 1.
+        backends_on_node: how many backends this model runs on this node, >= 1.
+        host_cpus: CPUs available to the agent (sched_getaffinity), >= 1.
+        args: operator flags, appended last.
+        options: the engine's validated options model instance.
+    """
+
+    model: str
+    kind: Kind
+    path: str
+    port: int
+    ctx_per_slot: int
+    parallel: int
+    options: BaseModel
+    gpus: tuple[str, ...] = ()
+    vendor: str = "cpu"
+    backends_on_node: int = 1
+    host_cpus: int = 1
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("ctx_per_slot", "parallel", "backends_on_node", "host_cpus"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BackendSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"BackendSpec.port must be 1..65535, got {self.port}")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchCommand:
+    """argv to execute and environment added on top of what the supervisor sets."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One readiness probe.
+
+    ready: the backend serves requests now. phase: "" if none (e.g. "loading model").
+    progress: 0..1, or -1.0 when unknown (never 0 for unknown). reason: human text.
+    """
+
+    ready: bool
+    phase: str = ""
+    progress: float = -1.0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Occupancy of one backend.
+
+    slots: sequences it will actually admit. busy: sequences running now.
+    waiting: requests queued inside the engine, or None when the engine publishes no queue
+    (unknown is never 0). ctx_per_slot: context per sequence it will actually serve.
+    """
+
+    slots: int
+    busy: int
+    waiting: int | None
+    ctx_per_slot: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The contract every engine adapter implements (DESIGN §3)."""
+
+    name: ClassVar[str]
+    display_name: ClassVar[str]
+    options_model: ClassVar[type[BaseModel]]
+    default_startup_timeout_s: ClassVar[float]
+    command_version: ClassVar[int]
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        """The backend's argv and extra environment; pure."""
+        ...
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        """Readiness; raises EngineUnavailable only on a transport failure."""
+        ...
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        """Occupancy; raises EngineUnavailable or LoadUnknown rather than guessing."""
+        ...
+
+
+# Optional capabilities: implemented only where the engine can answer honestly.
+
+
+@runtime_checkable
+class RunsOnCPU(Protocol):
+    """The engine can serve a model with no GPU (spec.gpus empty)."""
+
+    def supports_cpu(self) -> bool: ...
+
+
+@runtime_checkable
+class WarmUp(Protocol):
+    """Ready-but-not-yet-safe period after the first successful probe, in seconds."""
+
+    def warmup_s(self, spec: BackendSpec) -> float: ...
+
+
+@runtime_checkable
+class UsageReporting(Protocol):
+    """The engine reports token usage in streams (and cached tokens where it can)."""
+
+    def stream_usage_supported(self) -> bool: ...
+
+
+@runtime_checkable
+class BoundGPU(Protocol):
+    """The engine selects devices by its own flags/variables (the environment is not enough)."""
+
+    def device_env(self, spec: BackendSpec) -> Mapping[str, str]: ...
+
+
+@runtime_checkable
+class Version(Protocol):
+    """Installed version of the engine binary, compared with the adapter's minimum."""
+
+    minimum_version: ClassVar[str]
+
+    def version_command(self, options: BaseModel) -> tuple[str, ...]: ...
+
+    def parse_version(self, output: str) -> str | None: ...
+
+
+@runtime_checkable
+class ReasoningSeparation(Protocol):
+    """The engine separates reasoning content from the answer."""
+
+    def reasoning_args(self, spec: BackendSpec) -> tuple[str, ...]: ...

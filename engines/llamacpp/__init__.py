@@ -1,0 +1,154 @@
+"""llama.cpp's llama-server as an engine (the reference adapter).
+
+Readiness (captured from llama-server builds, tests/engines/llamacpp/captures/): ``/health``
+refuses connections before the port is bound, answers 503
+``{"error":{"message":"Loading model",...}}`` while loading and 200 ``{"status":"ok"}`` once
+ready, also while busy. Load: ``/slots`` lists one entry per slot with ``n_ctx`` (the context
+per slot) and ``is_processing``; ``/metrics`` (with ``--metrics``) has
+``llamacpp:requests_deferred``, the requests waiting for a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, ClassVar
+
+import aiohttp
+
+from viiwork.engines.contract import (
+    BackendSpec,
+    EngineUnavailable,
+    Kind,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+)
+from viiwork.engines.llamacpp.options import LlamaCppOptions
+from viiwork.engines.prometheus import parse_gauges
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = ["LlamaCppEngine", "LlamaCppOptions"]
+
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError)
+
+
+class LlamaCppEngine:
+    """Adapter for llama.cpp's ``llama-server``."""
+
+    name: ClassVar[str] = "llamacpp"
+    display_name: ClassVar[str] = "llama.cpp (llama-server)"
+    options_model: ClassVar[type[LlamaCppOptions]] = LlamaCppOptions
+    default_startup_timeout_s: ClassVar[float] = 600.0
+    command_version: ClassVar[int] = 1
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        """llama-server's argv for ``spec``.
+
+        ``--ctx-size`` is the total over slots (ctx_per_slot * parallel); ``--threads`` a fair
+        share of host_cpus over the model's backends unless set; all layers on the GPU when
+        the backend has GPUs, and ``--n-gpu-layers 0 --device none`` (no device at all) when
+        it has none, so a GPU build never grabs a GPU the model was not given.
+        """
+        opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
+        threads = opts.threads or max(1, spec.host_cpus // spec.backends_on_node)
+        argv: list[str] = [
+            opts.binary,
+            "--model", spec.path,
+            "--alias", spec.model,
+            "--host", "127.0.0.1",
+            "--port", str(spec.port),
+            "--ctx-size", str(spec.ctx_per_slot * spec.parallel),
+            "--parallel", str(spec.parallel),
+            "--threads", str(threads),
+        ]
+        if spec.gpus:
+            argv += ["--n-gpu-layers", str(opts.gpu_layers)]
+        else:
+            argv += ["--n-gpu-layers", "0", "--device", "none"]
+        if spec.kind is Kind.EMBEDDING:
+            argv.append("--embedding")
+        if opts.metrics:
+            argv.append("--metrics")
+        argv += list(spec.args)
+        return LaunchCommand(argv=tuple(argv), env=self.device_env(spec))
+
+    def device_env(self, spec: BackendSpec) -> Mapping[str, str]:
+        """Vulkan builds ignore CUDA_VISIBLE_DEVICES: they read GGML_VK_VISIBLE_DEVICES."""
+        opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
+        if opts.device_selection == "vulkan" and spec.gpus:
+            return {"GGML_VK_VISIBLE_DEVICES": ",".join(spec.gpus)}
+        return {}
+
+    def supports_cpu(self) -> bool:
+        return True
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        """GET /health: 200 = ready; 503 = loading (phase from the message); other = not ready.
+
+        Raises EngineUnavailable on refused/reset/timeout.
+        """
+        try:
+            async with http.get(f"{base_url}/health") as resp:
+                body = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /health: {exc.__class__.__name__}: {exc}") from exc
+        if status == 200:
+            return Probe(ready=True)
+        message = _error_message(body)
+        if status == 503:
+            return Probe(ready=False, phase=(message or "loading").lower(), reason=message)
+        return Probe(ready=False, reason=f"/health answered {status}: {message or body[:200]!r}")
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        """Read occupancy from /slots, and waiting requests from /metrics.
+
+        Returns Load(slots=len(entries), busy=entries with is_processing,
+        waiting=llamacpp:requests_deferred or None when /metrics is off or lacks the gauge,
+        ctx_per_slot=n_ctx of the first entry). Raises EngineUnavailable on a transport
+        failure and LoadUnknown when /slots is disabled (501) or undecodable.
+        """
+        try:
+            async with http.get(f"{base_url}/slots") as resp:
+                body = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /slots: {exc.__class__.__name__}: {exc}") from exc
+        if status != 200:
+            raise LoadUnknown(f"/slots answered {status}: {_error_message(body) or body[:200]!r}")
+        try:
+            entries = json.loads(body)
+            if not isinstance(entries, list) or not entries:
+                raise ValueError("not a non-empty list")
+            busy = sum(1 for e in entries if e["is_processing"] is True)
+            ctx = int(entries[0]["n_ctx"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LoadUnknown(f"/slots undecodable: {exc}") from exc
+        waiting = None
+        opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
+        if opts.metrics:
+            waiting = await self._read_deferred(http, base_url)
+        return Load(slots=len(entries), busy=busy, waiting=waiting, ctx_per_slot=ctx)
+
+    async def _read_deferred(self, http: aiohttp.ClientSession, base_url: str) -> int | None:
+        try:
+            async with http.get(f"{base_url}/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /metrics: {exc.__class__.__name__}: {exc}") from exc
+        value = parse_gauges(text).get("llamacpp:requests_deferred")
+        return None if value is None else int(value)
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+        return str(data["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return ""

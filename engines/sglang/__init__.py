@@ -1,0 +1,178 @@
+"""SGLang's server (``python -m sglang.launch_server``) as an engine.
+
+SGLang does not run on the machines this project is developed on, so this adapter is
+written from SGLang's source, release 0.5.23 (the wheel's ``srt/entrypoints/http_server.py``,
+``srt/observability/metrics_collector.py`` and ``srt/arg_groups/fields/``), checked against
+the 0.5.3 source for what older releases do. The fixtures in tests/engines/sglang/captures/
+are reconstructed from that source, not captured, and say so in their names.
+
+- Readiness: ``launch_server`` starts the scheduler processes and blocks until they have
+  loaded the model; only then does uvicorn bind the port (connection refused before). Until
+  the server's own warm-up request has completed, ``/health`` and ``/health_generate``
+  answer 503 (``ServerStatus.Starting``); afterwards ``/health_generate`` sends a one-token
+  generation through the scheduler and answers 200 as soon as the scheduler produces
+  anything (at the earliest after one second), 503 when it has answered nothing for
+  ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) or the server is shutting down. ``/health_generate``
+  is used rather than ``/health`` because older releases (0.4.x) answered ``/health`` with a
+  bare 200 during warm-up.
+- Load: with ``--enable-metrics`` (always passed), ``/metrics`` has the scheduler gauges
+  ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` (names unchanged since 0.3),
+  ``sglang:num_grammar_queue_reqs`` (requests waiting for a grammar to compile, also
+  waiting) and, since 0.5, ``sglang:context_len``. The gauges are set when the scheduler logs
+  its statistics (each prefill batch, every ``decode_log_interval`` decode steps, and at
+  least every 30 s when idle), so they can trail the truth by that much. How label sets are
+  combined: :mod:`viiwork.engines.sglang.metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+import aiohttp
+
+from viiwork.engines.contract import (
+    BackendSpec,
+    EngineUnavailable,
+    Kind,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+)
+from viiwork.engines.sglang.metrics import parse_samples, scheduler_constant, scheduler_total
+from viiwork.engines.sglang.options import SglangOptions
+
+__all__ = ["SglangEngine", "SglangOptions"]
+
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError)
+
+RUNNING_GAUGE = "sglang:num_running_reqs"
+QUEUE_GAUGE = "sglang:num_queue_reqs"
+GRAMMAR_QUEUE_GAUGE = "sglang:num_grammar_queue_reqs"
+CONTEXT_GAUGE = "sglang:context_len"
+
+
+class SglangEngine:
+    """Adapter for SGLang's HTTP server."""
+
+    name: ClassVar[str] = "sglang"
+    display_name: ClassVar[str] = "SGLang"
+    options_model: ClassVar[type[SglangOptions]] = SglangOptions
+    # One GPU, a mid-sized model, JIT kernel caches cold: 20 minutes. Tensor-parallel
+    # backends of large models need models[].startup_timeout_s (docs/engines.md).
+    default_startup_timeout_s: ClassVar[float] = 1200.0
+    command_version: ClassVar[int] = 1
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        """SGLang's argv for ``spec``.
+
+        ``--context-length`` is ctx_per_slot (SGLang's limit is per request) and
+        ``--max-running-requests`` is parallel; ``--enable-metrics`` always, since the load
+        comes from /metrics. A GPU backend gets ``--tp-size len(gpus)`` and the options'
+        ``--mem-fraction-static``; SGLang numbers GPUs from 0 inside what the supervisor made
+        visible (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES), so no device flag is needed. A
+        CPU backend gets ``--device cpu`` (SGLang's CPU backend) and ``CUDA_VISIBLE_DEVICES=""``.
+        An embedding backend gets ``--is-embedding``. Operator args go last.
+        """
+        opts = spec.options if isinstance(spec.options, SglangOptions) else SglangOptions()
+        argv: list[str] = [
+            opts.python, "-m", "sglang.launch_server",
+            "--model-path", spec.path,
+            "--served-model-name", spec.model,
+            "--host", "127.0.0.1",
+            "--port", str(spec.port),
+            "--max-running-requests", str(spec.parallel),
+            "--context-length", str(spec.ctx_per_slot),
+            "--enable-metrics",
+        ]
+        env: dict[str, str] = {}
+        if spec.gpus:
+            argv += ["--tp-size", str(len(spec.gpus))]
+            if opts.mem_fraction_static is not None:
+                argv += ["--mem-fraction-static", f"{opts.mem_fraction_static:g}"]
+        else:
+            argv += ["--device", "cpu"]
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        if spec.kind is Kind.EMBEDDING:
+            argv.append("--is-embedding")
+        argv += list(spec.args)
+        return LaunchCommand(argv=tuple(argv), env=env)
+
+    def supports_cpu(self) -> bool:
+        """SGLang has a CPU backend (``--device cpu``; built for x86 CPUs with AMX, per its
+        CPU server documentation)."""
+        return True
+
+    def stream_usage_supported(self) -> bool:
+        """SGLang's OpenAI chat and completion streams end with a usage chunk when the
+        request sets ``stream_options.include_usage`` (0.5.23 ``serving_chat.py``); cached
+        prompt tokens are reported only with ``--enable-cache-report``."""
+        return True
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        """GET /health_generate: 200 = ready; 503 = not ready (still warming up, shutting
+        down, or the scheduler produced nothing for 20 s); any other status = not ready.
+
+        A 200 takes at least a second (SGLang waits one second before checking the
+        scheduler). Raises EngineUnavailable on refused/reset/timeout; a loading SGLang
+        refuses connections, since it binds its port only after the model is loaded.
+        """
+        try:
+            async with http.get(f"{base_url}/health_generate") as resp:
+                body = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /health_generate: {exc.__class__.__name__}: {exc}") from exc
+        if status == 200:
+            return Probe(ready=True)
+        if status == 503:
+            return Probe(
+                ready=False,
+                reason="SGLang /health_generate answered 503: warming up, shutting down, "
+                "or the scheduler did not answer a one-token generation",
+            )
+        return Probe(ready=False, reason=f"SGLang /health_generate answered {status}: {body[:200]!r}")
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        """Occupancy from /metrics.
+
+        Returns Load(slots=spec.parallel (SGLang publishes no max-running-requests gauge),
+        busy=sglang:num_running_reqs, waiting=sglang:num_queue_reqs plus
+        sglang:num_grammar_queue_reqs where published, ctx_per_slot=sglang:context_len where
+        published, else spec.ctx_per_slot), each combined over label sets as
+        :func:`~viiwork.engines.sglang.metrics.scheduler_total` says.
+
+        Raises EngineUnavailable on a transport failure, and LoadUnknown when /metrics does
+        not answer 200 (404 without ``--enable-metrics``) or lacks the running or the queue
+        gauge (a fresh scheduler that has not logged its statistics yet, or a release with
+        other names): never a zero for unknown.
+        """
+        try:
+            async with http.get(f"{base_url}/metrics") as resp:
+                body = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /metrics: {exc.__class__.__name__}: {exc}") from exc
+        if status != 200:
+            raise LoadUnknown(f"/metrics answered {status} (SGLang serves it only with --enable-metrics)")
+        samples = parse_samples(body.decode("utf-8", errors="replace"))
+        running = scheduler_total(samples, RUNNING_GAUGE)
+        queued = scheduler_total(samples, QUEUE_GAUGE)
+        if running is None or queued is None:
+            missing = RUNNING_GAUGE if running is None else QUEUE_GAUGE
+            raise LoadUnknown(f"/metrics has no {missing} sample")
+        waiting = queued + (scheduler_total(samples, GRAMMAR_QUEUE_GAUGE) or 0.0)
+        context = scheduler_constant(samples, CONTEXT_GAUGE)
+        return Load(
+            slots=spec.parallel,
+            busy=_count(running, RUNNING_GAUGE),
+            waiting=_count(waiting, QUEUE_GAUGE),
+            ctx_per_slot=int(context) if context is not None and context >= 1 else spec.ctx_per_slot,
+        )
+
+
+def _count(value: float, name: str) -> int:
+    if value < 0 or value != int(value):
+        raise LoadUnknown(f"{name} is {value!r}, not a request count")
+    return int(value)

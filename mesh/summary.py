@@ -1,0 +1,343 @@
+"""The signed capacity summary: what a node publishes about itself (DESIGN §5).
+
+A :class:`SummaryPayload` is encoded canonically (:func:`canonical_json`: sorted keys, no
+spaces, ASCII, integers only), and signed by the origin's node key over
+``b"viiwork-summary\\0" + canonical bytes`` (:func:`signing_input`). On the wire a summary
+travels as ``{"payload": {...}, "sig": base64, "cert": base64 DER or null}``; the receiver
+decodes the payload strictly (:func:`decode_payload`), re-encodes it canonically and checks
+the signature over those bytes, so any relay can carry it unchanged and none can alter it.
+
+Strict decoding: exactly the keys of the payload's protocol version, the right JSON types
+(``true`` is not an integer, ``1.0`` is not an integer), bounded strings, lists and
+integers. Errors are typed: :class:`MalformedSummary` (names the field),
+:class:`OversizedSummary`, :class:`UnsupportedProtocol`.
+
+Protocol versions (a node accepts the current and the previous one, DESIGN §5):
+
+- **2** (current): as described here.
+- **1** (previous; the pre-release format, kept so that the upgrade path is exercised):
+  models carry no ``fingerprint`` (decoded as None, "unknown") and relayed summaries carry
+  no ``age_ms`` (decoded as 0). See :mod:`viiwork.mesh.messages`.
+
+Ordering between two summaries of one node is by ``(generation, seq)`` only (see
+:mod:`viiwork.mesh.boot`); no timestamps are published.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from viiwork.mesh.identity import NodeId, is_node_id
+
+PROTOCOL_VERSION = 2
+PREVIOUS_PROTOCOL_VERSION = 1
+IMPLEMENTED_PROTOCOLS = (1, 2)
+
+MAX_SUMMARY_BYTES = 16 * 1024  # canonical payload; a node with 10 models is ~2.5 KB
+MAX_MODELS = 64
+MAX_NAME_CHARS = 200
+MAX_LABEL_CHARS = 64
+MAX_ADDRESS_CHARS = 270  # [ipv6]:port or a 253-char DNS name with a port
+MAX_INT = 2**53  # JSON-safe; counters beyond this are malformed
+SIGNATURE_BYTES = 64
+SIGNING_DOMAIN = b"viiwork-summary\x00"
+
+
+class SummaryError(Exception):
+    """A summary or message that cannot be accepted as sent (base of the typed errors)."""
+
+    reason = "malformed"
+
+
+class MalformedSummary(SummaryError):
+    """Undecodable or wrongly shaped; the message names the field."""
+
+    reason = "malformed"
+
+
+class OversizedSummary(SummaryError):
+    """Larger than the bound (:data:`MAX_SUMMARY_BYTES` for a summary)."""
+
+    reason = "oversized"
+
+
+class UnsupportedProtocol(SummaryError):
+    """A protocol version this node does not speak (neither current nor previous)."""
+
+    reason = "unsupported_protocol"
+
+
+class PublishedState(str, Enum):
+    """What a node says about itself (its *liveness* is what others observe)."""
+
+    SERVING = "serving"
+    DRAINING = "draining"
+    LEAVING = "leaving"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCapacity:
+    """One model on the publishing node.
+
+    ``slots``: sequences its healthy backends admit; ``busy``: in use; ``waiting``: queued
+    at the engines, None when no engine publishes a queue (unknown is never 0);
+    ``ctx_per_slot``: tokens per sequence (the smallest among its backends); ``healthy`` /
+    ``total``: backends; ``fingerprint``: identifies the weights (e.g. a file hash prefix),
+    None when unknown or the publisher speaks protocol 1.
+    """
+
+    name: str
+    engine: str
+    kind: str
+    slots: int
+    busy: int
+    waiting: int | None
+    ctx_per_slot: int
+    healthy: int
+    total: int
+    fingerprint: str | None = None
+
+    @property
+    def free(self) -> int:
+        """Free slots (never negative)."""
+        return max(0, self.slots - self.busy)
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryPayload:
+    """The signed content. ``generation``/``seq`` order a node's publications; ``boot`` is
+    the boot nonce (display only); ``api``/``mesh`` are advertised ``host:port`` addresses
+    (``api`` may be "" when the node advertises none)."""
+
+    protocol: int
+    mesh_id: str
+    node_id: NodeId
+    name: str
+    api: str
+    mesh: str
+    version: str
+    generation: int
+    boot: str
+    seq: int
+    state: PublishedState
+    models: tuple[ModelCapacity, ...] = ()
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.generation, self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class SignedSummary:
+    """A payload with its canonical bytes, the origin's signature over
+    :func:`signing_input`, and the origin's certificate (DER; None when the sender knew the
+    receiver already holds it)."""
+
+    payload: SummaryPayload
+    payload_bytes: bytes
+    signature: bytes
+    certificate: bytes | None = field(default=None, repr=False)
+
+    def without_certificate(self) -> SignedSummary:
+        if self.certificate is None:
+            return self
+        return SignedSummary(self.payload, self.payload_bytes, self.signature, None)
+
+    def wire_size(self) -> int:
+        """Approximate encoded size in bytes (payload + base64 signature/certificate + keys)."""
+        cert = 0 if self.certificate is None else 4 * ((len(self.certificate) + 2) // 3)
+        return len(self.payload_bytes) + 88 + cert + 40
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The canonical encoding: sorted keys, ``,``/``:`` separators, ASCII, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def signing_input(payload_bytes: bytes) -> bytes:
+    """What the origin signs: a domain tag, then the canonical payload."""
+    return SIGNING_DOMAIN + payload_bytes
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+_MODEL_KEYS = {
+    1: frozenset({"name", "engine", "kind", "slots", "busy", "waiting", "ctx_per_slot", "healthy", "total"}),
+    2: frozenset({"name", "engine", "kind", "slots", "busy", "waiting", "ctx_per_slot", "healthy", "total",
+                  "fingerprint"}),
+}
+_PAYLOAD_KEYS = frozenset({"protocol", "mesh_id", "node_id", "name", "api", "mesh", "version", "generation", "boot",
+                           "seq", "state", "models"})
+
+
+def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
+    """The JSON object of ``payload`` in its own protocol version."""
+    models = []
+    for m in payload.models:
+        entry: dict[str, Any] = {
+            "name": m.name, "engine": m.engine, "kind": m.kind, "slots": m.slots, "busy": m.busy,
+            "waiting": m.waiting, "ctx_per_slot": m.ctx_per_slot, "healthy": m.healthy, "total": m.total,
+        }
+        if payload.protocol >= 2:
+            entry["fingerprint"] = m.fingerprint
+        models.append(entry)
+    return {
+        "protocol": payload.protocol, "mesh_id": payload.mesh_id, "node_id": payload.node_id, "name": payload.name,
+        "api": payload.api, "mesh": payload.mesh, "version": payload.version, "generation": payload.generation,
+        "boot": payload.boot, "seq": payload.seq, "state": payload.state.value, "models": models,
+    }
+
+
+def encode_payload(payload: SummaryPayload) -> bytes:
+    """Canonical bytes of ``payload``; OversizedSummary past :data:`MAX_SUMMARY_BYTES`."""
+    data = canonical_json(payload_to_obj(payload))
+    if len(data) > MAX_SUMMARY_BYTES:
+        raise OversizedSummary(f"summary is {len(data)} bytes, limit {MAX_SUMMARY_BYTES}")
+    return data
+
+
+def sign_payload(payload: SummaryPayload, sign: Any, certificate: bytes | None) -> SignedSummary:
+    """Encode and sign: ``sign(bytes) -> 64-byte signature`` (the node key's)."""
+    data = encode_payload(payload)
+    return SignedSummary(payload=payload, payload_bytes=data, signature=sign(signing_input(data)),
+                         certificate=certificate)
+
+
+def summary_to_obj(summary: SignedSummary) -> dict[str, Any]:
+    """The wire object ``{"payload", "sig", "cert"}``."""
+    return {
+        "payload": payload_to_obj(summary.payload),
+        "sig": base64.b64encode(summary.signature).decode("ascii"),
+        "cert": None if summary.certificate is None else base64.b64encode(summary.certificate).decode("ascii"),
+    }
+
+
+# --- strict decoding --------------------------------------------------------------------------
+
+
+def _int(obj: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    value = obj[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise MalformedSummary(f"{where}{key}: expected an integer {lo}..{hi}, got {value!r:.40}")
+    return value
+
+
+def _str(obj: dict[str, Any], key: str, where: str, max_chars: int, min_chars: int = 1) -> str:
+    value = obj[key]
+    if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
+        raise MalformedSummary(f"{where}{key}: expected a string of {min_chars}..{max_chars} characters, got {value!r:.40}")
+    return value
+
+
+def _keys(obj: Any, expected: frozenset[str], where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise MalformedSummary(f"{where or 'summary'}: expected an object, got {type(obj).__name__}")
+    keys = set(obj)
+    if keys != expected:
+        missing, extra = sorted(expected - keys), sorted(keys - expected)
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(extra)}"] if extra else [])
+        raise MalformedSummary(f"{where or 'summary'}: {'; '.join(parts)}")
+    return obj
+
+
+def check_protocol(value: Any, accepted: tuple[int, ...], where: str = "protocol") -> int:
+    """Return the protocol version when accepted; UnsupportedProtocol (or Malformed) otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MalformedSummary(f"{where}: expected an integer, got {value!r:.40}")
+    if value not in accepted:
+        raise UnsupportedProtocol(f"{where} {value} not accepted (this node accepts {', '.join(map(str, accepted))})")
+    return value
+
+
+def decode_model(obj: Any, protocol: int, where: str) -> ModelCapacity:
+    obj = _keys(obj, _MODEL_KEYS[protocol], where)
+    waiting = obj["waiting"]
+    if waiting is not None:
+        waiting = _int(obj, "waiting", where + ".")
+    fingerprint = None
+    if protocol >= 2 and obj["fingerprint"] is not None:
+        fingerprint = _str(obj, "fingerprint", where + ".", MAX_LABEL_CHARS * 2)
+    kind = _str(obj, "kind", where + ".", MAX_LABEL_CHARS)
+    model = ModelCapacity(
+        name=_str(obj, "name", where + ".", MAX_NAME_CHARS),
+        engine=_str(obj, "engine", where + ".", MAX_LABEL_CHARS),
+        kind=kind,
+        slots=_int(obj, "slots", where + ".", 0, 1 << 20),
+        busy=_int(obj, "busy", where + ".", 0, 1 << 20),
+        waiting=waiting,
+        ctx_per_slot=_int(obj, "ctx_per_slot", where + ".", 0, 1 << 30),
+        healthy=_int(obj, "healthy", where + ".", 0, 1 << 16),
+        total=_int(obj, "total", where + ".", 0, 1 << 16),
+        fingerprint=fingerprint,
+    )
+    if model.healthy > model.total:
+        raise MalformedSummary(f"{where}.healthy: {model.healthy} exceeds total {model.total}")
+    return model
+
+
+def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
+    """Strictly decode a payload object (see module doc). Raises MalformedSummary naming the
+    field, or UnsupportedProtocol."""
+    if not isinstance(obj, dict):
+        raise MalformedSummary(f"payload: expected an object, got {type(obj).__name__}")
+    protocol = check_protocol(obj.get("protocol"), accepted, "payload.protocol")
+    obj = _keys(obj, _PAYLOAD_KEYS, "payload")
+    node_id = obj["node_id"]
+    if not is_node_id(node_id):
+        raise MalformedSummary(f"payload.node_id: not a node id: {node_id!r:.40}")
+    try:
+        state = PublishedState(obj["state"])
+    except (ValueError, TypeError):
+        raise MalformedSummary(f"payload.state: expected serving|draining|leaving, got {obj['state']!r:.40}") from None
+    models_obj = obj["models"]
+    if not isinstance(models_obj, list) or len(models_obj) > MAX_MODELS:
+        raise MalformedSummary(f"payload.models: expected a list of at most {MAX_MODELS} models")
+    models = tuple(decode_model(m, protocol, f"payload.models[{i}]") for i, m in enumerate(models_obj))
+    if len({m.name for m in models}) != len(models):
+        raise MalformedSummary("payload.models: a model name appears twice")
+    return SummaryPayload(
+        protocol=protocol,
+        mesh_id=_str(obj, "mesh_id", "payload.", MAX_LABEL_CHARS * 2),
+        node_id=NodeId(node_id),
+        name=_str(obj, "name", "payload.", 63),
+        api=_str(obj, "api", "payload.", MAX_ADDRESS_CHARS, 0),
+        mesh=_str(obj, "mesh", "payload.", MAX_ADDRESS_CHARS),
+        version=_str(obj, "version", "payload.", MAX_LABEL_CHARS),
+        generation=_int(obj, "generation", "payload.", 1),
+        boot=_str(obj, "boot", "payload.", MAX_LABEL_CHARS),
+        seq=_int(obj, "seq", "payload.", 1),
+        state=state,
+        models=models,
+    )
+
+
+def _b64(value: Any, where: str, max_bytes: int) -> bytes:
+    if not isinstance(value, str) or len(value) > 4 * ((max_bytes + 2) // 3):
+        raise MalformedSummary(f"{where}: expected base64 of at most {max_bytes} bytes")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise MalformedSummary(f"{where}: invalid base64") from None
+
+
+_SUMMARY_KEYS = frozenset({"payload", "sig", "cert"})
+
+
+def decode_summary(obj: Any, accepted: tuple[int, ...], max_cert_bytes: int = 4096) -> SignedSummary:
+    """Strictly decode a wire summary ``{"payload", "sig", "cert"}`` (signature not checked
+    here: the membership core checks it after the cheap ordering checks)."""
+    obj = _keys(obj, _SUMMARY_KEYS, "summary")
+    payload = decode_payload(obj["payload"], accepted)
+    data = canonical_json(obj["payload"])
+    if len(data) > MAX_SUMMARY_BYTES:
+        raise OversizedSummary(f"summary of {payload.node_id} is {len(data)} bytes, limit {MAX_SUMMARY_BYTES}")
+    signature = _b64(obj["sig"], "summary.sig", SIGNATURE_BYTES)
+    if len(signature) != SIGNATURE_BYTES:
+        raise MalformedSummary(f"summary.sig: expected {SIGNATURE_BYTES} bytes, got {len(signature)}")
+    cert = None if obj["cert"] is None else _b64(obj["cert"], "summary.cert", max_cert_bytes)
+    return SignedSummary(payload=payload, payload_bytes=data, signature=signature, certificate=cert)

@@ -1,0 +1,118 @@
+"""Run a real ``viiwork-agent --config`` process for tests, and talk to it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from support.procs import free_port, stop_process
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(type(value))
+
+
+def render_config(sections: dict[str, dict[str, Any]], models: list[dict[str, Any]]) -> str:
+    """A TOML config from plain dicts (tables of scalars; models may hold sub-tables)."""
+    out: list[str] = []
+    for name, table in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+        out.append("")
+    for model in models:
+        out.append("[[models]]")
+        out += [f"{k} = {toml_value(v)}" for k, v in model.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+class Agent:
+    """A running agent: ``url``, ``status()``, ``wait_for(predicate)``, ``log_text()``."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.url}/v1/status", timeout=5) as r:
+            return json.load(r)
+
+    def model(self, name: str) -> dict[str, Any]:
+        return next(m for m in self.status()["models"] if m["name"] == name)
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 60, what: str = "") -> dict:
+        deadline = time.monotonic() + timeout_s
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited ({self.proc.returncode}); log:\n{self.log_text()[-3000:]}")
+            try:
+                last = self.status()
+                if predicate(last):
+                    return last
+            except (urllib.error.URLError, OSError, ValueError, StopIteration, KeyError, IndexError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}; "
+                             f"last status: {json.dumps(last)[:2000]}\nlog:\n{self.log_text()[-3000:]}")
+
+    def wait_healthy(self, model: str, count: int | None = None, timeout_s: float = 60) -> dict:
+        def ok(doc: dict) -> bool:
+            m = next(m for m in doc["models"] if m["name"] == model)
+            healthy = [b for b in m["backends"] if b["state"] == "healthy"]
+            return len(healthy) == (count if count is not None else len(m["backends"]))
+        return self.wait_for(ok, timeout_s, f"{model} healthy")
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@contextmanager
+def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
+              extra: dict[str, dict[str, Any]] | None = None, port: int | None = None) -> Iterator[Agent]:
+    """Write a config for ``models`` and run ``viiwork-agent --config`` on a free port."""
+    port = port or free_port()
+    state = workdir / name
+    sections: dict[str, dict[str, Any]] = {
+        "node": {"name": name, "state_dir": str(state)},
+        "api": {"listen": f"127.0.0.1:{port}", "admin_socket": str(state / "admin.sock")},
+        "supervisor": {"runner": "process"},
+        "health": {"interval_s": 0.5, "respawn_backoff_s": 0.2},
+    }
+    for key, table in (extra or {}).items():
+        sections[key] = {**sections.get(key, {}), **table}
+    config = workdir / f"{name}.toml"
+    config.write_text(render_config(sections, models))
+    log = workdir / f"{name}.log"
+    agent_bin = Path(sys.executable).parent / "viiwork-agent"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([str(agent_bin), "--config", str(config), "--log-level", "debug"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    agent = Agent(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        agent.wait_for(lambda doc: True, 30, "the API to answer")
+        yield agent
+    finally:
+        stop_process(proc, 30)

@@ -1,0 +1,469 @@
+"""A fake llama-server: a standalone aiohttp program that behaves like llama.cpp's server.
+
+Run it as ``python fake_engine.py --model M --alias NAME --port P ...`` (or through the
+wrapper script of ``support.engines.fake_engine_binary``). It takes the flags the llamacpp
+adapter builds (``--model --alias --host --port --ctx-size --parallel --threads
+--n-gpu-layers --device --embedding --metrics``) and ignores any others.
+
+What it mimics (shapes from llama-server captures, tests/engines/llamacpp/captures/):
+
+- ``GET /health``: 503 ``{"error":{"message":"Loading model","type":"unavailable_error",
+  "code":503}}`` for FAKE_LOAD_S seconds after start, then 200 ``{"status":"ok"}`` (also
+  while busy).
+- ``GET /slots``: one entry per slot: ``id``, ``n_ctx`` (= ctx-size / parallel),
+  ``speculative``, ``is_processing``.
+- ``GET /metrics``: Prometheus text with ``llamacpp:requests_processing`` and
+  ``llamacpp:requests_deferred`` (only with ``--metrics``; 501 otherwise, as llama-server).
+- ``GET /v1/models``: the alias.
+- ``POST /v1/chat/completions`` and ``/v1/completions``: non-stream JSON, or an SSE stream of
+  a role chunk, FAKE_TOKENS content chunks FAKE_TOKEN_DELAY_S apart, a finish chunk, a usage
+  chunk with empty ``choices``, then ``data: [DONE]``. ``model`` is the alias. ``max_tokens``
+  caps the count (finish_reason "length"). With ``--embedding`` these answer 501.
+- ``POST /v1/embeddings``: only with ``--embedding`` (501 otherwise).
+- Slots: at most ``--parallel`` requests generate at once; more wait for a slot and are
+  counted as deferred.
+- After each streamed response the TCP connection is closed although the response said
+  ``Connection: keep-alive`` (llama-server does this; pooled clients then hit a dead socket).
+
+Knobs (environment):
+    FAKE_LOAD_S              seconds of "Loading model" (default 0.2)
+    FAKE_TOKENS              content chunks per response (default 8)
+    FAKE_TOKEN_DELAY_S       seconds between chunks (default 0.0)
+    FAKE_EXIT_AFTER_S        exit on its own this many seconds after start (default: never)
+    FAKE_EXIT_CODE           status for FAKE_EXIT_AFTER_S and FAKE_DIE_AFTER_CHUNKS (default 1)
+    FAKE_START_FAIL          "1": print an error and exit 1 at once
+    FAKE_CHECK_MODEL         "1": exit 1 when --model is not an existing file (like llama-server)
+    FAKE_IGNORE_SIGTERM      "1": ignore SIGTERM always; "busy": only while a request is in
+                             flight (llama-server hangs so); otherwise SIGTERM exits 0
+    FAKE_HANG_AFTER_CHUNKS   streams go silent after this many content chunks
+    FAKE_DIE_AFTER_CHUNKS    the process exits (FAKE_EXIT_CODE) after this many content chunks
+    FAKE_CLOSE_AFTER_STREAM  "1" (default): close the connection after each streamed response
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+FINGERPRINT = "b1-fake"
+WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
+
+
+def _env_float(name: str, default: float | None) -> float | None:
+    raw = os.environ.get(name, "")
+    return float(raw) if raw.strip() else default
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.strip() else default
+
+
+@dataclass
+class Knobs:
+    load_s: float
+    tokens: int
+    token_delay_s: float
+    exit_after_s: float | None
+    exit_code: int
+    start_fail: bool
+    check_model: bool
+    ignore_sigterm: str
+    hang_after_chunks: int | None
+    die_after_chunks: int | None
+    close_after_stream: bool
+
+    @classmethod
+    def from_env(cls) -> Knobs:
+        return cls(
+            load_s=_env_float("FAKE_LOAD_S", 0.2) or 0.0,
+            tokens=_env_int("FAKE_TOKENS", 8) or 0,
+            token_delay_s=_env_float("FAKE_TOKEN_DELAY_S", 0.0) or 0.0,
+            exit_after_s=_env_float("FAKE_EXIT_AFTER_S", None),
+            exit_code=_env_int("FAKE_EXIT_CODE", 1) or 0,
+            start_fail=os.environ.get("FAKE_START_FAIL", "") == "1",
+            check_model=os.environ.get("FAKE_CHECK_MODEL", "") == "1",
+            ignore_sigterm=os.environ.get("FAKE_IGNORE_SIGTERM", ""),
+            hang_after_chunks=_env_int("FAKE_HANG_AFTER_CHUNKS", None),
+            die_after_chunks=_env_int("FAKE_DIE_AFTER_CHUNKS", None),
+            close_after_stream=os.environ.get("FAKE_CLOSE_AFTER_STREAM", "1") == "1",
+        )
+
+
+@dataclass
+class Engine:
+    alias: str
+    parallel: int
+    n_ctx_slot: int
+    embedding: bool
+    metrics: bool
+    knobs: Knobs
+    started: float = field(default_factory=time.monotonic)
+    busy: list[bool] = field(default_factory=list)
+    deferred: int = 0
+    in_flight: int = 0
+    slot_freed: asyncio.Condition | None = None
+    requests_total: int = 0
+
+    def loaded(self) -> bool:
+        return time.monotonic() - self.started >= self.knobs.load_s
+
+    async def acquire_slot(self) -> int:
+        assert self.slot_freed is not None
+        async with self.slot_freed:
+            if all(self.busy):
+                self.deferred += 1
+                try:
+                    await self.slot_freed.wait_for(lambda: not all(self.busy))
+                finally:
+                    self.deferred -= 1
+            slot = self.busy.index(False)
+            self.busy[slot] = True
+            return slot
+
+    async def release_slot(self, slot: int) -> None:
+        assert self.slot_freed is not None
+        async with self.slot_freed:
+            self.busy[slot] = False
+            self.slot_freed.notify()
+
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"code": status, "message": message, "type": kind}}, status=status, dumps=_dumps)
+
+
+def _headers() -> dict[str, str]:
+    return {"Server": "llama.cpp", "Keep-Alive": "timeout=5, max=100"}
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.loaded():
+        return web.json_response(
+            {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
+            status=503, headers=_headers(), dumps=_dumps,
+        )
+    return web.json_response({"status": "ok"}, headers=_headers(), dumps=_dumps)
+
+
+async def slots(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.loaded():
+        return _error(503, "Loading model", "unavailable_error")
+    body = [
+        {"id": i, "n_ctx": engine.n_ctx_slot, "speculative": False, "is_processing": busy}
+        for i, busy in enumerate(engine.busy)
+    ]
+    return web.json_response(body, headers=_headers(), dumps=_dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.metrics:
+        return _error(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                      "not_supported_error")
+    if not engine.loaded():
+        return _error(503, "Loading model", "unavailable_error")
+    lines = [
+        "# HELP llamacpp:requests_processing Number of requests processing",
+        "# TYPE llamacpp:requests_processing gauge",
+        f"llamacpp:requests_processing {sum(engine.busy)}",
+        "# HELP llamacpp:requests_deferred Number of requests deferred",
+        "# TYPE llamacpp:requests_deferred gauge",
+        f"llamacpp:requests_deferred {engine.deferred}",
+        "",
+    ]
+    return web.Response(text="\n".join(lines), content_type="text/plain", headers=_headers())
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.loaded():
+        return _error(503, "Loading model", "unavailable_error")
+    return web.json_response({
+        "object": "list",
+        "data": [{
+            "id": engine.alias, "aliases": [engine.alias], "tags": [], "object": "model",
+            "created": int(time.time()), "owned_by": "llamacpp",
+            "meta": {"n_ctx": engine.n_ctx_slot * engine.parallel, "n_ctx_train": 8192},
+        }],
+    }, headers=_headers(), dumps=_dumps)
+
+
+async def _read_json(request: web.Request) -> dict | web.Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "Invalid JSON body", "invalid_request_error")
+    if not isinstance(body, dict):
+        return _error(400, "Request body must be a JSON object", "invalid_request_error")
+    return body
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    chat = request.path.endswith("/chat/completions")
+    if engine.embedding:
+        return _error(501, "This server does not support completions. Start it without `--embeddings`",
+                      "not_supported_error")
+    if not engine.loaded():
+        return _error(503, "Loading model", "unavailable_error")
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    limit = body.get("max_tokens", body.get("n_predict"))
+    n_tokens = engine.knobs.tokens
+    finish = "stop"
+    if isinstance(limit, int) and 0 <= limit < n_tokens:
+        n_tokens, finish = limit, "length"
+    prompt_tokens = max(1, len(json.dumps(body.get("messages", body.get("prompt", "")))) // 4)
+    engine.in_flight += 1
+    engine.requests_total += 1
+    try:
+        slot = await engine.acquire_slot()
+        try:
+            if body.get("stream"):
+                return await _stream(request, engine, chat, n_tokens, finish, prompt_tokens)
+            for _ in range(n_tokens):
+                if engine.knobs.token_delay_s:
+                    await asyncio.sleep(engine.knobs.token_delay_s)
+            return web.json_response(_full_response(engine, chat, n_tokens, finish, prompt_tokens),
+                                     headers=_headers(), dumps=_dumps)
+        finally:
+            await engine.release_slot(slot)
+    finally:
+        engine.in_flight -= 1
+
+
+def _text(n_tokens: int) -> list[str]:
+    return [WORDS[i % len(WORDS)] for i in range(n_tokens)]
+
+
+def _usage(n_tokens: int, prompt_tokens: int) -> dict:
+    return {"completion_tokens": n_tokens, "prompt_tokens": prompt_tokens,
+            "total_tokens": n_tokens + prompt_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _full_response(engine: Engine, chat: bool, n_tokens: int, finish: str, prompt_tokens: int) -> dict:
+    content = "".join(_text(n_tokens))
+    if chat:
+        choice = {"finish_reason": finish, "index": 0, "message": {"role": "assistant", "content": content}}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"text": content, "index": 0, "logprobs": None, "finish_reason": finish}
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "choices": [choice], "created": int(time.time()), "model": engine.alias,
+        "system_fingerprint": FINGERPRINT, "object": obj,
+        "usage": _usage(n_tokens, prompt_tokens), "id": prefix + uuid.uuid4().hex,
+    }
+
+
+async def _stream(request: web.Request, engine: Engine, chat: bool, n_tokens: int, finish: str,
+                  prompt_tokens: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={
+        **_headers(), "Content-Type": "text/event-stream", "X-Accel-Buffering": "no",
+        "Connection": "keep-alive",
+    })
+    await resp.prepare(request)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list, **extra: object) -> bytes:
+        data = {"choices": choices, "created": created, "id": rid, "model": engine.alias,
+                "system_fingerprint": FINGERPRINT, "object": obj, **extra}
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+    def choice(text: str | None, reason: str | None, role: bool = False) -> dict:
+        if chat:
+            delta: dict = {}
+            if role:
+                delta = {"role": "assistant", "content": None}
+            elif text is not None:
+                delta = {"content": text}
+            return {"finish_reason": reason, "index": 0, "delta": delta}
+        return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": reason}
+
+    knobs = engine.knobs
+    if chat:
+        await resp.write(chunk([choice(None, None, role=True)]))
+    for i, word in enumerate(_text(n_tokens)):
+        if knobs.die_after_chunks is not None and i >= knobs.die_after_chunks:
+            print("fake engine: dying mid-stream (FAKE_DIE_AFTER_CHUNKS)", file=sys.stderr, flush=True)
+            os._exit(knobs.exit_code)
+        if knobs.hang_after_chunks is not None and i >= knobs.hang_after_chunks:
+            # Silent until the client goes away (the handler is cancelled then).
+            await asyncio.Event().wait()
+        if knobs.token_delay_s and i:
+            await asyncio.sleep(knobs.token_delay_s)
+        await resp.write(chunk([choice(word, None)]))
+    await resp.write(chunk([choice(None, finish)]))
+    await resp.write(chunk([], usage=_usage(n_tokens, prompt_tokens)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    if knobs.close_after_stream:
+        # The response promised keep-alive; llama-server closes anyway.
+        request.protocol.force_close()
+    return resp
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not engine.embedding:
+        return _error(501, "This server does not support embeddings. Start it with `--embeddings`",
+                      "not_supported_error")
+    if not engine.loaded():
+        return _error(503, "Loading model", "unavailable_error")
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs:
+        return _error(400, "\"input\" must be a string or a list of strings", "invalid_request_error")
+    engine.in_flight += 1
+    engine.requests_total += 1
+    try:
+        slot = await engine.acquire_slot()
+        try:
+            data = []
+            for i, text in enumerate(inputs):
+                seed = sum(str(text).encode()) % 97
+                vec = [((seed + k) % 13 - 6) / 10.0 for k in range(8)]
+                data.append({"embedding": vec, "index": i, "object": "embedding"})
+            tokens = sum(max(1, len(str(t)) // 4) for t in inputs)
+            return web.json_response({
+                "model": engine.alias, "object": "list",
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "data": data,
+            }, headers=_headers(), dumps=_dumps)
+        finally:
+            await engine.release_slot(slot)
+    finally:
+        engine.in_flight -= 1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fake-llama-server", add_help=False)
+    p.add_argument("-m", "--model", default="")
+    p.add_argument("-a", "--alias", default="")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-np", "--parallel", type=int, default=1)
+    p.add_argument("-t", "--threads", type=int, default=1)
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", default="0")
+    p.add_argument("-dev", "--device", default="")
+    p.add_argument("--embedding", "--embeddings", action="store_true")
+    p.add_argument("--metrics", action="store_true")
+    args, _unknown = p.parse_known_args(argv)
+    return args
+
+
+async def amain(args: argparse.Namespace, knobs: Knobs) -> int:
+    parallel = max(1, args.parallel)
+    engine = Engine(
+        alias=args.alias or args.model, parallel=parallel, n_ctx_slot=max(1, args.ctx_size // parallel),
+        embedding=args.embedding, metrics=args.metrics, knobs=knobs,
+    )
+    engine.busy = [False] * parallel
+    engine.slot_freed = asyncio.Condition()
+
+    app = web.Application()
+    app[ENGINE_KEY] = engine
+    app.router.add_get("/health", health)
+    app.router.add_get("/slots", slots)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/models", models)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/embeddings", embeddings)
+
+    # handler_cancellation: a client that disconnects cancels its handler (freeing the slot),
+    # as llama-server stops generating for a closed connection.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"E srv start: couldn't bind HTTP server socket, hostname: {args.host}, port: {args.port}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
+    site = web.SockSite(runner, sock)
+    await site.start()
+    print(f"I srv load_model: loading model '{args.model}'", file=sys.stderr, flush=True)
+    print(f"I srv llama_server: listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+
+    stop = asyncio.Event()
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+
+    def on_sigterm() -> None:
+        mode = knobs.ignore_sigterm
+        if mode == "1" or (mode == "busy" and engine.in_flight):
+            print("I srv operator(): cleaning up before exit...", file=sys.stderr, flush=True)
+            return
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    async def announce_loaded() -> None:
+        await asyncio.sleep(knobs.load_s)
+        print("I srv llama_server: model loaded", file=sys.stderr, flush=True)
+
+    announce = asyncio.create_task(announce_loaded())
+    try:
+        if knobs.exit_after_s is not None:
+            try:
+                await asyncio.wait_for(stop.wait(), knobs.exit_after_s)
+            except TimeoutError:
+                print(f"fake engine: exiting on its own with {knobs.exit_code}", file=sys.stderr, flush=True)
+                exit_code = knobs.exit_code
+        else:
+            await stop.wait()
+    finally:
+        announce.cancel()
+        print("I srv operator(): cleaning up before exit...", file=sys.stderr, flush=True)
+        await runner.cleanup()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    knobs = Knobs.from_env()
+    if knobs.start_fail:
+        print("E fake engine: FAKE_START_FAIL set, exiting", file=sys.stderr, flush=True)
+        return 1
+    if knobs.check_model and not os.path.isfile(args.model):
+        print(f"E gguf_init_from_file: failed to open GGUF file '{args.model}' (No such file or directory)",
+              file=sys.stderr, flush=True)
+        return 1
+    return asyncio.run(amain(args, knobs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
