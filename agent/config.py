@@ -201,6 +201,12 @@ class ModelConfig(_Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float | None = Field(default=None, gt=0)
+    # Per-backend limits and sandbox, applied by the systemd runner (MemoryMax=, CPUWeight=,
+    # TasksMax=, a profile of systemd.exec(5) options); the process runner ignores them.
+    memory_max_bytes: int | None = Field(default=None, ge=1024 * 1024)
+    cpu_weight: int | None = Field(default=None, ge=1, le=10000)
+    tasks_max: int | None = Field(default=None, ge=1)
+    sandbox: Literal["none", "basic", "strict"] = "basic"
     options: Any = None
 
     @model_validator(mode="before")

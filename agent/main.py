@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +22,7 @@ from aiohttp import web
 from viiwork import __version__
 from viiwork.agent.api import ClientApi
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
+from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.proxy import Upstream
 from viiwork.agent.runners.base import Runner, RunnerError
 from viiwork.agent.supervisor import Supervisor
@@ -72,8 +74,19 @@ def _banner(host: str, port: int, config: Config) -> str:
     return "\n".join(lines)
 
 
-async def run_agent(config: Config, *, ready_banner: bool = True) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def run_agent(config: Config, *, source: str = "config", text: str | None = None,
+                    ready_banner: bool = True) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code.
+
+    ``source``/``text``: the config's file name and text, for line numbers in errors found
+    against this host (GPUs that do not exist).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,9 +98,18 @@ async def run_agent(config: Config, *, ready_banner: bool = True) -> int:
         probe_http = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True)))
         upstream = await stack.enter_async_context(Upstream(config.api.stream_idle_timeout_s))
+        supervisor: Supervisor | None = None
+        gpus = GpuMonitor(backends=lambda: [b for rt in supervisor.models.values() for b in rt.backends]
+                          if supervisor else [])
+        inventory = await gpus.async_refresh()
+        try:
+            check_config_gpus(config, inventory, source=source, text=text)
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return 1
         runner = await make_runner(config)
         stack.push_async_callback(runner.close)
-        supervisor = Supervisor(config, runner, probe_http, config.node.name)
+        supervisor = Supervisor(config, runner, probe_http, config.node.name, vendor_of=_vendor_lookup(inventory))
         api = ClientApi(
             node_name=config.node.name,
             runtimes=supervisor.models,
@@ -96,12 +118,14 @@ async def run_agent(config: Config, *, ready_banner: bool = True) -> int:
             queue_max=config.routing.queue_max,
             queue_timeout_s=config.routing.queue_timeout_s,
             status_source=supervisor.status,
+            extra_status={"gpus": gpus.status_section},
         )
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
         await supervisor.start()
         stack.push_async_callback(supervisor.stop)
+        stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         site = web.TCPSite(app_runner, host, port, reuse_address=True)
         try:
             await site.start()
@@ -114,6 +138,16 @@ async def run_agent(config: Config, *, ready_banner: bool = True) -> int:
         await stop.wait()
         log.info("stopping: draining and stopping backends")
     return 0
+
+
+def _vendor_lookup(inventory: GpuInventory) -> Callable[[str], str]:
+    """Map a configured GPU reference (index or UUID, as text) to its vendor name."""
+    def vendor_of(ref: str) -> str:
+        try:
+            return inventory.resolve(int(ref) if ref.isdigit() else ref).vendor.value
+        except (GpuRefError, ValueError, KeyError):
+            return "unknown"
+    return vendor_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             except DemoUnavailable as exc:
                 print(f"viiwork-agent --demo: {exc}", file=sys.stderr)
                 return 1
+            source, text = "<embedded demo config>", None
         else:
-            config = load_config(args.config or DEFAULT_CONFIG_PATH)
+            path = args.config or DEFAULT_CONFIG_PATH
+            config = load_config(path)
+            source, text = str(path), path.read_text(encoding="utf-8")
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     try:
-        return asyncio.run(run_agent(config))
+        return asyncio.run(run_agent(config, source=source, text=text))
     except RunnerError as exc:
         print(f"viiwork-agent: {exc}", file=sys.stderr)
         return 1

@@ -318,7 +318,8 @@ class Supervisor:
         Keys: name, engine, kind, state, slots and busy (sums over admitting backends),
         waiting (sum, or None when any admitting backend's queue is unknown or none admits),
         ctx_per_slot, backends (id, state, phase, progress (0..1 or -1), reason, pid, port,
-        unit, respawns, gpus, exit_result, exit_status, load_stale).
+        unit, respawns, gpus, exit_result, exit_status, load_stale, slots, busy, in_flight:
+        routing's own count of requests running there).
         """
         out = []
         for runtime in self.models.values():
@@ -352,6 +353,9 @@ class Supervisor:
                         "exit_result": b.exit_result,
                         "exit_status": b.exit_status,
                         "load_stale": b.load_stale,
+                        "slots": b.slots,
+                        "busy": b.busy,
+                        "in_flight": b.in_flight,
                     }
                     for b in runtime.backends
                 ],

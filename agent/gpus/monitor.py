@@ -44,6 +44,10 @@ from viiwork.agent.gpus.udev import GpuHotplug, UdevEvent, UdevGpuEvents, gpu_ho
 log = logging.getLogger(__name__)
 
 
+class GpuReadTimeout(Exception):
+    """Reading the GPUs did not finish in time."""
+
+
 @dataclass(frozen=True, slots=True)
 class GpuLoss:
     """A backend whose assigned GPU is gone: ``since`` is the monitor clock (monotonic s)."""
@@ -90,6 +94,7 @@ class GpuMonitor:
         proc_root: Path | str = "/proc",
         clock: Callable[[], float] = time.monotonic,
         max_events: int = 32,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.sources: tuple[GpuSource, ...] = tuple(sources) if sources is not None else default_sources()
         self.backends = backends
@@ -103,14 +108,30 @@ class GpuMonitor:
         self.placements: dict[BackendId, PlacementRecord] = {}
         self.events: deque[HotplugRecord] = deque(maxlen=max_events)
         self.hotplug_available: bool | None = None
+        self.read_timeout_s = read_timeout_s
+        self.last_error: str | None = None
         self._lock = asyncio.Lock()
+        self._reading: asyncio.Future[GpuInventory] | None = None
 
     # -- inventory ---------------------------------------------------------------------
 
     async def async_refresh(self) -> GpuInventory:
-        """Read every source again (in a worker thread) and re-derive the loss marks."""
+        """Read every source again (in a worker thread) and re-derive the loss marks.
+
+        Raises GpuReadTimeout when the read takes over ``read_timeout_s`` (a driver call on a
+        dying GPU can hang); the read keeps running and the next refresh waits for that same
+        read instead of starting another thread.
+        """
         async with self._lock:
-            inventory = await async_read_inventory(self.sources)
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(async_read_inventory(self.sources))
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    inventory = await asyncio.shield(self._reading)
+            except TimeoutError:
+                self.last_error = f"reading the GPUs took over {self.read_timeout_s:g} s (driver hung?)"
+                raise GpuReadTimeout(self.last_error) from None
+            self.last_error = None
             self._set_inventory(inventory)
         return inventory
 
@@ -143,7 +164,10 @@ class GpuMonitor:
                 self.losses[backend.id] = GpuLoss(backend.id, backend.model, gpu.key, gpu.label(), self.clock())
                 log.warning("GPU %s is gone: backend %s (model %s) is marked", gpu.label(), backend.id, backend.model)
                 if self.on_gpu_lost is not None:
-                    self.on_gpu_lost(backend, gpu)
+                    try:
+                        self.on_gpu_lost(backend, gpu)
+                    except Exception:  # a listener's bug must not stop the marking
+                        log.exception("on_gpu_lost listener failed for backend %s", backend.id)
             elif not gone and backend.id in self.losses:
                 log.info("GPU %s is back: mark on backend %s cleared", self.losses[backend.id].gpu_label, backend.id)
                 del self.losses[backend.id]
@@ -226,13 +250,20 @@ class GpuMonitor:
         async with asyncio.TaskGroup() as tasks:
             if hotplug:
                 tasks.create_task(self._async_follow_udev(), name="gpus-udev")
+            last_failure = None
             while True:
                 try:
                     await self.async_refresh()
                     for backend in self.pending_verification():
                         await self.async_verify(backend)
-                except Exception:  # a failing refresh must not end GPU monitoring
-                    log.exception("GPU refresh failed")
+                    last_failure = None
+                except Exception as exc:  # a failing refresh must not end GPU monitoring
+                    failure = f"{type(exc).__name__}: {exc}"
+                    # The same fault every interval is logged once at WARNING, then at DEBUG.
+                    log.log(logging.DEBUG if failure == last_failure else logging.WARNING,
+                            "GPU refresh failed: %s", failure, exc_info=failure != last_failure)
+                    last_failure = failure
+                    self.last_error = failure
                 await asyncio.sleep(interval_s)
 
     async def _async_follow_udev(self) -> None:
@@ -262,7 +293,8 @@ class GpuMonitor:
         + {"backends": [backend ids pinned to it]}], "lost_backends": [{backend, model, gpu,
         age_s}], "placements": [{backend, pid, age_s, verdict, reason, expected, seen_on,
         missing_on, unexpected_on, unreadable}], "hotplug": {"available": bool|null,
-        "events": [{action, vendor, pci_bus_id, age_s}]}, "refreshed_age_s": float|null}``.
+        "events": [{action, vendor, pci_bus_id, age_s}]}, "refreshed_age_s": float|null,
+        "error": the last refresh failure or null}``.
         """
         now = self.clock()
         pinned: dict[str, list[str]] = {}
@@ -285,4 +317,5 @@ class GpuMonitor:
                 {"action": e.change.action, "vendor": e.change.vendor.value, "pci_bus_id": e.change.pci_bus_id,
                  "age_s": round(now - e.at, 1)} for e in self.events]},
             "refreshed_age_s": None if self.refreshed_at is None else round(now - self.refreshed_at, 1),
+            "error": self.last_error,
         }

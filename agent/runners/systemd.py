@@ -87,11 +87,23 @@ CALL_TIMEOUT_S = 10.0
 START_JOB_TIMEOUT_S = 60.0
 #: After SIGKILL a unit is inactive within milliseconds unless stuck in the kernel.
 KILL_WAIT_S = 10.0
+#: Seconds ``auto`` waits for PID 1 to join the system bus on a host booted with systemd.
+SYSTEMD_JOIN_WAIT_S = 15.0
 #: How many finished jobs are remembered for waiters that registered late.
 _FINISHED_JOBS_KEPT = 512
 
 # siginfo codes in ExecMainCode (waitid(2)).
 _CLD_EXITED, _CLD_KILLED, _CLD_DUMPED = 1, 2, 3
+
+#: systemd's own exit statuses (systemd.exec(5), "Process exit codes"): the engine never ran.
+_SYSTEMD_EXIT_STATUS = {
+    200: "CHDIR", 203: "EXEC (the binary could not be executed)", 204: "MEMORY", 205: "LIMITS",
+    209: "STDOUT (the output file could not be opened)", 210: "CHROOT",
+    216: "GROUP (a SupplementaryGroups= group does not exist)", 217: "USER (the engine user does not exist)",
+    218: "CAPABILITIES", 219: "CGROUP", 226: "NAMESPACE (the sandbox could not be set up; try sandbox = \"none\")",
+    227: "NO_NEW_PRIVILEGES", 228: "SECCOMP", 232: "ADDRESS_FAMILIES", 235: "CHOWN",
+    239: "CACHE_DIRECTORY (the cache directory could not be created)", 245: "BPF",
+}
 
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
 _UNIT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:_.-\\")
@@ -130,7 +142,8 @@ _STRICT: tuple[tuple[str, str, Any], ...] = (
     ("ProtectSystem", "s", "strict"),
     ("ProtectKernelLogs", "b", True),
     ("ProtectHostname", "b", True),
-    ("RestrictNamespaces", "b", True),
+    # The D-Bus value is the set of namespace types still allowed: 0 = none ("yes").
+    ("RestrictNamespaces", "t", 0),
     ("SystemCallArchitectures", "as", ["native"]),
     ("RestrictAddressFamilies", "(bas)", [True, ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]]),
     # Loopback only: enforced with cgroup v2 BPF; systemd warns and ignores it on cgroup v1.
@@ -247,6 +260,8 @@ def exit_info(result: str, code: int, status: int, unit: str = "") -> ExitInfo:
     returncode = status if code == _CLD_EXITED else None
     sig = status if code in (_CLD_KILLED, _CLD_DUMPED) else None
     detail = f"unit {unit}" if unit else ""
+    if returncode in _SYSTEMD_EXIT_STATUS:
+        detail += f"{': ' if detail else ''}systemd could not start it: {_SYSTEMD_EXIT_STATUS[returncode]}"
     return ExitInfo(result=result or "unknown", returncode=returncode, signal=sig, detail=detail)
 
 
@@ -318,18 +333,39 @@ async def get_property(conn: MessageBus, path: str, interface: str, name: str) -
     return body[0].value
 
 
-async def has_systemd(conn: MessageBus) -> tuple[bool, str]:
+async def has_systemd(conn: MessageBus, wait_s: float = 0.0) -> tuple[bool, str]:
     """Whether ``org.freedesktop.systemd1`` answers on ``conn``: (yes, its version or the reason).
 
     Owned names only: a bus that could activate systemd1 but where nobody owns it is not
-    enough, and neither is a bus whose owner does not answer ``Manager.Version``.
+    enough, and neither is a bus whose owner does not answer ``Manager.Version``. ``wait_s``:
+    how long to wait for systemd to join the bus (PID 1 connects once dbus.service is up,
+    which at boot can be after a service ordered only after dbus.socket has started).
     """
+    joined = asyncio.Event()
+
+    def on_owner(msg: Message) -> None:
+        if (msg.message_type is MessageType.SIGNAL and msg.member == "NameOwnerChanged"
+                and msg.body and msg.body[0] == SYSTEMD_BUS_NAME and msg.body[2]):
+            joined.set()
+
+    conn.add_message_handler(on_owner)
     try:
+        if wait_s > 0:
+            await call(conn, DBUS_NAME, DBUS_PATH, DBUS_NAME, "AddMatch", "s",
+                       [f"type='signal',sender='{DBUS_NAME}',member='NameOwnerChanged',arg0='{SYSTEMD_BUS_NAME}'"])
         owned = (await call(conn, DBUS_NAME, DBUS_PATH, DBUS_NAME, "NameHasOwner", "s", [SYSTEMD_BUS_NAME]))[0]
+        if not owned and wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await joined.wait()
+                    owned = True
     except (DBusError, RunnerError) as exc:
         return False, f"NameHasOwner failed: {exc}"
+    finally:
+        conn.remove_message_handler(on_owner)
     if not owned:
-        return False, f"no {SYSTEMD_BUS_NAME} on this bus"
+        waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
+        return False, f"no {SYSTEMD_BUS_NAME} on this bus{waited}"
     try:
         version = await get_property(conn, SYSTEMD_PATH, MANAGER_IFACE, "Version")
     except (DBusError, RunnerError) as exc:
@@ -346,9 +382,10 @@ class RunnerChoice:
 
 
 async def detect_runner(bus: Literal["system", "user"] = "system", address: str | None = None,
-                        timeout_s: float = 3.0) -> RunnerChoice:
+                        timeout_s: float = 3.0, wait_s: float = 0.0) -> RunnerChoice:
     """``systemd`` when the chosen bus has a live ``org.freedesktop.systemd1``, else ``process``.
 
+    ``wait_s``: how long to wait for systemd to join a bus where it is missing (has_systemd).
     Never raises: an unreachable bus is a reason to pick the process runner.
     """
     try:
@@ -356,7 +393,7 @@ async def detect_runner(bus: Literal["system", "user"] = "system", address: str 
     except RunnerError as exc:
         return RunnerChoice("process", str(exc))
     try:
-        ok, reason = await has_systemd(conn)
+        ok, reason = await has_systemd(conn, wait_s)
     finally:
         conn.disconnect()
     return RunnerChoice("systemd" if ok else "process", f"{bus} bus: {reason}")
@@ -369,7 +406,10 @@ async def create_runner(config: Config, *, required: bool) -> SystemdRunner | No
     Otherwise (auto): None then, and the caller uses the process runner.
     """
     sup = config.supervisor
-    choice = await detect_runner(sup.bus, sup.bus_address)
+    # Booted with systemd (sd_booted(3): /run/systemd/system exists) and asking the system
+    # bus: systemd will be on it, give it time to join (early boot).
+    booted = sup.bus == "system" and sup.bus_address is None and Path("/run/systemd/system").is_dir()
+    choice = await detect_runner(sup.bus, sup.bus_address, wait_s=SYSTEMD_JOIN_WAIT_S if booted else 0.0)
     if choice.kind != "systemd":
         if required:
             raise RunnerError(f'supervisor.runner = "systemd", but {choice.reason}')
@@ -400,6 +440,10 @@ def gpu_device_groups(dev: Path = Path("/dev")) -> list[str]:
             grp.getgrnam(name)
             names.add(name)
     return sorted(names)
+
+
+def _pure_cgroup_v2() -> bool:
+    return Path("/sys/fs/cgroup/cgroup.controllers").exists()
 
 
 def _user_exists(name: str) -> bool:
@@ -464,10 +508,11 @@ class SystemdHandle:
                 self.unit or "",
             )
             if (info.signal == signal.SIGKILL and self.memory_max_bytes is not None
-                    and info.result == "signal" and not self._stopping):
+                    and info.result == "signal" and not self._stopping and not _pure_cgroup_v2()):
                 info = ExitInfo(info.result, info.returncode, info.signal,
-                                f"unit {self.unit}: SIGKILL with MemoryMax={self.memory_max_bytes} set; on "
-                                "cgroup v1 systemd cannot report an OOM kill (Result=oom-kill needs cgroup v2)")
+                                f"unit {self.unit}: SIGKILL, perhaps by the kernel at MemoryMax="
+                                f"{self.memory_max_bytes}: on cgroup v1 systemd cannot tell an OOM kill "
+                                "from another SIGKILL (Result=oom-kill needs cgroup v2)")
         self._exit.set_result(info)
         self._runner._forget(self)
         log.info("engine unit %s (pid %s) ended: %s", self.unit, self.pid, info.describe())

@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LlamaCppEngine", "LlamaCppOptions"]
 
-_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError)
+# Everything aiohttp raises means no HTTP answer was read (refused, reset, timed out, or
+# bytes that are not HTTP: ClientResponseError "Bad status line"), which is a transport
+# failure, not an answer.
+_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 class LlamaCppEngine:
@@ -126,6 +129,8 @@ class LlamaCppEngine:
                 raise ValueError("not a non-empty list")
             busy = sum(1 for e in entries if e["is_processing"] is True)
             ctx = int(entries[0]["n_ctx"])
+            if ctx < 1:
+                raise ValueError(f"n_ctx {ctx} < 1")
         except (ValueError, KeyError, TypeError) as exc:
             raise LoadUnknown(f"/slots undecodable: {exc}") from exc
         waiting = None

@@ -45,7 +45,9 @@ from viiwork.engines.sglang.options import SglangOptions
 
 __all__ = ["SglangEngine", "SglangOptions"]
 
-_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError)
+# Any aiohttp client error means no usable HTTP answer arrived (refused, reset, a malformed
+# status line, a truncated body); a timeout likewise.
+_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 RUNNING_GAUGE = "sglang:num_running_reqs"
 QUEUE_GAUGE = "sglang:num_queue_reqs"
@@ -111,8 +113,9 @@ class SglangEngine:
         return True
 
     async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
-        """GET /health_generate: 200 = ready; 503 = not ready (still warming up, shutting
-        down, or the scheduler produced nothing for 20 s); any other status = not ready.
+        """GET /health_generate: 200 = ready; 503 = not ready, phase "warming up" (its
+        warm-up request has not finished; later: shutting down, or the scheduler produced
+        nothing for 20 s); any other status = not ready.
 
         A 200 takes at least a second (SGLang waits one second before checking the
         scheduler). Raises EngineUnavailable on refused/reset/timeout; a loading SGLang
@@ -127,8 +130,11 @@ class SglangEngine:
         if status == 200:
             return Probe(ready=True)
         if status == 503:
+            # While a backend starts, 503 is SGLang's warm-up (ServerStatus.Starting): a failed
+            # warm-up ends the process instead. Later it is a shutdown or a stuck scheduler.
             return Probe(
                 ready=False,
+                phase="warming up",
                 reason="SGLang /health_generate answered 503: warming up, shutting down, "
                 "or the scheduler did not answer a one-token generation",
             )

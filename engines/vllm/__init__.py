@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = ["VllmEngine", "VllmOptions"]
 
-_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientPayloadError)
+# Any aiohttp client error means no usable HTTP answer arrived (refused, reset, a malformed
+# status line, a truncated body); a timeout likewise.
+_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 # Gauges in the order they are looked for; every vLLM release we know of publishes the first.
 RUNNING_GAUGES = ("vllm:num_requests_running",)
@@ -120,9 +122,9 @@ class VllmEngine:
         return True
 
     async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
-        """GET /health: 200 = ready; 503 = not ready (engine dead, or a data-parallel front
-        end still waiting for its engines); any other status = not ready with the status in
-        the reason.
+        """GET /health: 200 = ready; 503 = not ready, phase "loading" (a data-parallel front
+        end still waiting for its engines, or an engine that died); any other status = not
+        ready with the status in the reason.
 
         Raises EngineUnavailable on refused/reset/timeout, which is also how a loading vLLM
         looks: it binds its port only once the model is loaded.
@@ -136,7 +138,13 @@ class VllmEngine:
         if status == 200:
             return Probe(ready=True)
         if status == 503:
-            return Probe(ready=False, reason="vLLM /health answered 503: engine not ready or dead")
+            # While a backend starts, only a front end still waiting for its engines answers
+            # 503 (phase "loading"); after that, 503 means the engine died.
+            return Probe(
+                ready=False,
+                phase="loading",
+                reason="vLLM /health answered 503: engine not ready yet, or dead",
+            )
         return Probe(ready=False, reason=f"vLLM /health answered {status}: {body[:200]!r}")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:

@@ -108,8 +108,9 @@ async def test_killed_backend_is_respawned_and_serves(tmp_path: Path, llama_serv
 
 async def test_parallel_one_queue_order_overflow_and_timeout(tmp_path: Path, llama_server: Path,
                                                              tiny_gguf: Path) -> None:
-    model = llama_model(llama_server, tiny_gguf, parallel=1)
-    long = {"max_tokens": 200, "ignore_eos": True}
+    # ~1 s per answer at the tiny model's ~1,000 tok/s: long enough to see the queue fill.
+    model = llama_model(llama_server, tiny_gguf, parallel=1, ctx_per_slot=4096)
+    long = {"max_tokens": 1000, "ignore_eos": True}
     with run_agent(tmp_path, [model], extra={"routing": {"queue_max": 2, "queue_timeout_s": 30}}) as agent:
         agent.wait_healthy("tiny")
         async with aiohttp.ClientSession() as http:

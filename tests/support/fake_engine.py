@@ -5,7 +5,7 @@ wrapper script of ``support.engines.fake_engine_binary``). It takes the flags th
 adapter builds (``--model --alias --host --port --ctx-size --parallel --threads
 --n-gpu-layers --device --embedding --metrics``) and ignores any others.
 
-What it mimics (shapes from llama-server captures, tests/engines/llamacpp/captures/):
+What it mimics (shapes as captured from a real llama-server build):
 
 - ``GET /health``: 503 ``{"error":{"message":"Loading model","type":"unavailable_error",
   "code":503}}`` for FAKE_LOAD_S seconds after start, then 200 ``{"status":"ok"}`` (also
@@ -453,6 +453,10 @@ async def amain(args: argparse.Namespace, knobs: Knobs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--version" in (sys.argv[1:] if argv is None else argv):
+        # As llama-server: the version on stderr, exit 0 (viiworkctl doctor asks for it).
+        print("version: 0 (fake-llama-server)\nbuilt with python", file=sys.stderr, flush=True)
+        return 0
     args = parse_args(sys.argv[1:] if argv is None else argv)
     knobs = Knobs.from_env()
     if knobs.start_fail:

@@ -8,8 +8,8 @@ a restart or a stop (``stop_intent``), stopping its engines only on a stop.
 
 Usage: ``python notify_agent.py --dir DIR [--engines N] [--owner NAME] [--bus system|user]``.
 Every step is appended to ``DIR/events.jsonl`` as one JSON object per line. Control files in
-DIR: ``fail`` (exit 3 before READY=1, for start-limit tests), ``block`` (block the event loop
-with a synchronous sleep, for watchdog tests).
+DIR: ``fail`` (exit 3 before READY=1, for start-limit tests), ``block`` (renamed to
+``blocked``, then the event loop is blocked by a synchronous sleep, for watchdog tests).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def record(directory: Path, **event: object) -> None:
 async def watch_block_file(directory: Path) -> None:
     while True:
         if (directory / "block").exists():
+            (directory / "block").rename(directory / "blocked")  # once: the next agent runs normally
             record(directory, event="blocking")
             time.sleep(3600)  # deliberately blocks the event loop: the watchdog must fire
         await asyncio.sleep(0.05)

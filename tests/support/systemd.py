@@ -11,7 +11,7 @@
   system_bus_socket``; v1 memory/pids/cpu controllers are handed over, so MemoryMax and
   TasksMax are enforced. Up in ~0.5 s, down in ~2 s. PIDs it reports are container PIDs; run
   its CLI with ``system.systemctl(...)`` (nsenter). ``share`` is a host directory bound at
-  the same path inside (the container's /tmp is its own tmpfs).
+  ``/srv/viiwork-test`` inside (``system.inside(path)``).
 
 Both tear everything down in their finalizers: the manager, every process left in their
 cgroups (all started by the test), the cgroups (depth-first). ``missing_user_manager()`` and
@@ -34,6 +34,8 @@ from pathlib import Path
 SYSTEMD = Path("/usr/lib/systemd/systemd")
 CGROUP = Path("/sys/fs/cgroup")
 PID1_SCRIPTS = Path(__file__).resolve().parent / "systemd_pid1"
+#: The container path of the PID 1 tier's shared directory.
+SHARE_INSIDE = "/srv/viiwork-test"
 #: v1 controllers handed to the PID 1 tier on hybrid hosts (MemoryMax, TasksMax).
 PID1_V1_CONTROLLERS = ("memory", "pids")
 
@@ -316,6 +318,14 @@ class Pid1System:
     share: Path
     name: str
 
+    #: Where ``share`` appears inside the container (outside /tmp and /var/tmp, which
+    #: PrivateTmp= replaces, so sandboxed units see it too).
+    share_inside = Path(SHARE_INSIDE)
+
+    def inside(self, host_path: Path) -> Path:
+        """The container's path of ``host_path`` (a path under ``share``)."""
+        return self.share_inside / Path(host_path).relative_to(self.share)
+
     @property
     def run_dir(self) -> Path:
         return self.root / "run"
@@ -326,10 +336,16 @@ class Pid1System:
 
     def nsenter(self, *argv: str, check: bool = True, timeout_s: float = 30.0,
                 input: str | None = None) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` inside the container (all its namespaces, its root and cwd)."""
-        return subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "-u", "-i", "-n", "-C", "-r", "-w",
-                               *argv], capture_output=True, text=True, check=check, timeout=timeout_s, input=input,
+        """Run ``argv`` inside the container (all its namespaces, its root and cwd).
+
+        ``check``: raise RuntimeError carrying the command's output when it fails.
+        """
+        done = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "-u", "-i", "-n", "-C", "-r", "-w",
+                               *argv], capture_output=True, text=True, timeout=timeout_s, input=input,
                               env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        return done
 
     def systemctl(self, *args: str, check: bool = True, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
         return self.nsenter("systemctl", "--no-pager", *args, check=check, timeout_s=timeout_s)
@@ -368,7 +384,7 @@ def pid1_system(directory: Path, *, v1: Sequence[str] = PID1_V1_CONTROLLERS, hos
     share.mkdir(exist_ok=True)
     log = directory / "boot.log"
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "B": str(directory), "NAME": name, "V1": " ".join(v1),
-           "SHARE": str(share), "NET": "host" if host_network else ""}
+           "SHARE": str(share), "SHARE_INSIDE": SHARE_INSIDE, "NET": "host" if host_network else ""}
     proc = None
     systemd_pid: int | None = None
     try:
@@ -391,6 +407,13 @@ def pid1_system(directory: Path, *, v1: Sequence[str] = PID1_V1_CONTROLLERS, hos
         if state not in ("running", "degraded"):
             failed = system.systemctl("list-units", "--failed", "--no-legend", check=False).stdout
             raise RuntimeError(f"container systemd state {state!r}; failed units:\n{failed}\n{_tail(log)}")
+        # PID 1 joins the system bus once dbus.service is up, which can be after "running".
+        while "true" not in system.nsenter(
+                "busctl", "--system", "call", "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
+                "NameHasOwner", "s", "org.freedesktop.systemd1", check=False).stdout:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"systemd did not join its system bus within {timeout_s} s:\n{_tail(log)}")
+            time.sleep(0.02)
         yield system
     finally:
         if proc is not None:

@@ -177,3 +177,65 @@ async def test_real_netlink_monitor_delivers_pci_events():
         event = await asyncio.wait_for(next_for_slot(), timeout=10)
     assert event.properties["SUBSYSTEM"] == "pci"
     assert gpu_hotplug_from(event) is None
+
+
+async def test_run_refreshes_verifies_and_follows_udev(tmp_path):
+    """The long-lived task: first refresh, verification of a healthy backend, hot-plug state."""
+    rec = copy.deepcopy(nvml_recording("nvml-2x-h100"))
+    rec["devices"][0]["nvmlDeviceGetComputeRunningProcesses"] = [{"pid": os.getpid(), "usedGpuMemory": 1 << 30}]
+    me = Backend(id=BackendId("a-0"), model="a", index=0, gpus=("0",), state=BackendState.HEALTHY, pid=os.getpid())
+    monitor = GpuMonitor([NvmlReader(ReplayNvml(rec)), AmdSysfsReader(tmp_path)], backends=lambda: [me])
+    task = asyncio.create_task(monitor.async_run(interval_s=0.05))
+    try:
+        async with asyncio.timeout(10):
+            while "a-0" not in monitor.placements or monitor.hotplug_available is None:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert monitor.placements["a-0"].placement.verdict.value == "ok"
+    section = monitor.status_section()
+    assert section["hotplug"]["available"] in (True, False)
+    assert [g["index"] for g in section["gpus"]] == [0, 1]
+    assert section["gpus"][0]["backends"] == ["a-0"]
+
+
+async def test_a_hung_driver_read_times_out_without_piling_up_threads(tmp_path):
+    import threading
+
+    from viiwork.agent.gpus.monitor import GpuReadTimeout
+
+    release = threading.Event()
+    calls = []
+
+    class HangingNvml(NvmlReader):
+        def read(self):
+            calls.append(1)
+            release.wait(10)
+            return super().read()
+
+    monitor = GpuMonitor([HangingNvml(ReplayNvml(nvml_recording("nvml-2x-h100")))], read_timeout_s=0.05)
+    with pytest.raises(GpuReadTimeout, match="driver hung"):
+        await monitor.async_refresh()
+    with pytest.raises(GpuReadTimeout):
+        await monitor.async_refresh()
+    assert len(calls) == 1 and monitor.status_section()["error"].startswith("reading the GPUs took over")
+    release.set()
+    monitor.read_timeout_s = 10
+    inventory = await monitor.async_refresh()
+    assert len(inventory.gpus) == 2 and len(calls) == 1 and monitor.last_error is None
+
+
+async def test_a_failing_loss_listener_does_not_stop_marking(tmp_path):
+    api = ReplayNvml(nvml_recording("nvml-2x-h100"))
+    backends = [backend("a", ["1"]), backend("b", ["1"])]
+
+    def listener(b, g):
+        raise RuntimeError("listener bug")
+
+    monitor = GpuMonitor([NvmlReader(api)], backends=lambda: backends, on_gpu_lost=listener)
+    await monitor.async_refresh()
+    api.recording = one_device(api.recording)
+    await monitor.async_handle_event(UdevEvent("remove", props()))
+    assert set(monitor.losses) == {"a-0", "b-0"}

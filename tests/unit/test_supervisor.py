@@ -263,15 +263,15 @@ async def test_up_revives_a_dead_model(tmp_path, supervise):
 
 async def test_startup_timeout_ends_patience(tmp_path, binary, supervise):
     config = make_config(
-        tmp_path, [fake_model(binary, env={"FAKE_LOAD_S": "60"}, startup_timeout_s=1.0)],
+        tmp_path, [fake_model(binary, env={"FAKE_LOAD_S": "60"}, startup_timeout_s=2.0)],
         health={"max_respawns": 0},
     )
     sup = await supervise(config)
     b = backend_of(sup)
-    await eventually(lambda: b.pid is not None, 10, "launched")
+    await eventually(lambda: b.phase == "loading model", 10, "loading")
     pid = b.pid
     await eventually(lambda: b.state is BackendState.DEAD, 10, "dead")
-    assert b.reason == "startup timeout: not ready after 1 s (phase: loading model)"
+    assert b.reason == "startup timeout: not ready after 2 s (phase: loading model)"
     assert not alive(pid)
 
 

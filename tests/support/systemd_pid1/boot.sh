@@ -4,8 +4,8 @@
 # gives it an overlay whose upper layer is a tmpfs.
 #
 # Environment: B (scratch dir, required), NAME (cgroup name, required), V1 (v1 controllers to
-# hand over, e.g. "memory pids cpu cpuacct": makes MemoryMax/TasksMax enforced), NET ("host"
-# to share the host's network namespace), SHARE (a host dir bound at the same path inside).
+# hand over, e.g. "memory pids": makes MemoryMax/TasksMax enforced), NET ("host" to share the
+# host's network namespace), SHARE (a host dir bound at SHARE_INSIDE in the container).
 set -euo pipefail
 : "${B:?}" "${NAME:?}"
 mkdir -p "$B/run" "$B/newroot" "$B/ovl"
@@ -29,5 +29,5 @@ fi
 net=--net
 [ "${NET:-}" = host ] && net=
 exec unshare --pid --fork --kill-child --mount --cgroup --uts --ipc $net --propagation private \
-  env -i B="$B" CGMODE="$CGMODE" V1="${V1:-}" SHARE="${SHARE:-}" PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+  env -i B="$B" CGMODE="$CGMODE" V1="${V1:-}" SHARE="${SHARE:-}" SHARE_INSIDE="${SHARE_INSIDE:-}" PATH=/usr/sbin:/usr/bin:/sbin:/bin \
   bash "$(dirname "$0")/inner.sh"

@@ -33,7 +33,7 @@ touch "$B/console.log" "$R/dev/console"; mount --bind "$B/console.log" "$R/dev/c
 # The container's /run is $B/run on the host: its system bus socket and journal are visible there.
 mount --bind "$B/run" "$R/run"
 mount -t tmpfs -o mode=1777 tmpfs "$R/tmp"
-if [ -n "${SHARE:-}" ]; then mkdir -p "$R$SHARE"; mount --bind "$SHARE" "$R$SHARE"; fi
+if [ -n "${SHARE:-}" ]; then mkdir -p "$R$SHARE_INSIDE"; mount --bind "$SHARE" "$R$SHARE_INSIDE"; fi
 E=$R/etc/systemd/system
 mkdir -p "$E"
 cat > "$E/viiwork-test.target" <<'EOT'

@@ -1,0 +1,76 @@
+"""viiworkctl doctor: check this box and say what is wrong, what it breaks, and how to fix it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from viiwork.agent.cli.target import add_target_args, agent_url
+from viiwork.agent.config import DEFAULT_CONFIG_PATH
+from viiwork.agent.doctor import DoctorReport, Verdict, run_checks
+from viiwork.agent.facts import gather_facts
+
+_STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.FAIL: "bold red", Verdict.SKIPPED: "dim"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check this box: GPUs, engines, disk, mesh trust, the running agent",
+        description=(
+            "Check this box and the agent on it. Each result has a verdict (ok, degraded, fail, "
+            "skipped), a consequence and a remedy. Works with the agent stopped. "
+            "Exit status: 0 all ok, 2 degraded, 1 any fail. The checks are listed in docs/doctor.md."
+        ),
+    )
+    add_target_args(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable results")
+    parser.set_defaults(func=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    config_path = args.config or DEFAULT_CONFIG_PATH
+    url = agent_url(args)
+    facts = gather_facts(config_path, url=url)
+    context = {"config": str(config_path), "url": url,
+               "gpus": facts.gpus.to_json() if facts.gpus is not None else None}
+    report = run_checks(facts, context=context)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        console = Console(highlight=False)
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            console.width = 120  # a log or pipe: wider than the 80 columns rich assumes
+        print_report(report, console)
+    return report.exit_code
+
+
+def print_report(report: DoctorReport, console: Console) -> None:
+    """A table of every result, then the consequence and remedy of each one not ok."""
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("verdict", no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    table.add_column("subject", overflow="fold")
+    table.add_column("summary", overflow="fold")
+    for r in report.results:
+        table.add_row(Text(r.verdict.value, style=_STYLE[r.verdict]), r.check, Text(r.subject), Text(r.summary))
+    console.print(table)
+    problems = [r for r in report.results if r.verdict in (Verdict.FAIL, Verdict.DEGRADED)]
+    if problems:
+        console.print()
+    for r in problems:
+        head = Text()
+        head.append(r.verdict.value, style=_STYLE[r.verdict])
+        head.append(f" {r.check}" + (f" ({r.subject})" if r.subject else "") + ": " + r.summary)
+        console.print(head)
+        console.print(Text(f"    consequence: {r.consequence}"))
+        console.print(Text(f"    remedy: {r.remedy}"))
+    counts = report.counts()
+    tail = ", ".join(f"{counts[v.value]} {v.value}" for v in Verdict if counts[v.value])
+    console.print(Text(f"\n{tail}; exit status {report.exit_code}"))
+

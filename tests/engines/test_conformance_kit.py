@@ -1,0 +1,352 @@
+"""The conformance kit itself: it passes the reference engine and fails broken ones.
+
+Each broken engine below breaks exactly one rule, and the kit must report that rule and no
+other: a kit that passes everything (or fails everything) proves nothing about an engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import aiohttp
+import pytest
+from pydantic import ConfigDict
+
+from support.llamacpp_replays import capture, llamacpp_replays, replay_set
+from viiwork.engines.conformance import (
+    ConformanceError,
+    EngineReplays,
+    HttpReplay,
+    Violation,
+    assert_conforms,
+    default_spec_shapes,
+    run_conformance,
+)
+from viiwork.engines.contract import (
+    BackendSpec,
+    EngineOptionsError,
+    EngineUnavailable,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+)
+from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions
+
+# Short timeouts keep the hanging-server checks fast; the grace is what a broken adapter
+# that ignores the session's timeout gets before the kit calls it hung.
+FAST = {"timeout_s": 0.3, "grace_s": 1.0}
+
+
+async def _violations(engine: Any, replays: EngineReplays | None = None, **kwargs: Any) -> list[Violation]:
+    return await run_conformance(engine, replays or llamacpp_replays(), **(FAST | kwargs))
+
+
+async def test_llamacpp_conforms() -> None:
+    await assert_conforms(LlamaCppEngine(), llamacpp_replays(), check_registered=True, **FAST)
+
+
+# --- broken engines, one rule each ---------------------------------------------------------
+
+
+class BindsAllInterfaces(LlamaCppEngine):
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        cmd = super().build_command(spec)
+        return replace(cmd, argv=tuple("0.0.0.0" if a == "127.0.0.1" else a for a in cmd.argv))
+
+
+class OperatorArgsNotLast(LlamaCppEngine):
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        cmd = super().build_command(spec)
+        n = len(spec.args)
+        return replace(cmd, argv=(cmd.argv[0], *cmd.argv[len(cmd.argv) - n :], *cmd.argv[1 : len(cmd.argv) - n]))
+
+
+class AnswersToFilePath(LlamaCppEngine):
+    """Drops --alias: the backend would answer to its file name, unreachable by model name."""
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        argv = list(super().build_command(spec).argv)
+        i = argv.index("--alias")
+        del argv[i : i + 2]
+        return LaunchCommand(argv=tuple(argv))
+
+
+class WrongPort(LlamaCppEngine):
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        cmd = super().build_command(spec)
+        return replace(cmd, argv=tuple("8080" if a == str(spec.port) else a for a in cmd.argv))
+
+
+class GuessesUnknownLoad(LlamaCppEngine):
+    """Returns the spec's figures and zero busy when /slots cannot be read."""
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        try:
+            return await super().read_load(http, spec, base_url)
+        except LoadUnknown:
+            return Load(slots=spec.parallel, busy=0, waiting=0, ctx_per_slot=spec.ctx_per_slot)
+
+
+class AnyAnswerIsReady(LlamaCppEngine):
+    """Reads readiness from "the server answered" and so calls a loading 503 ready."""
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        await super().probe(http, base_url)
+        return Probe(ready=True)
+
+
+class RaisesOnNotReady(LlamaCppEngine):
+    """Treats any non-200 as a failure: loading becomes indistinguishable from gone."""
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        result = await super().probe(http, base_url)
+        if not result.ready:
+            raise EngineUnavailable(result.reason or result.phase)
+        return result
+
+
+class LoadingWithoutPhase(LlamaCppEngine):
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        result = await super().probe(http, base_url)
+        return result if result.ready else Probe(ready=False)
+
+
+class LeaksClientErrors(LlamaCppEngine):
+    """The reference adapter's first cut: bytes that are not HTTP escaped as aiohttp errors."""
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        try:
+            return await super().probe(http, base_url)
+        except EngineUnavailable as exc:
+            if isinstance(exc.__cause__, aiohttp.ClientResponseError):
+                raise exc.__cause__ from None
+            raise
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        try:
+            return await super().read_load(http, spec, base_url)
+        except EngineUnavailable as exc:
+            if isinstance(exc.__cause__, aiohttp.ClientResponseError):
+                raise exc.__cause__ from None
+            raise
+
+
+class IgnoresSessionTimeout(LlamaCppEngine):
+    """Opens its own session (no deadline) instead of using the one it is given."""
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        async with aiohttp.ClientSession() as own:
+            return await super().probe(own, base_url)
+
+
+class RemembersSpecByPort(LlamaCppEngine):
+    """viiwork v2's early mistake: a port -> spec map filled by build_command."""
+
+    def __init__(self) -> None:
+        self._specs: dict[int, BackendSpec] = {}
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        self._specs[spec.port] = spec
+        return super().build_command(spec)
+
+
+class CountsLaunchesInClass(LlamaCppEngine):
+    launches: ClassVar[list[int]] = []
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        type(self).launches.append(spec.port)
+        return super().build_command(spec)
+
+
+class SeedsFromClock(LlamaCppEngine):
+    """No state, but not deterministic: the command changes between identical calls."""
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        cmd = super().build_command(spec)
+        n = len(spec.args)
+        head, tail = cmd.argv[: len(cmd.argv) - n], cmd.argv[len(cmd.argv) - n :]
+        return replace(cmd, argv=(*head, "--seed", str(time.perf_counter_ns()), *tail))
+
+
+class LaxOptions(LlamaCppOptions):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class AcceptsUnknownOptions(LlamaCppEngine):
+    options_model = LaxOptions
+
+
+class MutableOptions(LlamaCppOptions):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class AcceptsMutableOptions(LlamaCppEngine):
+    options_model = MutableOptions
+
+
+class UppercaseName(LlamaCppEngine):
+    name = "LlamaCPP"
+
+
+class EmptyDisplayName(LlamaCppEngine):
+    display_name = ""
+
+
+class ZeroStartupTimeout(LlamaCppEngine):
+    default_startup_timeout_s = 0.0
+
+
+class CommandVersionZero(LlamaCppEngine):
+    command_version = 0
+
+
+class ZeroSlotsWhenIdle(LlamaCppEngine):
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        load = await super().read_load(http, spec, base_url)
+        return load if load.busy else replace(load, slots=0)
+
+
+class BusyReadsIdle(LlamaCppEngine):
+    """Counts slots with a pending next token instead of is_processing: never busy."""
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        return replace(await super().read_load(http, spec, base_url), busy=0)
+
+
+class GpuOnlyButBuildsCpu:
+    """Does not implement RunsOnCPU, yet builds a command for a CPU spec instead of refusing."""
+
+    name: ClassVar[str] = "gpuonly"
+    display_name: ClassVar[str] = "GPU only"
+    options_model: ClassVar[type[LlamaCppOptions]] = LlamaCppOptions
+    default_startup_timeout_s: ClassVar[float] = 60.0
+    command_version: ClassVar[int] = 1
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        return LlamaCppEngine().build_command(spec)
+
+    async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
+        return await LlamaCppEngine().probe(http, base_url)
+
+    async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+        return await LlamaCppEngine().read_load(http, spec, base_url)
+
+
+class GpuOnlyRefusesCpu(GpuOnlyButBuildsCpu):
+    """The right way for an engine without RunsOnCPU: a CPU spec is an options error."""
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        if not spec.gpus:
+            raise EngineOptionsError("gpus", "this engine needs at least one GPU")
+        return super().build_command(spec)
+
+
+BROKEN: list[tuple[type, set[str]]] = [
+    (BindsAllInterfaces, {"command.bind"}),
+    (WrongPort, {"command.bind"}),
+    (OperatorArgsNotLast, {"command.args_last"}),
+    (AnswersToFilePath, {"command.model"}),
+    (GuessesUnknownLoad, {"load.unknown"}),
+    (AnyAnswerIsReady, {"probe.loading"}),
+    (RaisesOnNotReady, {"probe.loading", "probe.answer"}),
+    (LoadingWithoutPhase, {"probe.loading"}),
+    (LeaksClientErrors, {"probe.transport", "load.transport"}),
+    (IgnoresSessionTimeout, {"probe.transport"}),
+    (RemembersSpecByPort, {"state"}),
+    (CountsLaunchesInClass, {"state"}),
+    (SeedsFromClock, {"command.pure"}),
+    (AcceptsUnknownOptions, {"options"}),
+    (AcceptsMutableOptions, {"options"}),
+    (UppercaseName, {"name"}),
+    (EmptyDisplayName, {"display_name"}),
+    (ZeroStartupTimeout, {"startup_timeout"}),
+    (CommandVersionZero, {"command_version"}),
+    (ZeroSlotsWhenIdle, {"load.shape"}),
+    (BusyReadsIdle, {"load.busy"}),
+    (GpuOnlyButBuildsCpu, {"command.cpu"}),
+]
+
+
+@pytest.mark.parametrize(("engine_cls", "expected"), BROKEN, ids=[cls.__name__ for cls, _ in BROKEN])
+async def test_kit_fails_broken_engine_on_its_rule(engine_cls: type, expected: set[str]) -> None:
+    violations = await _violations(engine_cls())
+    assert {v.check for v in violations} == expected, "\n".join(map(str, violations))
+
+
+async def test_engine_without_cpu_support_that_refuses_cpu_specs_conforms() -> None:
+    assert await _violations(GpuOnlyRefusesCpu()) == []
+
+
+async def test_assert_conforms_lists_every_violation() -> None:
+    class TwoFaults(BindsAllInterfaces):
+        command_version = 0
+
+    with pytest.raises(ConformanceError) as caught:
+        await assert_conforms(TwoFaults(), llamacpp_replays(), **FAST)
+    assert {v.check for v in caught.value.violations} == {"command.bind", "command_version"}
+    assert "command.bind" in str(caught.value) and "command_version" in str(caught.value)
+
+
+async def test_registered_check_catches_an_unregistered_class() -> None:
+    violations = await _violations(SeedsFromClock(), check_registered=True)
+    assert "registered" in {v.check for v in violations}
+
+
+async def test_loading_replay_answering_200_is_caught() -> None:
+    """An engine whose loading state answers 200 (FreeToken-like) must read the body: a
+    llama.cpp-style status rule calls it ready, and the kit says so."""
+    loading_200 = dict(llamacpp_replays().loading or {})
+    loading_200["/health"] = capture("smollm2-health_ready")
+    replays = replace(llamacpp_replays(), loading=loading_200)
+    assert {v.check for v in await _violations(LlamaCppEngine(), replays)} == {"probe.loading"}
+
+
+async def test_captured_load_unknown_replay_is_required_to_raise() -> None:
+    """The captured 501 from --no-slots is checked on its own, besides the kit's garbage."""
+
+    class IgnoresNotImplemented(LlamaCppEngine):
+        async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
+            try:
+                return await super().read_load(http, spec, base_url)
+            except LoadUnknown as exc:
+                if "501" not in str(exc):
+                    raise
+                return Load(slots=spec.parallel, busy=0, waiting=None, ctx_per_slot=spec.ctx_per_slot)
+
+    violations = await _violations(IgnoresNotImplemented())
+    assert {v.check for v in violations} == {"load.unknown"}
+    assert all("captured load-unknown replay" in v.message for v in violations)
+
+
+def test_http_replay_parses_a_verbatim_capture() -> None:
+    replay = capture("smollm2-health_loading")
+    assert replay.status == 503
+    assert ("Content-Type", "application/json; charset=utf-8") in replay.headers
+    assert replay.body == b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
+
+
+@pytest.mark.parametrize("raw", [b"", b"not http at all", b"HTTP/1.1 abc OK\r\n\r\n"], ids=["empty", "no-status-line", "bad-status"])
+def test_http_replay_rejects_what_is_not_a_capture(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        HttpReplay.parse(raw)
+
+
+def test_default_shapes_cover_cpu_gpu_multi_gpu_and_embedding() -> None:
+    shapes = default_spec_shapes(LlamaCppEngine())
+    assert [len(s.gpus) for s in shapes] == [0, 1, 2, 1]
+    assert {s.kind.value for s in shapes} == {"chat", "embedding"}
+    assert all(s.args for s in shapes)
+
+
+async def test_replay_server_answers_unknown_paths_404() -> None:
+    """The kit's own servers: a path without a replay is a 404 (an answer, not a hang)."""
+    replays = replace(llamacpp_replays(), ready=replay_set("smollm2-health_ready", "smollm2-slots_idle", "smollm2-metrics"))
+    assert "/v1/models" not in replays.ready
+    # The engine only reads the paths it knows; a 404 on /metrics makes waiting unknown,
+    # which the kit accepts (None), so the reference engine still conforms.
+    ready = dict(replays.ready)
+    del ready["/metrics"]
+    assert await _violations(LlamaCppEngine(), replace(replays, ready=ready)) == []

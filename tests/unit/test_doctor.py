@@ -1,0 +1,593 @@
+"""Doctor: facts gathered from recorded hosts, conflicts derived from them, verdicts and exit
+codes, crashing checks, the generated docs, and `viiworkctl doctor` as a real subprocess."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from support.agent import render_config, run_agent
+from support.engines import fake_engine_binary
+from support.gpu_hosts import nvml_recording, write_drm_card
+from support.procs import free_port
+
+from viiwork.agent.config import parse_config
+from viiwork.agent.doctor import (
+    REGISTRY,
+    Check,
+    CheckResult,
+    Skip,
+    Verdict,
+    derive_conflicts,
+    exit_code_for,
+    render_markdown,
+    run_checks,
+)
+from viiwork.agent.facts import (
+    AgentFacts,
+    BinaryState,
+    DiskFact,
+    FactUnavailable,
+    HostFacts,
+    gather_facts,
+    read_binary_facts,
+    resolve_binary,
+    version_at_least,
+)
+from viiwork.agent.gpus.amd import AmdSysfsReader
+from viiwork.agent.gpus.inventory import Vendor
+from viiwork.agent.gpus.nvml import NvmlReader
+from viiwork.agent.gpus.nvml_record import ReplayNvml
+from viiwork.agent.gpus.udev import PciGpu
+from viiwork.engines.llamacpp import LlamaCppEngine
+
+NOW = dt.datetime(2025, 6, 1, 12, 0, tzinfo=dt.timezone.utc)
+F, D, OK, S = Verdict.FAIL, Verdict.DEGRADED, Verdict.OK, Verdict.SKIPPED
+LLAMA = Path(sys.executable).parent / "llama-server-vulkan"
+VIIWORKCTL = Path(sys.executable).parent / "viiworkctl"
+
+
+# -- building hosts -------------------------------------------------------------------------
+
+
+def write_config(tmp_path: Path, models: list[dict] | None = None, mesh: dict | None = None,
+                 port: int = 1) -> Path:
+    """A config with state in tmp_path; models default to one CPU model whose file exists."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    if models is None:
+        models = [model()]
+    models = [{**m, "path": str(tmp_path / "m.gguf")} if m["path"] == "./m.gguf" else m for m in models]
+    sections = {"node": {"name": "box", "state_dir": str(tmp_path / "state")},
+                "api": {"listen": f"127.0.0.1:{port}", "admin_socket": str(tmp_path / "admin.sock")}}
+    if mesh is not None:
+        sections["mesh"] = mesh
+    path = tmp_path / "viiwork.toml"
+    path.write_text(render_config(sections, models))
+    return path
+
+
+def model(name: str = "m", gpus: list | None = None, binary: str = str(LLAMA), path: str | None = None) -> dict:
+    out = {"name": name, "engine": "llamacpp", "path": path or "./m.gguf", "llamacpp": {"binary": binary}}
+    if gpus is not None:
+        out["gpus"] = gpus
+    return out
+
+
+def host(tmp_path: Path, config: Path, *, nvml: str = "nvml-driver-not-loaded", amd_cards: int = 0,
+         dev: tuple[str, ...] = (), pci: tuple[PciGpu, ...] = (), net: dict[str, tuple[int, str]] | None = None,
+         url: str | None = None, now: dt.datetime = NOW) -> HostFacts:
+    """Gather real facts about a recorded host: NVML from a recording, sysfs/dev/net from trees."""
+    root = tmp_path / "root"
+    root.mkdir(exist_ok=True)
+    for i in range(amd_cards):
+        write_drm_card(root, i, f"0000:{0x43 + i:02x}:00.0", files={"unique_id": f"{i:016x}"})
+    devdir = tmp_path / "dev"
+    devdir.mkdir(exist_ok=True)
+    for node in dev:
+        target = devdir / node
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch()
+    netdir = tmp_path / "net"
+    for name, (flags, operstate) in (net or {"eth0": (0x1003, "up"), "lo": (0x9, "unknown")}).items():
+        (netdir / name).mkdir(parents=True, exist_ok=True)
+        (netdir / name / "flags").write_text(f"{flags:#x}\n")
+        (netdir / name / "operstate").write_text(operstate + "\n")
+    return gather_facts(config, url=url, gpu_sources=[NvmlReader(ReplayNvml(nvml_recording(nvml))),
+                                                     AmdSysfsReader(root)],
+                        pci_gpus=lambda: pci, dev_root=devdir, net_root=netdir, read_versions=False, now=now)
+
+
+def found(results) -> set[tuple[str, str, str]]:
+    return {(r.check, r.verdict.value, r.subject) for r in results}
+
+
+NVIDIA_PCI = PciGpu(Vendor.NVIDIA, "0000:17:00.0", "10DE:2330", None)
+AMD_PCI = PciGpu(Vendor.AMD, "0000:43:00.0", "1002:744C", "vfio-pci")
+UUID1 = "GPU-0e6f2a19-4c7d-8b3a-5f1e-9d2c6b8a4e70"
+
+# id, host kwargs, models (None = one CPU model), expected conflicts {(check, verdict, subject)}
+CONFLICTS = [
+    ("cpu-box-cpu-model", {}, None, set()),
+    ("cpu-box-no-model", {}, [], set()),
+    ("gpus-visible-all-models-on-cpu", {"nvml": "nvml-2x-h100"}, None, {("gpu.cpu_only", "degraded", "")}),
+    ("gpus-visible-no-model-configured", {"nvml": "nvml-2x-h100"}, [], set()),
+    ("gpus-used", {"nvml": "nvml-2x-h100"}, [model(gpus=[0]), model("n", gpus=[UUID1])], set()),
+    ("device-node-without-nvml", {"dev": ("nvidia0", "nvidiactl")}, None, {("gpu.nvidia", "degraded", "")}),
+    ("nvidia-on-pci-without-driver", {"pci": (NVIDIA_PCI,)}, None, {("gpu.nvidia", "degraded", "")}),
+    ("nvml-version-mismatch", {"nvml": "nvml-init-version-mismatch", "dev": ("nvidia0",)}, None,
+     {("gpu.nvidia", "degraded", "")}),
+    ("nvml-version-mismatch-gpu-configured", {"nvml": "nvml-init-version-mismatch", "dev": ("nvidia0",)},
+     [model(gpus=[0])], {("gpu.nvidia", "degraded", ""), ("config.gpus", "fail", "models[0].gpus")}),
+    ("gpu-fell-off-the-bus", {"nvml": "nvml-gpu-lost"}, [model(gpus=[0])], {("gpu.nvidia", "fail", "GPU 1")}),
+    ("pci-gpu-invisible-to-nvml", {"nvml": "nvml-2x-h100", "pci": (PciGpu(Vendor.NVIDIA, "0000:e3:00.0", "10DE:2330", "vfio-pci"),)},
+     [model(gpus=[0])], {("gpu.nvidia", "degraded", "0000:e3:00.0")}),
+    ("kfd-without-amd-card", {"dev": ("kfd",)}, None, {("gpu.amd", "degraded", "")}),
+    ("amd-on-pci-bound-elsewhere", {"pci": (AMD_PCI,)}, None, {("gpu.amd", "degraded", "")}),
+    ("amd-box-model-on-amd", {"amd_cards": 2, "dev": ("kfd", "dri/renderD128")}, [model(gpus=[1])], set()),
+    ("gpu-index-missing", {"nvml": "nvml-2x-h100"}, [model(gpus=[2])], {("config.gpus", "fail", "models[0].gpus")}),
+    ("binary-missing", {}, [model(binary="/nonexistent/llama-server")],
+     {("engine.binary", "fail", "llamacpp: /nonexistent/llama-server")}),
+    ("model-file-missing", {}, [model(path="/nonexistent/model.gguf")],
+     {("model.path", "fail", "models[0].path")}),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "models", "expected"), [c[1:] for c in CONFLICTS], ids=[c[0] for c in CONFLICTS])
+def test_conflicts_from_recorded_hosts(tmp_path, kwargs, models, expected):
+    facts = host(tmp_path, write_config(tmp_path, models), **kwargs)
+    assert found(derive_conflicts(facts)) == expected
+
+
+def test_not_executable_binary(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o644)
+    facts = host(tmp_path, write_config(tmp_path, [model(binary=str(binary))]))
+    (result,) = [r for r in derive_conflicts(facts) if r.check == "engine.binary"]
+    assert result.verdict is F and "is not executable" in result.summary
+    assert result.remedy == f"`chmod +x {binary}` or set models[0].llamacpp.binary to its full path"
+
+
+def test_binary_on_path_resolution(tmp_path):
+    good, bad = tmp_path / "a", tmp_path / "b"
+    good.mkdir()
+    bad.mkdir()
+    (bad / "tool").write_text("")
+    (good / "tool").write_text("#!/bin/sh\n")
+    (good / "tool").chmod(0o755)
+    assert resolve_binary("tool", f"{bad}:{good}")[:2] == (BinaryState.OK, str(good / "tool"))
+    assert resolve_binary("tool", str(bad))[0] is BinaryState.NOT_EXECUTABLE
+    assert resolve_binary("tool", str(tmp_path))[0] is BinaryState.MISSING
+    assert resolve_binary(str(tmp_path), "")[0] is BinaryState.NOT_EXECUTABLE
+
+
+# -- engine versions ------------------------------------------------------------------------
+
+
+class VersionedLlamaCpp(LlamaCppEngine):
+    """llama.cpp with the Version capability, to drive the capability path with the real binary."""
+
+    minimum_version = "0.0.5"
+
+    def version_command(self, options):
+        return (options.binary, "--version")
+
+    def parse_version(self, output):
+        for line in output.splitlines():
+            if line.startswith("version: "):
+                return line.split()[1]
+        return None
+
+
+def test_version_from_the_real_binary_without_capability(tmp_path):
+    config = parse_config(render_config({}, [model()]))
+    (fact,) = read_binary_facts(config)
+    assert fact.state is BinaryState.OK and fact.version_source == "--version"
+    assert fact.version.startswith("version: ")
+
+
+@pytest.mark.parametrize(("minimum", "verdict"), [("0.0.5", OK), ("0.1.0", OK), ("9.0", F)])
+def test_version_capability_compared_with_minimum(tmp_path, minimum, verdict):
+    engine = VersionedLlamaCpp()
+    engine.minimum_version = minimum
+    config = parse_config(render_config({}, [model()]))
+    (fact,) = read_binary_facts(config, engines={"llamacpp": engine})
+    assert fact.version_source == "engine" and fact.version == "0.1.0-dev" and fact.minimum_version == minimum
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, binaries=(fact,))
+    (result,) = [r for r in run_checks(facts, [c for c in REGISTRY if c.id == "engine.version"]).results]
+    assert result.verdict is verdict, result.summary
+
+
+def test_version_command_that_fails_is_degraded(tmp_path):
+    broken = tmp_path / "llama-server"
+    broken.write_text("#!/bin/sh\necho 'error while loading shared libraries: libvulkan.so.1' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    config = parse_config(render_config({}, [model(binary=str(broken))]))
+    (fact,) = read_binary_facts(config)
+    assert fact.version is None
+    assert fact.version_error == (f"`{broken} --version` exited with status 127: "
+                                  "error while loading shared libraries: libvulkan.so.1")
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, binaries=(fact,))
+    (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "engine.version"]).results
+    assert result.verdict is D and "libvulkan.so.1" in result.summary
+
+
+@pytest.mark.parametrize(("version", "minimum", "expected"), [
+    ("0.6.3", "0.6.0", True), ("0.6", "0.6.0", True), ("v0.5.9", "0.6", False), ("b4520", "4000", True),
+    ("dev", "0.6", None), ("12.1.post1", "12.1", True),
+])
+def test_version_at_least(version, minimum, expected):
+    assert version_at_least(version, minimum) is expected
+
+
+# -- disks and mesh -------------------------------------------------------------------------
+
+GiB = 1024 ** 3
+
+
+@pytest.mark.parametrize(("free", "verdict"), [(50 * GiB, OK), (GiB, D), (10 * 1024 ** 2, F)],
+                         ids=["plenty", "low", "critical"])
+def test_disk_space(tmp_path, free, verdict):
+    base = host(tmp_path, write_config(tmp_path))
+    facts = HostFacts(NOW, base.config, disks=(DiskFact(("state dir /var/lib/viiwork",), "/var/lib", free, 100 * GiB),))
+    (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "disk.space"]).results
+    assert result.verdict is verdict and result.subject == "state dir /var/lib/viiwork"
+
+
+def test_real_disk_facts(tmp_path):
+    facts = host(tmp_path, write_config(tmp_path))
+    (disk,) = facts.disks  # state dir and model share tmp_path's filesystem
+    assert disk.roles == (f"state dir {tmp_path / 'state'}", "model m") and 0 < disk.free_bytes <= disk.total_bytes
+
+
+OPEN = {"trust": "open", "mesh_id": "lab"}
+NET = {"eth0": (0x1003, "up"), "eth1": (0x1003, "down"), "wg0": (0x91, "unknown"), "lo": (0x9, "unknown")}
+DISCOVERY = [
+    ("all-interfaces", {}, set()),
+    ("chosen-up", {"interfaces": ["eth0"]}, set()),
+    ("chosen-down-no-seeds", {"interfaces": ["eth1"]},
+     {("mesh.discovery", "degraded", "eth1"), ("mesh.discovery", "fail", "")}),
+    ("no-multicast-with-seeds", {"interfaces": ["wg0"], "seeds": ["10.0.0.2:8087"]},
+     {("mesh.discovery", "degraded", "wg0"), ("mesh.discovery", "degraded", "")}),
+    ("missing-interface", {"interfaces": ["eth9", "eth0"]}, {("mesh.discovery", "degraded", "eth9")}),
+    ("loopback-address-only", {"interfaces": ["127.0.0.1"]},
+     {("mesh.discovery", "degraded", "127.0.0.1"), ("mesh.discovery", "fail", "")}),
+    ("address-not-here", {"interfaces": ["192.0.2.77"], "seeds": ["10.0.0.2:8087"]},
+     {("mesh.discovery", "degraded", "192.0.2.77"), ("mesh.discovery", "degraded", "")}),
+    ("seeds-only-empty", {"discovery": ["seeds"]}, {("mesh.discovery", "fail", "")}),
+    ("seeds-only", {"discovery": ["seeds"], "seeds": ["10.0.0.2:8087"]}, set()),
+]
+
+
+@pytest.mark.parametrize(("mesh", "expected"), [c[1:] for c in DISCOVERY], ids=[c[0] for c in DISCOVERY])
+def test_mdns_discovery(tmp_path, mesh, expected):
+    facts = host(tmp_path, write_config(tmp_path, mesh={**OPEN, **mesh}), net=NET)
+    conflicts = found(r for r in derive_conflicts(facts) if r.check == "mesh.discovery")
+    assert conflicts == expected
+
+
+def test_no_multicast_interface_at_all(tmp_path):
+    facts = host(tmp_path, write_config(tmp_path, mesh=OPEN), net={"lo": (0x9, "unknown"), "wg0": (0x91, "unknown")})
+    (result,) = [r for r in derive_conflicts(facts) if r.check == "mesh.discovery"]
+    assert result.verdict is F and "mDNS impossible on wg0 and no seeds" in result.summary
+
+
+def test_open_trust_is_degraded(tmp_path):
+    facts = host(tmp_path, write_config(tmp_path, mesh=OPEN))
+    assert found(r for r in derive_conflicts(facts) if r.check == "mesh.trust") == {("mesh.trust", "degraded", "")}
+
+
+def test_mesh_without_trust_is_a_config_fail(tmp_path):
+    facts = host(tmp_path, write_config(tmp_path, mesh={"listen": "0.0.0.0:8087"}))
+    report = run_checks(facts, agent=False)
+    (config,) = [r for r in report.results if r.check == "config"]
+    assert config.verdict is F and "mesh.trust: " in config.summary
+    assert {r.verdict for r in report.results if r.check.startswith("mesh.")} == {S}
+
+
+def _enrol(tmp_path: Path, *, days: int = 365, now: dt.datetime | None = None, other_ca: bool = False):
+    from viiwork.mesh import identity, trust
+
+    ca = trust.init_ca(tmp_path / "ca")
+    state = tmp_path / "state"
+    me = identity.load_or_create_identity(state)
+    key, cert = trust.load_ca(tmp_path / "ca")
+    signer = (key, cert)
+    if other_ca:
+        other = trust.init_ca(tmp_path / "other-ca")
+        signer = trust.load_ca(other.cert_path.parent)
+    pem = trust.sign_request(*signer, trust.make_signing_request(me, "box"), days=days, now=now)
+    (state / trust.NODE_CERT_FILE).write_bytes(pem)
+    return ca.cert_path
+
+
+def _replace_node_key(state: Path) -> None:
+    from viiwork.mesh import identity
+
+    (state / identity.KEY_FILE).unlink()
+    identity.load_or_create_identity(state)
+
+
+MESH_TRUST = [
+    ("enrolled", {}, lambda s: None, set()),
+    ("not-enrolled", {}, lambda s: (s / "node.crt").unlink(), {("mesh.trust", "fail", "node certificate")}),
+    ("other-ca", {"other_ca": True}, lambda s: None, {("mesh.trust", "fail", "node certificate")}),
+    ("expiring", {"days": 7}, lambda s: None, {("mesh.trust", "degraded", "node certificate")}),
+    ("key-readable-by-others", {}, lambda s: (s / "node.key").chmod(0o644), {("mesh.trust", "fail", "node key")}),
+    ("key-of-another-node", {}, _replace_node_key, {("mesh.trust", "fail", "node key")}),
+]
+
+
+@pytest.mark.parametrize(("enrol", "damage", "expected"), [c[1:] for c in MESH_TRUST], ids=[c[0] for c in MESH_TRUST])
+def test_mesh_trust_with_real_certificates(tmp_path, enrol, damage, expected):
+    ca_path = _enrol(tmp_path, **enrol)
+    damage(tmp_path / "state")
+    config = write_config(tmp_path, mesh={"trust": "ca", "ca_certificate": str(ca_path)})
+    facts = host(tmp_path, config, now=dt.datetime.now(dt.timezone.utc))
+    assert found(r for r in derive_conflicts(facts) if r.check == "mesh.trust") == expected
+
+
+def test_expired_certificate_is_a_fail(tmp_path):
+    ca_path = _enrol(tmp_path, days=30)
+    facts = host(tmp_path, write_config(tmp_path, mesh={"trust": "ca", "ca_certificate": str(ca_path)}),
+                 now=dt.datetime.now(dt.timezone.utc))
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=60)
+    from viiwork.agent.facts import read_mesh_facts
+
+    mesh = read_mesh_facts(facts.config.config, tmp_path / "net", later)
+    results = derive_conflicts(HostFacts(later, facts.config, mesh=mesh))
+    (cert,) = [r for r in results if r.subject == "node certificate"]
+    assert cert.verdict is F and "CertificateExpired" in cert.summary
+
+
+# -- the running agent's report (pure, from status documents) -------------------------------
+
+
+def status(models, gpus=None, name="box"):
+    doc = {"node": {"name": name, "version": "0.1.0", "uptime_s": 12.5}, "models": models}
+    if gpus is not None:
+        doc["gpus"] = gpus
+    return doc
+
+
+def backend(state, reason="", progress=-1.0, phase=""):
+    return {"id": f"b-{state}", "state": state, "reason": reason, "progress": progress, "phase": phase}
+
+
+AGENT = [
+    ("all-healthy", status([{"name": "m", "state": "running", "slots": 4, "busy": 1, "backends": [backend("healthy")]}]),
+     set()),
+    ("one-dead-one-healthy", status([{"name": "m", "state": "running", "backends": [backend("healthy"), backend("dead", "exit 1")]}]),
+     {("agent.backends", "degraded", "m")}),
+    ("all-dead", status([{"name": "m", "state": "dead", "backends": [backend("dead", "exited with status 1")]}]),
+     {("agent.backends", "fail", "m")}),
+    ("unhealthy", status([{"name": "m", "state": "running", "backends": [backend("unhealthy", "probe refused")]}]),
+     {("agent.backends", "degraded", "m")}),
+    ("down-on-purpose", status([{"name": "m", "state": "down", "backends": [backend("stopped")]}]), set()),
+    ("starting", status([{"name": "m", "state": "running", "backends": [backend("starting", progress=0.4, phase="loading model")]}]),
+     set()),
+    ("config-not-reloaded", status([{"name": "old", "state": "running", "backends": [backend("healthy")]}]),
+     {("agent.config", "degraded", "")}),
+    ("gpu-vanished", status([{"name": "m", "state": "running", "backends": [backend("healthy")]}],
+                            {"gpus": [], "lost_backends": [{"backend": "m-0", "model": "m", "gpu": "1 (...)", "age_s": 3}],
+                             "placements": []}), {("agent.gpus", "fail", "m-0")}),
+    ("placement-mismatch", status([{"name": "m", "state": "running", "backends": [backend("healthy")]}],
+                                  {"gpus": [{}], "lost_backends": [], "placements": [
+                                      {"backend": "m-0", "verdict": "mismatch", "reason": "runs on GPU(s) it was not given: GPU-b"}]}),
+     {("agent.gpus", "degraded", "m-0")}),
+]
+
+
+@pytest.mark.parametrize(("doc", "expected"), [c[1:] for c in AGENT], ids=[c[0] for c in AGENT])
+def test_agent_checks(tmp_path, doc, expected):
+    base = host(tmp_path, write_config(tmp_path))
+    facts = HostFacts(NOW, base.config, agent=AgentFacts("http://127.0.0.1:8086", True, doc))
+    report = run_checks(facts, [c for c in REGISTRY if c.agent])
+    assert found(r for r in report.results if r.verdict in (D, F)) == expected
+
+
+def test_starting_backend_shows_phase_and_progress(tmp_path):
+    doc = AGENT[5][1]
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.backends"]
+    assert result.summary == "0/1 healthy, ?/? slots busy; starting: loading model 40%"
+
+
+def test_remote_agent_is_not_compared_with_the_local_config(tmp_path):
+    doc = AGENT[6][1]
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://10.1.2.3:8086", True, doc))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.config"]
+    assert result.verdict is S and "not this host" in result.summary
+
+
+def test_agent_down_is_degraded_and_its_checks_skip(tmp_path):
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config,
+                      agent=AgentFacts("http://127.0.0.1:1", False, None, "Connection refused"))
+    report = run_checks(facts, [c for c in REGISTRY if c.agent])
+    assert [(r.check, r.verdict) for r in report.results] == [
+        ("agent.reachable", D), ("agent.backends", S), ("agent.config", S), ("agent.gpus", S)]
+
+
+# -- verdicts, exit codes, crashing checks --------------------------------------------------
+
+
+@pytest.mark.parametrize(("verdicts", "code"), [
+    ([], 0), ([OK], 0), ([OK, S], 0), ([S], 0), ([OK, D], 2), ([D, D, S], 2), ([OK, F], 1), ([D, F], 1), ([F], 1),
+])
+def test_exit_codes(verdicts, code):
+    assert exit_code_for(verdicts) == code
+
+
+def _facts(tmp_path):
+    return host(tmp_path, write_config(tmp_path))
+
+
+def test_a_check_that_raises_becomes_fail(tmp_path):
+    def boom(facts):
+        raise RuntimeError("sysfs exploded")
+
+    def skip(facts):
+        raise Skip("not here")
+
+    def unavailable(facts):
+        raise FactUnavailable("could not read gpus: OSError: boom")
+
+    checks = [Check("t.boom", "boom", boom), Check("t.skip", "skip", skip), Check("t.gone", "gone", unavailable),
+              Check("t.ok", "ok", lambda f: CheckResult("t.ok", OK, "fine"))]
+    report = run_checks(_facts(tmp_path), checks)
+    assert [(r.check, r.verdict) for r in report.results] == [("t.boom", F), ("t.skip", S), ("t.gone", F), ("t.ok", OK)]
+    crashed = report.results[0]
+    assert crashed.summary == "check crashed: RuntimeError: sysfs exploded"
+    assert crashed.consequence and crashed.remedy
+    assert report.exit_code == 1
+
+
+def test_a_section_that_could_not_be_gathered_fails_its_checks_only(tmp_path):
+    base = _facts(tmp_path)
+    facts = HostFacts(NOW, base.config, gpus=None, binaries=base.binaries, model_paths=base.model_paths,
+                      disks=base.disks, errors={"gpus": "PermissionError: /dev/nvidiactl"})
+    report = run_checks(facts, agent=False)
+    by_check = {r.check: r for r in report.results}
+    assert by_check["gpu.nvidia"].verdict is F
+    assert by_check["gpu.nvidia"].summary == "could not read gpus: PermissionError: /dev/nvidiactl"
+    assert by_check["engine.binary"].verdict is OK
+
+
+def test_a_broken_gpu_reader_does_not_stop_gathering(tmp_path):
+    class Exploding:
+        vendor = Vendor.AMD
+
+        def read(self):
+            raise OSError("sysfs went away")
+
+    facts = gather_facts(write_config(tmp_path), gpu_sources=[NvmlReader(ReplayNvml(nvml_recording("nvml-2x-h100"))),
+                                                            Exploding()],
+                         pci_gpus=lambda: (), dev_root=tmp_path, read_versions=False)
+    assert len(facts.gpus.gpus) == 2
+    assert facts.gpus.source(Vendor.AMD).detail == "reader failed: OSError: sysfs went away"
+
+
+def test_every_non_ok_result_says_consequence_and_remedy(tmp_path):
+    results = []
+    for case, kwargs, models, _ in CONFLICTS:
+        sub = tmp_path / case
+        sub.mkdir()
+        results += derive_conflicts(host(sub, write_config(sub, models), **kwargs))
+    assert results
+    for r in results:
+        assert r.consequence and r.remedy, r
+
+
+def test_registry_ids_unique_and_documented():
+    ids = [c.id for c in REGISTRY]
+    assert len(ids) == len(set(ids))
+    for c in REGISTRY:
+        assert c.doc and "**" in c.doc, f"{c.id} has no verdict list in its docstring"
+
+
+def test_docs_doctor_md_is_generated_from_the_registry():
+    doc = REPO / "docs" / "doctor.md"
+    assert doc.read_text() == render_markdown(), (
+        "docs/doctor.md differs from the check registry: run "
+        "`python -m viiwork.agent.doctor --markdown > docs/doctor.md`")
+
+
+# -- viiworkctl doctor as a real subprocess -------------------------------------------------
+
+
+def viiworkctl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VIIWORKCTL), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "160", **(env or {})}, check=False)
+
+
+def test_viiworkctl_doctor_on_this_machine_with_the_agent_down(tmp_path):
+    config = write_config(tmp_path, [model(path=str(tmp_path / "m.gguf"))], port=free_port())
+    done = viiworkctl("doctor", "--config", str(config), "--json")
+    report = json.loads(done.stdout)
+    verdicts = {(r["check"], r["subject"]): r["verdict"] for r in report["results"]}
+    # No GPU here: the GPU checks are ok and say so; the only problem is the stopped agent.
+    assert verdicts[("gpu.nvidia", "")] == "ok" and verdicts[("gpu.amd", "")] == "ok"
+    assert verdicts[("agent.reachable", "")] == "degraded"
+    assert verdicts[("engine.binary", f"llamacpp: {LLAMA}")] == "ok"
+    version = next(r for r in report["results"] if r["check"] == "engine.version")
+    assert version["verdict"] == "ok" and version["summary"].startswith("version: ")
+    assert report["exit_code"] == done.returncode == 2, done.stderr
+    assert report["gpus"]["sources"][0]["detail"].startswith("no NVIDIA driver") or report["gpus"]["gpus"]
+
+
+def test_viiworkctl_doctor_table_without_a_config(tmp_path):
+    done = viiworkctl("doctor", "--config", str(tmp_path / "nope.toml"), "--url", f"http://127.0.0.1:{free_port()}")
+    assert done.returncode == 1, done.stderr
+    assert "fail" in done.stdout and f"{tmp_path / 'nope.toml'} does not exist" in done.stdout
+    assert "remedy: create" in done.stdout
+    assert done.stdout.rstrip().endswith("exit status 1")
+
+
+def test_viiworkctl_doctor_against_a_running_agent(tmp_path):
+    """A real agent with a fake engine: one model healthy, one whose engine cannot start."""
+    engine = fake_engine_binary(tmp_path / "bin")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    models = [
+        {"name": "good", "engine": "llamacpp", "path": str(tmp_path / "m.gguf"), "llamacpp": {"binary": str(engine)}},
+        {"name": "bad", "engine": "llamacpp", "path": str(tmp_path / "m.gguf"), "llamacpp": {"binary": str(engine)},
+         "env": {"FAKE_START_FAIL": "1"}},
+    ]
+    extra = {"health": {"max_respawns": 0}, "supervisor": {"max_parallel_loads": 2}}
+    with run_agent(tmp_path, models, extra=extra) as agent:
+        agent.wait_healthy("good")
+        agent.wait_for(lambda doc: next(m for m in doc["models"] if m["name"] == "bad")["state"] == "dead",
+                       30, "model bad to be dead")
+        done = viiworkctl("doctor", "--config", str(tmp_path / "node-a.toml"), "--json")
+    report = json.loads(done.stdout)
+    by = {(r["check"], r["subject"]): r for r in report["results"]}
+    assert by[("agent.reachable", "")]["verdict"] == "ok"
+    assert by[("agent.backends", "good")]["verdict"] == "ok"
+    assert by[("agent.backends", "bad")]["verdict"] == "fail"
+    assert "viiworkctl up bad" in by[("agent.backends", "bad")]["remedy"]
+    assert by[("agent.config", "")]["verdict"] == "ok"
+    assert done.returncode == report["exit_code"] == 1
+
+
+async def test_startup_conflicts_are_logged(tmp_path, caplog):
+    from viiwork.agent.doctor import async_startup_conflicts
+
+    config = write_config(tmp_path, [model(binary="/nonexistent/llama-server")])
+    with caplog.at_level("WARNING", logger="viiwork.agent.doctor"):
+        conflicts = await async_startup_conflicts(
+            config, gpu_sources=[NvmlReader(ReplayNvml(nvml_recording("nvml-2x-h100")))], pci_gpus=lambda: (),
+            read_versions=False)
+    assert found(conflicts) == {("engine.binary", "fail", "llamacpp: /nonexistent/llama-server"),
+                                ("gpu.cpu_only", "degraded", "")}
+    assert "host conflict engine.binary fail" in caplog.text
+
+
+def test_gpus_module_prints_this_machine(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "viiwork.agent.gpus", "--json"], capture_output=True, text=True,
+                          timeout=60, check=True)
+    doc = json.loads(done.stdout)
+    assert {s["vendor"] for s in doc["sources"]} == {"nvidia", "amd"}
+    assert isinstance(doc["pci"], list)
+
+
+def test_report_for_a_recorded_nvidia_box_is_actionable(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from viiwork.agent.cli.doctor import print_report
+
+    facts = host(tmp_path, write_config(tmp_path), nvml="nvml-gpu-lost")
+    report = run_checks(facts, agent=False)
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    assert "fail gpu.nvidia (GPU 1): the driver reports this GPU lost (fallen off the bus)" in text
+    assert "remedy: check `dmesg` for Xid errors" in text
+    assert "degraded gpu.cpu_only: 1 GPU visible, but every configured model runs on the CPU (1 model)" in text
+    assert text.rstrip().endswith("exit status 1")
