@@ -23,6 +23,7 @@ from viiwork import __version__
 from viiwork.agent.api import ClientApi
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
 from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
+from viiwork.agent.notify import Notifier, finish_supervision, run_status, status_line
 from viiwork.agent.proxy import Upstream
 from viiwork.agent.runners.base import Runner, RunnerError
 from viiwork.agent.supervisor import Supervisor
@@ -87,6 +88,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
     ``source``/``text``: the config's file name and text, for line numbers in errors found
     against this host (GPUs that do not exist).
     """
+    # Reads (and removes from our environment) NOTIFY_SOCKET and the watchdog variables.
+    notifier = Notifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,7 +127,9 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
         await supervisor.start()
-        stack.push_async_callback(supervisor.stop)
+        # On the way out: drain and stop the engines, or leave them running when systemd is
+        # restarting the agent (the next one adopts them): viiwork.agent.notify.
+        stack.push_async_callback(finish_supervision, supervisor, runner, notifier)
         stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         site = web.TCPSite(app_runner, host, port, reuse_address=True)
         try:
@@ -135,8 +140,12 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         log.info("API listening on %s:%d", host, port)
         if ready_banner:
             print(_banner(host, port, config), flush=True)
+        notifier.ready(status_line(supervisor.models))
+        stack.push_async_callback(_cancel, asyncio.create_task(notifier.run_watchdog(), name="watchdog"))
+        stack.push_async_callback(_cancel, asyncio.create_task(
+            run_status(notifier, lambda: status_line(supervisor.models)), name="status"))
         await stop.wait()
-        log.info("stopping: draining and stopping backends")
+        log.info("stopping")
     return 0
 
 

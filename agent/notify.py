@@ -31,18 +31,19 @@ code; its engines keep running and the restarted agent adopts them (``Restart=on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
-from viiwork.agent.runners.base import RunnerError
+from viiwork.agent.backends import BackendState, ModelRuntime
+from viiwork.agent.runners.base import Runner, RunnerError
 from viiwork.agent.runners.systemd import (
     JOB_IFACE,
     MANAGER_IFACE,
@@ -52,6 +53,9 @@ from viiwork.agent.runners.systemd import (
     call,
     get_property,
 )
+
+if TYPE_CHECKING:
+    from viiwork.agent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +167,35 @@ class Notifier:
             self._sock = None
 
 
+async def run_status(notifier: Notifier, line: Callable[[], str], interval_s: float = 5.0) -> None:
+    """Send STATUS=<line()> whenever it changed, checking every ``interval_s``; until cancelled.
+
+    ``line`` must not block (it reads the agent's in-memory picture).
+    """
+    if not notifier.enabled:
+        return
+    last = None
+    while True:
+        text = one_line(line())
+        if text != last:
+            notifier.status(text)
+            last = text
+        await asyncio.sleep(interval_s)
+
+
+def status_line(models: Mapping[str, ModelRuntime], peers: int | None = None) -> str:
+    """The agent's one-line summary: ``"2 models, 3/4 backends healthy, 5/8 slots busy"``
+    (``", 4 peers"`` appended when the mesh runs). Slots and busy count healthy backends."""
+    backends = [b for rt in models.values() for b in rt.backends]
+    healthy = [b for b in backends if b.state is BackendState.HEALTHY]
+    text = (f"{len(models)} model{'' if len(models) == 1 else 's'}, "
+            f"{len(healthy)}/{len(backends)} backends healthy, "
+            f"{sum(b.busy for b in healthy)}/{sum(b.slots for b in healthy)} slots busy")
+    if peers is not None:
+        text += f", {peers} peer{'' if peers == 1 else 's'}"
+    return text
+
+
 def one_line(text: str) -> str:
     """``text`` as one line of at most STATUS_MAX_CHARS characters."""
     flat = " ".join(text.split())
@@ -208,16 +241,32 @@ async def stop_intent(conn: MessageBus, pid: int | None = None, timeout_s: float
     return StopDecision(StopIntent.STOP, f"{unit} has a {job_type} job queued", unit, job_type)
 
 
-async def own_stop_intent(bus: str = "system", address: str | None = None) -> StopDecision:
-    """stop_intent over a fresh connection (the agent's runner may use another bus)."""
-    from viiwork.agent.runners.systemd import open_bus
+async def runner_stop_intent(runner: Runner) -> StopDecision:
+    """What to do with ``runner``'s engines on the way out.
 
-    try:
-        conn = await open_bus(bus, address)  # type: ignore[arg-type]
-    except RunnerError as exc:
-        return StopDecision(StopIntent.STOP, str(exc))
-    try:
-        return await stop_intent(conn)
-    finally:
-        with contextlib.suppress(Exception):
-            conn.disconnect()
+    The systemd runner: ask systemd over the runner's own bus (stop_intent); its engines
+    survive the agent only when a restart is coming. Any other runner: STOP (its engines
+    die with the agent anyway, so they are drained and stopped in order).
+    """
+    bus = getattr(runner, "bus", None)
+    if runner.name != "systemd" or not isinstance(bus, MessageBus):
+        return StopDecision(StopIntent.STOP, f"the {runner.name} runner's engines do not outlive the agent")
+    return await stop_intent(bus)
+
+
+async def finish_supervision(supervisor: Supervisor, runner: Runner, notifier: Notifier) -> StopDecision:
+    """The agent's way out: STOPPING=1, then stop the engines or leave them for the next agent.
+
+    RESTART (runner_stop_intent): ``supervisor.detach()``, engine units keep running and the
+    restarted agent adopts them. STOP: ``supervisor.stop()``, drain and stop every engine.
+    """
+    decision = await runner_stop_intent(runner)
+    if decision.intent is StopIntent.RESTART:
+        log.info("stopping for a restart (%s): engines keep running for the next agent", decision.reason)
+        notifier.stopping("restarting: engines keep running")
+        await supervisor.detach()
+    else:
+        log.info("stopping (%s): draining and stopping engines", decision.reason)
+        notifier.stopping("stopping: draining and stopping engines")
+        await supervisor.stop()
+    return decision

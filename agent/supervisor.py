@@ -174,6 +174,8 @@ class _Control:
     spec: BackendSpec | None = None
     budget_used: int = 0
     task: asyncio.Task[None] | None = None
+    # An engine left running by an earlier agent, taken over at start: (handle, port).
+    adopted: tuple[RunHandle, int] | None = None
 
 
 class Supervisor:
@@ -230,8 +232,62 @@ class Supervisor:
         if self._started:
             raise RuntimeError("Supervisor.start() called twice")
         self._started = True
+        await self._adopt()
         for ctrl in self._controls:
             ctrl.task = asyncio.create_task(self._backend_main(ctrl), name=f"backend {ctrl.backend.id}")
+
+    async def _adopt(self) -> None:
+        """Take over the engines an earlier agent of this node left running (DESIGN §4).
+
+        The runner lists them (``adoptable``: only the systemd runner's outlive an agent). One
+        whose labels name a configured backend with the same config hash is adopted: it is
+        probed like a fresh launch, without the load gate and without a reload. Any other
+        (entry changed, model or backend no longer configured) is stopped.
+        """
+        try:
+            handles = await self.runner.adoptable(self.node_name)
+        except RunnerError as exc:
+            log.warning("cannot list engines left by an earlier agent: %s", exc)
+            return
+        by_key = {(c.runtime.name, str(c.backend.index)): c for c in self._controls}
+        stale: list[tuple[RunHandle, str]] = []
+        for handle in handles:
+            labels = handle.labels
+            ctrl = by_key.get((labels.get("model", ""), labels.get("index", "")))
+            port = labels.get("port", "")
+            if ctrl is None:
+                stale.append((handle, "its model or backend is no longer configured"))
+            elif labels.get("config_hash") != ctrl.config_hash:
+                stale.append((handle, "its config entry changed"))
+            elif not port.isdigit() or ctrl.adopted is not None:
+                stale.append((handle, "it records no usable port"))
+            else:
+                ctrl.adopted = (handle, int(port))
+                log.info("backend %s: adopting %s (pid %s, port %s)", ctrl.backend.id,
+                         handle.unit or "engine", handle.pid, port)
+        for handle, why in stale:
+            log.info("stopping engine %s left by an earlier agent: %s", handle.unit or handle.pid, why)
+        results = await asyncio.gather(*(h.stop(self.config.supervisor.stop_timeout_s) for h, _ in stale),
+                                       return_exceptions=True)
+        for (handle, _), result in zip(stale, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("could not stop engine %s: %s", handle.unit or handle.pid, result)
+
+    async def detach(self) -> None:
+        """End supervision and leave every engine running, for the next agent to adopt.
+
+        For a restart of the agent by systemd (``viiwork.agent.notify.stop_intent``); the
+        engines of a runner whose engines die with the agent are better stopped with stop().
+        """
+        tasks = [c.task for c in self._controls if c.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for ctrl in self._controls:
+            self._discard_exit_task(ctrl)
+            ctrl.handle = None
 
     async def stop(self) -> None:
         """Drain and stop every backend, then end the backend tasks (none is left running)."""
@@ -403,7 +459,9 @@ class Supervisor:
         self._set(ctrl, BackendState.STARTING, phase="waiting for a load slot", progress=-1.0, reason="")
         self._update_model_state(ctrl.runtime)
         ctrl.settled.set()
-        if not await self._acquire_gate(ctrl):
+        # An adopted engine has its model loaded already: it does not wait for the gate.
+        gated = ctrl.adopted is None
+        if gated and not await self._acquire_gate(ctrl):
             return _Stop.COMMAND
         try:
             result = await self._launch_until_ready(ctrl)
@@ -412,7 +470,8 @@ class Supervisor:
                          backend.id, QUICK_EXIT_S, result.reason)
                 result = await self._launch_until_ready(ctrl)
         finally:
-            self._gate.release()
+            if gated:
+                self._gate.release()
         if result is not True:
             return result
         return await self._watch_healthy(ctrl)
@@ -421,9 +480,10 @@ class Supervisor:
         """Launch the engine and probe it until ready; True when ready."""
         backend = ctrl.backend
         model = ctrl.runtime.config
+        adopted, ctrl.adopted = ctrl.adopted, None
         await self._terminate(ctrl, drain=False)
         used = {c.backend.port for c in self._controls if c is not ctrl and c.backend.port is not None}
-        port = free_loopback_port(used)
+        port = adopted[1] if adopted is not None else free_loopback_port(used)
         spec = BackendSpec(
             model=model.name,
             kind=model.kind,
@@ -453,30 +513,38 @@ class Supervisor:
                 "model": model.name,
                 "index": str(backend.index),
                 "config_hash": ctrl.config_hash,
+                "port": str(port),
             },
             log_path=str(Path(self.log_dir) / f"{escape_name(model.name)}-{backend.index}.log"),
             stop_timeout_s=self.config.supervisor.stop_timeout_s,
+            memory_max_bytes=model.memory_max_bytes,
+            cpu_weight=model.cpu_weight,
+            tasks_max=model.tasks_max,
+            sandbox=model.sandbox,
         )
         ctrl.spec = spec
         backend.port = port
         backend.load = None
         backend.load_at = None
         backend.load_stale = False
-        self._set(ctrl, BackendState.STARTING, phase="launching", progress=-1.0, reason="")
-        try:
-            async with asyncio.timeout(RUNNER_START_TIMEOUT_S):
-                handle = await self.runner.start(request)
-        except RunnerError as exc:
-            return _Failure(reason=str(exc))
-        except TimeoutError:
-            return _Failure(reason=f"runner did not start the engine within {RUNNER_START_TIMEOUT_S:.0f} s")
+        self._set(ctrl, BackendState.STARTING, phase="adopting" if adopted else "launching", progress=-1.0, reason="")
+        if adopted is not None:
+            handle = adopted[0]
+        else:
+            try:
+                async with asyncio.timeout(RUNNER_START_TIMEOUT_S):
+                    handle = await self.runner.start(request)
+            except RunnerError as exc:
+                return _Failure(reason=str(exc))
+            except TimeoutError:
+                return _Failure(reason=f"runner did not start the engine within {RUNNER_START_TIMEOUT_S:.0f} s")
         started = time.monotonic()
         ctrl.handle = handle
         ctrl.exit_task = asyncio.ensure_future(handle.wait())
         backend.pid = handle.pid
         backend.unit = handle.unit
         backend.started_at = started
-        log.info("backend %s launched: pid %s, port %d", backend.id, handle.pid, port)
+        log.info("backend %s %s: pid %s, port %d", backend.id, "adopted" if adopted else "launched", handle.pid, port)
 
         timeout_s = model.effective_startup_timeout_s
         deadline = started + timeout_s

@@ -191,10 +191,10 @@ class EngineReplays:
 
 
 def default_spec_shapes(engine: Any, options: BaseModel | None = None) -> list[BackendSpec]:
-    """The spec shapes the kit checks by default: a CPU backend (when the engine implements
-    ``RunsOnCPU``; the kit then also checks a CPU spec is refused when it does not), one
-    GPU, two GPUs on a node with two backends, and an embedding backend; all with operator
-    args. ``options`` defaults to ``engine.options_model()``.
+    """The spec shapes the kit checks by default: a CPU backend, one GPU, two GPUs of a
+    node's two backends, and an embedding backend, all with operator args. The kit builds
+    the CPU shape only for an engine that implements ``RunsOnCPU`` and requires any other
+    engine to refuse it. ``options`` defaults to ``engine.options_model()``.
     """
     opts = options if options is not None else engine.options_model()
     base = BackendSpec(
@@ -717,13 +717,18 @@ async def _check_http(
             ("non-HTTP bytes", await servers.raw("garbage"), http),
             ("hanging server", await servers.raw("hang"), short),
         ]
-        for label, base, session in failures:
-            for check, call in (("probe.transport", probe), ("load.transport", load)):
-                kind, value = await call(f"{check.split('.')[0]}({label})", base, session)
-                if kind == "ok":
-                    out.append(Violation(check, f"{label}: returned {value} instead of raising EngineUnavailable"))
-                elif kind == "raised" and not isinstance(value, EngineUnavailable):
-                    out.append(Violation(check, f"{label}: raised {_exc(value)}, not EngineUnavailable"))
+        calls = [
+            (label, check, call(f"{check.split('.')[0]}({label})", base, session))
+            for label, base, session in failures
+            for check, call in (("probe.transport", probe), ("load.transport", load))
+        ]
+        # Concurrently: the hanging-server pair then costs one timeout, not two.
+        results = await asyncio.gather(*(c for _, _, c in calls))
+        for (label, check, _), (kind, value) in zip(calls, results, strict=True):
+            if kind == "ok":
+                out.append(Violation(check, f"{label}: returned {value} instead of raising EngineUnavailable"))
+            elif kind == "raised" and not isinstance(value, EngineUnavailable):
+                out.append(Violation(check, f"{label}: raised {_exc(value)}, not EngineUnavailable"))
 
 
 async def assert_conforms(engine: Any, replays: EngineReplays, **kwargs: Any) -> None:

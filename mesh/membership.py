@@ -35,11 +35,14 @@ Rules (DESIGN §5, §11.7):
   and one of them is retried every ``reseed_every_rounds`` rounds; with probability
   ``probe_dead_per_round`` one random dead node is probed too, so partitions heal (both
   sides of a partition declare the other dead, and nobody would gossip across otherwise).
-- **Versions**: a node accepts its protocol and the previous one. It answers in the
-  version it was asked in; a message in a version it does not speak gets an empty reply in
-  its own version, from which the sender learns to speak down. A node publishes the
-  lowest version spoken by any live peer (never below the previous one), so during a
-  rolling upgrade everyone can read everyone's summaries.
+- **Versions**: a node accepts its protocol and the previous one. It speaks to a known
+  peer in the newest version both speak (the peer's summary says which it ``speaks``), to
+  an unknown address in its own, and answers in the version it was asked in; a message in
+  a version it does not speak gets an empty reply in its own version, from which the
+  sender learns to speak down (remembered for a minute, then retried, in case the address
+  was upgraded). A node publishes in the newest version that every live peer speaks
+  (never below the previous one), so during a rolling upgrade everyone reads everyone's
+  summaries, and the last old node's departure switches the fleet to the new version.
 - **Bounds**: ``max_peers`` table entries (a tombstone is evicted first, else
   ``too_many_peers``), per-peer message rate (``peer_rate_per_s``, ``peer_burst``), message
   size (``max_message_bytes``; replies fill up to it and leave the rest to later rounds).
@@ -106,8 +109,9 @@ class GossipSettings:
     before a peer is suspect (not routed to) / dead. A summary needs about
     log_fanout(N) + 1 rounds to reach N nodes, so suspect_after should cover a few rounds
     more than that: see docs/mesh.md for measured figures. ``max_peers`` (1024): table
-    bound. ``peer_rate_per_s`` (40) / ``peer_burst`` (80): messages accepted per sending
-    peer (a well-behaved peer sends about 2 per round to any one node). ``tombstone_ttl_ms``
+    bound. ``peer_rate_per_s`` / ``peer_burst``: messages accepted per sending peer; by
+    default 20 rounds' worth (at least 40/s) and twice that as burst: a well-behaved peer
+    sends about 2 per round to any one node. ``tombstone_ttl_ms``
     (1 h): how long dead and left nodes are remembered. ``probe_dead_per_round`` (0.1) and
     ``reseed_every_rounds`` (20): see the module doc.
     """
@@ -117,8 +121,8 @@ class GossipSettings:
     suspect_after_ms: int = 2000
     dead_after_ms: int = 10_000
     max_peers: int = 1024
-    peer_rate_per_s: float = 40.0
-    peer_burst: int = 80
+    peer_rate_per_s: float | None = None
+    peer_burst: int | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tombstone_ttl_ms: int = 3_600_000
     probe_dead_per_round: float = 0.1
@@ -227,6 +231,8 @@ _TRUST_REASONS: dict[type, DropReason] = {
 }
 
 
+PROTOCOL_MEMORY_MS = 60_000
+
 _ROUTINE = frozenset({DropReason.REPLAY, DropReason.OLD_SEQ, DropReason.STALE, DropReason.RATE_LIMITED})
 
 
@@ -271,7 +277,9 @@ class Membership:
         self.orders: Entries = {}
         self._self_with_cert: SignedSummary | None = None
         self.candidates: dict[str, _Candidate] = {}
-        self.peer_protocols: dict[str, int] = {}  # address -> version it answered in
+        # address -> (version it answered in, when): learned from an empty reply in an older
+        # version; forgotten after PROTOCOL_MEMORY_MS so an address upgraded in place is retried.
+        self.peer_protocols: dict[str, tuple[int, float]] = {}
         self.counters = MeshCounters()
         self.self_summary: SignedSummary | None = None
         self.self_published_at = 0.0
@@ -280,7 +288,9 @@ class Membership:
         self.rounds = 0
         self.on_update: list[Callable[[NodeId], None]] = []
         self.on_liveness: list[Callable[[NodeId, Liveness, Liveness], None]] = []
-        self._limiter = PeerRateLimiter(settings.peer_rate_per_s, settings.peer_burst, max_buckets=2 * settings.max_peers)
+        rate = settings.peer_rate_per_s or max(40.0, 20 * 1000.0 / settings.gossip_interval_ms)
+        burst = settings.peer_burst or int(2 * rate)
+        self._limiter = PeerRateLimiter(rate, burst, max_buckets=2 * settings.max_peers)
         self._warned: set[str] = set()
 
     # --- this node ----------------------------------------------------------------------------
@@ -297,12 +307,12 @@ class Membership:
         self.counters.summaries_published += 1
 
     def emit_protocol(self) -> int:
-        """The version to publish in: the lowest spoken by a live peer, clipped to the
-        versions this node speaks."""
+        """The version to publish in: the newest one every live peer speaks (by the
+        ``speaks`` of its summary), never below the previous version."""
         low = self.protocol
         for rec in self.records.values():
             if rec.liveness in (Liveness.ALIVE, Liveness.SUSPECT):
-                low = min(low, rec.summary.payload.protocol)
+                low = min(low, rec.summary.payload.speaks)
         return max(low, self.accepted[0])
 
     # --- liveness -----------------------------------------------------------------------------
@@ -580,7 +590,7 @@ class Membership:
             self._drop(DropReason.UNSUPPORTED_PROTOCOL, sender)
             return None
         if target is not None and reply.protocol < target.protocol:
-            self.peer_protocols[target.address] = reply.protocol
+            self.peer_protocols[target.address] = (reply.protocol, self.clock())
         for reason in reply.rejected:
             self._drop(DropReason(reason), sender)
         now, wall = self.clock(), self.wall_clock()
@@ -680,8 +690,11 @@ class Membership:
 
     def _target_protocol(self, address: str, rec: _Record | None) -> int:
         if rec is not None:
-            return max(min(self.protocol, rec.summary.payload.protocol), self.accepted[0])
-        return self.peer_protocols.get(address, self.protocol)
+            return max(min(self.protocol, rec.summary.payload.speaks), self.accepted[0])
+        learned = self.peer_protocols.get(address)
+        if learned is not None and self.clock() - learned[1] < PROTOCOL_MEMORY_MS:
+            return learned[0]
+        return self.protocol
 
     def select_targets(self) -> list[GossipTarget]:
         """This round's gossip partners (see the module doc)."""

@@ -1,7 +1,8 @@
 """This node's own summaries: content, (generation, seq), signing, heartbeats.
 
 A :class:`LocalPublisher` republishes with ``seq + 1`` whenever the content changed
-(:meth:`LocalPublisher.set_local`) and at least every ``heartbeat_ms`` (peers judge
+(:meth:`LocalPublisher.set_local`) and at every call once 3/4 of ``heartbeat_ms`` passed
+(so at least every ``heartbeat_ms`` when called every round; peers judge
 liveness by seeing ``(generation, seq)`` increase), in the protocol version the membership
 core asks for (:meth:`~viiwork.mesh.membership.Membership.emit_protocol`). When the core
 has seen a genuine summary of this node from a previous run at or above the current
@@ -21,6 +22,8 @@ from viiwork.mesh.signing import Signer
 from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryPayload, sign_payload
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_SLACK = 0.75
 
 
 class LocalPublisher:
@@ -60,7 +63,9 @@ class LocalPublisher:
         speak changed, or the core demands a higher generation; returns the new summary or None."""
         m = self.membership
         protocol = m.emit_protocol()
-        due = self.last is None or m.clock() - m.self_published_at >= self.heartbeat_ms
+        # A round that fires a little early (timers jitter) still heartbeats; otherwise every
+        # early round would halve the heartbeat rate.
+        due = self.last is None or m.clock() - m.self_published_at >= HEARTBEAT_SLACK * self.heartbeat_ms
         if m.required_generation > self.generation:
             self.generation = m.required_generation
             self.seq = 0
@@ -74,7 +79,7 @@ class LocalPublisher:
         if protocol < 2:  # protocol 1 has no fingerprints
             models = tuple(dataclasses.replace(mdl, fingerprint=None) for mdl in models)
         payload = SummaryPayload(
-            protocol=protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
+            protocol=protocol, speaks=m.protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
             state=self.state, models=models,
         )

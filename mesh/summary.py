@@ -19,6 +19,10 @@ Protocol versions (a node accepts the current and the previous one, DESIGN §5):
   models carry no ``fingerprint`` (decoded as None, "unknown") and relayed summaries carry
   no ``age_ms`` (decoded as 0). See :mod:`viiwork.mesh.messages`.
 
+Every version's payload says which version it is in (``protocol``) and the newest version
+its node speaks (``speaks``), so a node that publishes in the previous version during an
+upgrade is still known to speak the current one. A future version must keep both fields.
+
 Ordering between two summaries of one node is by ``(generation, seq)`` only (see
 :mod:`viiwork.mesh.boot`); no timestamps are published.
 """
@@ -110,9 +114,11 @@ class ModelCapacity:
 
 @dataclass(frozen=True, slots=True)
 class SummaryPayload:
-    """The signed content. ``generation``/``seq`` order a node's publications; ``boot`` is
-    the boot nonce (display only); ``api``/``mesh`` are advertised ``host:port`` addresses
-    (``api`` may be "" when the node advertises none)."""
+    """The signed content. ``protocol``: the version this payload is encoded in;
+    ``speaks``: the newest version the node speaks (it may publish in the previous one
+    during a rolling upgrade, see :mod:`viiwork.mesh.membership`); ``generation``/``seq``
+    order a node's publications; ``boot`` is the boot nonce (display only); ``api``/``mesh``
+    are advertised ``host:port`` addresses (``api`` may be "" when the node advertises none)."""
 
     protocol: int
     mesh_id: str
@@ -126,6 +132,11 @@ class SummaryPayload:
     seq: int
     state: PublishedState
     models: tuple[ModelCapacity, ...] = ()
+    speaks: int = 0  # 0: same as ``protocol``
+
+    def __post_init__(self) -> None:
+        if self.speaks == 0:
+            object.__setattr__(self, "speaks", self.protocol)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -171,7 +182,7 @@ _MODEL_KEYS = {
     2: frozenset({"name", "engine", "kind", "slots", "busy", "waiting", "ctx_per_slot", "healthy", "total",
                   "fingerprint"}),
 }
-_PAYLOAD_KEYS = frozenset({"protocol", "mesh_id", "node_id", "name", "api", "mesh", "version", "generation", "boot",
+_PAYLOAD_KEYS = frozenset({"protocol", "speaks", "mesh_id", "node_id", "name", "api", "mesh", "version", "generation", "boot",
                            "seq", "state", "models"})
 
 
@@ -187,7 +198,7 @@ def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
             entry["fingerprint"] = m.fingerprint
         models.append(entry)
     return {
-        "protocol": payload.protocol, "mesh_id": payload.mesh_id, "node_id": payload.node_id, "name": payload.name,
+        "protocol": payload.protocol, "speaks": payload.speaks, "mesh_id": payload.mesh_id, "node_id": payload.node_id, "name": payload.name,
         "api": payload.api, "mesh": payload.mesh, "version": payload.version, "generation": payload.generation,
         "boot": payload.boot, "seq": payload.seq, "state": payload.state.value, "models": models,
     }
@@ -300,8 +311,10 @@ def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
     models = tuple(decode_model(m, protocol, f"payload.models[{i}]") for i, m in enumerate(models_obj))
     if len({m.name for m in models}) != len(models):
         raise MalformedSummary("payload.models: a model name appears twice")
+    speaks = _int(obj, "speaks", "payload.", protocol, 1 << 16)
     return SummaryPayload(
         protocol=protocol,
+        speaks=speaks,
         mesh_id=_str(obj, "mesh_id", "payload.", MAX_LABEL_CHARS * 2),
         node_id=NodeId(node_id),
         name=_str(obj, "name", "payload.", 63),

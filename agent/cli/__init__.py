@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.status",
     "viiwork.agent.cli.config_check",
     "viiwork.agent.cli.doctor",
+    "viiwork.agent.cli.mesh",
 )
 
 

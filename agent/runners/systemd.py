@@ -586,6 +586,11 @@ class SystemdRunner:
         self._tasks: set[asyncio.Task[None]] = set()
         conn.add_message_handler(self._on_message)
 
+    @property
+    def bus(self) -> MessageBus:
+        """The runner's D-Bus connection (for asking systemd about the agent's own unit)."""
+        return self._conn
+
     @classmethod
     async def connect(cls, bus: Literal["system", "user"] = "system", address: str | None = None, *,
                       engine_user: str | None | Literal["auto"] = "auto",

@@ -16,12 +16,13 @@ are reconstructed from that source, not captured, and say so in their names.
   is used rather than ``/health`` because older releases (0.4.x) answered ``/health`` with a
   bare 200 during warm-up.
 - Load: with ``--enable-metrics`` (always passed), ``/metrics`` has the scheduler gauges
-  ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` (names unchanged since 0.3),
-  ``sglang:num_grammar_queue_reqs`` (requests waiting for a grammar to compile, also
-  waiting) and, since 0.5, ``sglang:context_len``. The gauges are set when the scheduler logs
-  its statistics (each prefill batch, every ``decode_log_interval`` decode steps, and at
-  least every 30 s when idle), so they can trail the truth by that much. How label sets are
-  combined: :mod:`viiwork.engines.sglang.metrics`.
+  ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs`` (the names of SGLang's first
+  metrics collector, unchanged since), ``sglang:num_grammar_queue_reqs`` (requests waiting
+  for a grammar to compile, also waiting) and, where published, ``sglang:context_len``. The
+  gauges are set when the scheduler logs its statistics (each prefill batch, every
+  ``decode_log_interval`` decode steps, and at least every 30 s when idle), so they can
+  trail the truth by that much. How label sets are combined:
+  :mod:`viiwork.engines.sglang.metrics`.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class SglangEngine:
         comes from /metrics. A GPU backend gets ``--tp-size len(gpus)`` and the options'
         ``--mem-fraction-static``; SGLang numbers GPUs from 0 inside what the supervisor made
         visible (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES), so no device flag is needed. A
-        CPU backend gets ``--device cpu`` (SGLang's CPU backend) and ``CUDA_VISIBLE_DEVICES=""``.
+        CPU backend gets ``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU backend) and
+        ``CUDA_VISIBLE_DEVICES=""``.
         An embedding backend gets ``--is-embedding``. Operator args go last.
         """
         opts = spec.options if isinstance(spec.options, SglangOptions) else SglangOptions()
@@ -94,7 +96,10 @@ class SglangEngine:
             if opts.mem_fraction_static is not None:
                 argv += ["--mem-fraction-static", f"{opts.mem_fraction_static:g}"]
         else:
+            # 0.5.23 takes its CPU code paths only with SGLANG_USE_CPU_ENGINE=1 (srt/platforms,
+            # srt/utils/common.py is_cpu()); --device cpu alone is not enough.
             argv += ["--device", "cpu"]
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""
         if spec.kind is Kind.EMBEDDING:
             argv.append("--is-embedding")
@@ -102,8 +107,8 @@ class SglangEngine:
         return LaunchCommand(argv=tuple(argv), env=env)
 
     def supports_cpu(self) -> bool:
-        """SGLang has a CPU backend (``--device cpu``; built for x86 CPUs with AMX, per its
-        CPU server documentation)."""
+        """SGLang has a CPU backend on x86-64 and arm64 hosts (``--device cpu`` with
+        ``SGLANG_USE_CPU_ENGINE=1``), which needs SGLang's CPU kernel build installed."""
         return True
 
     def stream_usage_supported(self) -> bool:

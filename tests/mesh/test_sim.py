@@ -114,8 +114,8 @@ def test_restart_that_lost_its_generation_file_recovers():
     # Peers still hold its previous run at generation 1 with a higher seq; the node sees
     # that, moves past it and stores the new generation.
     assert sim.run_until_true(lambda: node.generation == 2, 3_000)
-    converge(sim, 6_000)
-    assert all(sim.knows(o, node, (2, 1)) for o in sim.up_nodes() if o is not node)
+    assert sim.run_until_true(lambda: all(sim.knows(o, node, (2, 1)) for o in sim.up_nodes() if o is not node),
+                              4_000)
 
 
 def test_partition_heals():
@@ -160,9 +160,7 @@ def test_previous_protocol_version_interoperates_during_an_upgrade():
         sim.kill(i)
         sim.restart(i)
         converge(sim, 8_000)
-    sim.run_for(15_000)  # the old versions' records age out of the live set
-    sim.run_for(1_000)
-    assert all(n.publisher.last.payload.protocol == 2 for n in sim.nodes)
+    assert sim.run_until_true(lambda: all(n.publisher.last.payload.protocol == 2 for n in sim.nodes), 5_000)
     converge(sim)
 
 

@@ -402,11 +402,13 @@ def pid1_system(directory: Path, *, v1: Sequence[str] = PID1_V1_CONTROLLERS, hos
             time.sleep(0.02)
         _wait_path(directory / "run" / "systemd" / "private", max(1.0, deadline - time.monotonic()), proc, log)
         system = Pid1System(root=directory, pid=systemd_pid, share=share, name=name)
-        state = system.systemctl("is-system-running", "--wait", check=False,
-                                 timeout_s=max(1.0, deadline - time.monotonic())).stdout.strip()
+        answer = system.systemctl("is-system-running", "--wait", check=False,
+                                  timeout_s=max(1.0, deadline - time.monotonic()))
+        state = answer.stdout.strip()
         if state not in ("running", "degraded"):
-            failed = system.systemctl("list-units", "--failed", "--no-legend", check=False).stdout
-            raise RuntimeError(f"container systemd state {state!r}; failed units:\n{failed}\n{_tail(log)}")
+            failed = system.systemctl("list-units", "--failed", "--no-legend", check=False)
+            raise RuntimeError(f"container systemd state {state!r} ({answer.stderr.strip()}); failed units:\n"
+                               f"{failed.stdout}{failed.stderr}\n{_tail(log)}")
         # PID 1 joins the system bus once dbus.service is up, which can be after "running".
         while "true" not in system.nsenter(
                 "busctl", "--system", "call", "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",

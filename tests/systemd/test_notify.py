@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.engines import FAKE_ENGINE
-from support.procs import free_port
+from support.procs import free_port, wait_http
 from support.systemd import UserManager
 
 from viiwork.agent.notify import Notifier, StopIntent, one_line, stop_intent
@@ -146,6 +146,9 @@ async def test_stop_intent_reads_the_job_queued_for_the_unit(systemd_user: UserM
             description="slow stop", labels={"owner": "n"}, stop_timeout_s=30.0)
         handle = await runner.start(request)
         pid = handle.pid
+        # Serving means its SIGTERM handling is in place (before that, SIGTERM would kill it
+        # at once and the restart job would be over before we look).
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/health")
 
         decision = await stop_intent(conn, pid)
         assert (decision.intent, decision.job_type, decision.unit) == (StopIntent.STOP, None, handle.unit)
@@ -164,6 +167,21 @@ async def test_stop_intent_reads_the_job_queued_for_the_unit(systemd_user: UserM
 
         # A process systemd does not manage: asking fails, and the safe answer is STOP.
         decision = await stop_intent(conn, os.getpid())
+        assert decision.intent is StopIntent.STOP and "could not ask systemd" in decision.reason
+    finally:
+        await runner.close()
+
+
+async def test_runner_stop_intent_depends_on_the_runner(systemd_user: UserManager) -> None:
+    from viiwork.agent.notify import runner_stop_intent
+    from viiwork.agent.runners.process import ProcessRunner
+
+    decision = await runner_stop_intent(ProcessRunner())
+    assert decision.intent is StopIntent.STOP and "process runner" in decision.reason
+    runner = await SystemdRunner.connect("user", systemd_user.bus_address, engine_user=None)
+    try:
+        # This test process is no unit of that manager: asking fails, so STOP.
+        decision = await runner_stop_intent(runner)
         assert decision.intent is StopIntent.STOP and "could not ask systemd" in decision.reason
     finally:
         await runner.close()

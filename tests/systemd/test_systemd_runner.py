@@ -111,7 +111,11 @@ async def test_fake_engine_unit_starts_serves_and_stops(user_runner: SystemdRunn
     # The fake engine exits 0 on SIGTERM.
     assert info.result == "success"
     assert handle.running() is False
-    assert process_gone(pid)
+    # Inactive means the process exited; systemd reaps it right after (a zombie for a moment).
+    deadline = time.monotonic() + 5
+    while not process_gone(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still exists after the unit stopped"
+        await asyncio.sleep(0.02)
     # CollectMode=inactive-or-failed: the unit is gone, not left loaded.
     assert unit_show(systemd_user, handle.unit, "LoadState") == "not-found"
 

@@ -66,7 +66,8 @@ def test_command_single_gpu() -> None:
 def test_command_tensor_parallel_operator_args_last() -> None:
     cmd = ENGINE.build_command(spec(
         gpus=("4", "5", "6", "7"), vendor="nvidia", ctx_per_slot=131072, parallel=64,
-        options=SglangOptions(python="/opt/sglang/bin/python"), args=("--enable-cache-report", "--attention-backend", "fa3"),
+        options=SglangOptions(python="/opt/sglang/bin/python"),
+        args=("--enable-cache-report", "--attention-backend", "fa3"),
     ))
     assert cmd.argv == (
         "/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/Qwen3-8B",
@@ -82,7 +83,7 @@ def test_command_cpu() -> None:
     cmd = ENGINE.build_command(spec(options=SglangOptions(mem_fraction_static=0.5)))
     assert cmd.argv[-2:] == ("--device", "cpu")
     assert "--tp-size" not in cmd.argv and "--mem-fraction-static" not in cmd.argv
-    assert dict(cmd.env) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert dict(cmd.env) == {"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_command_embedding() -> None:

@@ -1,0 +1,464 @@
+"""``MeshNode``: everything the agent needs to join a mesh, wired in a few lines.
+
+    node = MeshNode(MeshSettings.from_config(cfg.mesh, cfg.node, cfg.api.listen, __version__),
+                    provider=lambda: (models_from_loads(), PublishedState.SERVING))
+    await node.start()          # identity, certificates, listener, discovery, gossip
+    node.view()                 # the GET /v1/mesh document
+    node.peers()                # PeerView list for routing
+    await node.stop()           # publishes `leaving`, tells a few peers, stops
+
+``provider`` (optional) is called once per gossip round on the event loop and returns
+``(models, state)``; it must not block. Alternatively call :meth:`MeshNode.set_local_summary`
+whenever capacity changes. The agent may add routes (forwarded requests) to
+:attr:`MeshNode.app` before :meth:`MeshNode.start`; the peer's node id on such a request is
+:func:`viiwork.mesh.transport.peer_of`.
+
+Start-up errors are :class:`MeshStartError` with a message naming the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from aiohttp import web
+from cryptography.hazmat.primitives import serialization
+
+from viiwork.mesh import tls
+from viiwork.mesh.boot import next_boot, store_generation
+from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
+from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
+from viiwork.mesh.membership import GossipSettings, Liveness, Membership, PeerView
+from viiwork.mesh.pins import PINS_FILE, PinStore
+from viiwork.mesh.publisher import LocalPublisher
+from viiwork.mesh.signing import NodeSigner
+from viiwork.mesh.summary import PROTOCOL_VERSION, ModelCapacity, PublishedState
+from viiwork.mesh.transport import GossipClient, MutualTlsSite, gossip_routes
+from viiwork.mesh.trust import (
+    NODE_CERT_FILE,
+    OPEN_NODE_CERT_FILE,
+    CaTrust,
+    OpenTrust,
+    TrustError,
+    certificate_der,
+    issue_open_certificate,
+    load_certificate,
+    open_mesh_ca,
+    utcnow,
+)
+
+log = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT_S = 1.5
+
+
+class MeshStartError(Exception):
+    """The mesh cannot start as configured; the message names the setting and the fix."""
+
+
+def _hostport(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise MeshStartError(f"{what}: expected host:port, got {value!r}")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise MeshStartError(f"{what}: port must be a number in {value!r}") from None
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class MeshSettings:
+    """The mesh's configuration (the agent's ``[mesh]``, ``node`` and ``api.listen``).
+
+    ``listen``: mesh listener ``host:port`` (port 0: any free port, for tests);
+    ``advertise``: host or host:port peers should dial (default: picked, never wildcard,
+    loopback or link-local); ``api_listen``: the client API's ``host:port`` (its port is
+    advertised); ``interfaces``: where mDNS runs (names or IPv4 addresses); ``discovery``:
+    any of "mdns", "seeds"; ``trust``: "ca" (``ca_certificate`` required) or "open"
+    (``mesh_id`` required); ``node_certificate``/``node_key`` default to the state dir.
+    """
+
+    state_dir: Path
+    name: str
+    trust: Literal["ca", "open"]
+    listen: str = "0.0.0.0:8087"
+    advertise: str | None = None
+    api_listen: str = "0.0.0.0:8086"
+    interfaces: tuple[str, ...] = ()
+    discovery: tuple[str, ...] = ("mdns", "seeds")
+    seeds: tuple[str, ...] = ()
+    mesh_id: str | None = None
+    ca_certificate: Path | None = None
+    node_certificate: Path | None = None
+    node_key: Path | None = None
+    gossip: GossipSettings = field(default_factory=GossipSettings)
+    version: str = "0"
+    connect_timeout_s: float = 1.0
+    exchange_timeout_s: float = 2.0
+
+    @classmethod
+    def from_config(cls, mesh: Any, node: Any, api_listen: str, version: str) -> MeshSettings:
+        """From the agent's ``MeshConfig`` and ``NodeConfig`` (read by attribute name, so
+        the mesh does not import the agent)."""
+        return cls(
+            state_dir=Path(node.state_dir), name=node.name, trust=mesh.trust, listen=mesh.listen,
+            advertise=mesh.advertise, api_listen=api_listen, interfaces=tuple(mesh.interfaces),
+            discovery=tuple(mesh.discovery), seeds=tuple(mesh.seeds), mesh_id=mesh.mesh_id,
+            ca_certificate=mesh.ca_certificate, node_certificate=mesh.node_certificate, node_key=mesh.node_key,
+            gossip=GossipSettings(gossip_interval_ms=mesh.gossip_interval_ms, fanout=mesh.fanout,
+                                  suspect_after_ms=mesh.suspect_after_ms, dead_after_ms=mesh.dead_after_ms,
+                                  max_peers=mesh.max_peers),
+            version=version,
+        )
+
+
+Provider = Callable[[], tuple[Iterable[ModelCapacity], PublishedState | str]]
+
+
+class MeshNode:
+    """One node's mesh: identity, trust, listener, discovery and the gossip loop."""
+
+    def __init__(self, settings: MeshSettings, provider: Provider | None = None,
+                 rng: random.Random | None = None):
+        self.settings = settings
+        self.provider = provider
+        self.rng = rng or random.Random()
+        self.app = web.Application(client_max_size=settings.gossip.max_message_bytes + 64 * 1024)
+        self.membership: Membership | None = None
+        self.publisher: LocalPublisher | None = None
+        self.policy: CaTrust | None = None
+        self.server_ssl_context = None
+        self.client_ssl_context = None
+        self.advertised_mesh: str | None = None
+        self.advertised_api: str = ""
+        self.listen_port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: MutualTlsSite | None = None
+        self._client: GossipClient | None = None
+        self._discovery: MdnsDiscovery | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._exchanges: set[asyncio.Task[bool]] = set()
+        self._pins: PinStore | None = None
+        self._started_at = 0.0
+        self._pending: tuple[tuple[ModelCapacity, ...], PublishedState] | None = None
+
+    # --- identity and trust -------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> NodeId:
+        if self.membership is None:
+            raise RuntimeError("call start() first")
+        return self.membership.node_id
+
+    @property
+    def mesh_id(self) -> str:
+        if self.membership is None:
+            raise RuntimeError("call start() first")
+        return self.membership.mesh_id
+
+    def _load_trust(self, identity: Any) -> tuple[CaTrust, Path, bytes]:
+        """(policy, node certificate path, CA PEM for the TLS contexts)."""
+        s = self.settings
+        if s.trust == "ca":
+            if s.ca_certificate is None:
+                raise MeshStartError("mesh.ca_certificate is required with trust = \"ca\" "
+                                     "(create a CA with `viiworkctl mesh ca init --out DIR`)")
+            try:
+                ca_cert = load_certificate(s.ca_certificate)
+                policy = CaTrust(ca_cert)
+            except TrustError as exc:
+                raise MeshStartError(f"mesh.ca_certificate: {exc}") from None
+            cert_path = Path(s.node_certificate or Path(s.state_dir) / NODE_CERT_FILE)
+            if not cert_path.exists():
+                raise MeshStartError(
+                    f"no node certificate at {cert_path}: enrol this node with `viiworkctl mesh request` "
+                    "(then `mesh sign` on the CA host and `mesh install CERT` here), or `viiworkctl mesh enroll "
+                    "--ca DIR` in a lab")
+            try:
+                info = policy.verify_certificate(certificate_der(cert_path.read_bytes()), utcnow())
+            except (TrustError, ValueError) as exc:
+                raise MeshStartError(f"node certificate {cert_path}: {exc}") from None
+            if info.node_id != identity.node_id:
+                raise MeshStartError(f"node certificate {cert_path} is for node {info.node_id}, but this node's key "
+                                     f"is {identity.node_id}: enrol again (`viiworkctl mesh request`)")
+            return policy, cert_path, policy.ca_pem
+        if not s.mesh_id:
+            raise MeshStartError("mesh.mesh_id is required with trust = \"open\"")
+        log.warning("mesh trust is OPEN: any host that knows mesh id %r (it is broadcast by mDNS) can join this "
+                    "mesh and receive forwarded prompts; use trust = \"ca\" outside a lab", s.mesh_id)
+        self._pins = PinStore(Path(s.state_dir) / PINS_FILE)
+        policy = OpenTrust(s.mesh_id, self._pins)
+        cert_path = Path(s.state_dir) / OPEN_NODE_CERT_FILE
+        cert_path.write_bytes(issue_open_certificate(identity, s.name, s.mesh_id))
+        cert_path.chmod(0o644)
+        ca_pem = open_mesh_ca(s.mesh_id)[1].public_bytes(serialization.Encoding.PEM)
+        return policy, cert_path, ca_pem
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load or create the identity, check certificates, bind the listener, start
+        discovery and the gossip loop. Raises MeshStartError naming what to fix."""
+        s = self.settings
+        try:
+            identity = await asyncio.to_thread(load_or_create_identity, Path(s.state_dir), s.node_key)
+            boot = await asyncio.to_thread(next_boot, Path(s.state_dir))
+        except IdentityError as exc:
+            raise MeshStartError(str(exc)) from None
+        policy, cert_path, ca_pem = await asyncio.to_thread(self._load_trust, identity)
+        self.policy = policy
+        key_path = identity.key_path
+        try:
+            self.server_ssl_context = tls.server_context(cert_path, key_path, ca_pem)
+            self.client_ssl_context = tls.client_context(cert_path, key_path, ca_pem)
+        except (OSError, ValueError) as exc:
+            raise MeshStartError(f"cannot load the node certificate/key for TLS: {exc}") from None
+        cert_der = certificate_der(cert_path.read_bytes())
+
+        membership = Membership(identity.node_id, policy.mesh_id, cert_der, policy, s.gossip, _monotonic_ms, utcnow,
+                                random.Random(self.rng.random()), protocol=PROTOCOL_VERSION)
+        self.membership = membership
+        for route in gossip_routes(membership):
+            self.app.router.add_route(route.method, route.path, route.handler)
+
+        listen_host, listen_port = _hostport(s.listen, "mesh.listen")
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._site = MutualTlsSite(self._runner, listen_host, listen_port, self.server_ssl_context,
+                                   on_handshake_failure=self._handshake_failed)
+        try:
+            await self._site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise MeshStartError(f"mesh.listen {s.listen}: cannot bind: {exc.strerror or exc}") from None
+        self.listen_port = self._site.port
+
+        api_host, api_port = _hostport(s.api_listen, "api.listen")
+        adv_host, adv_port = self._advertise(listen_host)
+        if adv_host is None:
+            log.warning("mesh: no advertisable address (wildcard, loopback and link-local are never advertised): "
+                        "set mesh.advertise; peers cannot dial this node, it only dials out")
+            self.advertised_mesh = ""
+        else:
+            self.advertised_mesh = _join(adv_host, adv_port or self.listen_port)
+            api_adv = api_host if api_host not in ("0.0.0.0", "::", "") else adv_host
+            self.advertised_api = _join(api_adv, api_port)
+
+        self.publisher = LocalPublisher(
+            membership, NodeSigner(identity, cert_der), s.name, api=self.advertised_api,
+            mesh=self.advertised_mesh or _join("0.0.0.0", self.listen_port), version=s.version, boot=boot,
+            heartbeat_ms=s.gossip.heartbeat_ms,
+            store_generation=lambda g: store_generation(Path(s.state_dir), g))
+        self._refresh_local()
+        self.publisher.maybe_publish(force=True)
+
+        self._client = GossipClient(membership, self.client_ssl_context, s.connect_timeout_s, s.exchange_timeout_s)
+        await self._client.start()
+        if "seeds" in s.discovery:
+            for seed in s.seeds:
+                membership.add_candidate(seed, source="seed")
+        if "mdns" in s.discovery and adv_host is not None:
+            self._discovery = MdnsDiscovery(
+                node_id=identity.node_id, mesh_id=policy.mesh_id, protocol=PROTOCOL_VERSION, advertise_host=adv_host,
+                mesh_port=adv_port or self.listen_port, api_port=api_port, interfaces=list(s.interfaces),
+                on_found=lambda address, nid: membership.add_candidate(address, nid, source="mdns"),
+                on_lost=membership.remove_candidate)
+            try:
+                await self._discovery.start()
+            except (DiscoveryError, OSError) as exc:
+                await self.stop(leave=False)
+                raise MeshStartError(f"mDNS: {exc}") from None
+        self._started_at = time.monotonic()
+        self._loop_task = asyncio.get_running_loop().create_task(self._gossip_loop(), name="mesh-gossip")
+        log.info("mesh: node %s (%s) in mesh %s (%s trust), listening on %s, advertising %s",
+                 s.name, identity.node_id, policy.mesh_id, s.trust, _join(listen_host, self.listen_port),
+                 self.advertised_mesh or "nothing")
+
+    def _advertise(self, listen_host: str) -> tuple[str | None, int | None]:
+        s = self.settings
+        adv = s.advertise
+        adv_port = None
+        if adv and adv.count(":") == 1 and adv.rpartition(":")[2].isdigit():
+            adv, adv_port = adv.rpartition(":")[0], int(adv.rpartition(":")[2])
+        host = pick_advertised_host(listen_host, adv, list(s.interfaces))
+        if host is not None and not s.advertise and not is_advertisable(host):
+            host = None
+        return host, adv_port
+
+    def _handshake_failed(self, peer: Any, exc: BaseException) -> None:
+        if self.membership is not None:
+            self.membership.counters.transport["handshake_failed"] += 1
+
+    async def stop(self, leave: bool = True) -> None:
+        """Stop. With ``leave``, first publish ``leaving`` and push it to up to ``fanout``
+        peers (bounded by LEAVE_TIMEOUT_S), so they see ``left`` at once."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        if leave and self.publisher is not None and self.membership is not None and self._client is not None:
+            self.publisher.set_local(self.publisher.models, PublishedState.LEAVING)
+            self.publisher.maybe_publish(force=True)
+            targets = [t for t in self.membership.select_targets() if t.node_id is not None]
+            if targets:
+                try:
+                    async with asyncio.timeout(LEAVE_TIMEOUT_S):
+                        await asyncio.gather(*(self._client.exchange(t) for t in targets))
+                except TimeoutError:
+                    log.info("mesh: leave announcement timed out; peers will notice by silence")
+        for task in list(self._exchanges):
+            task.cancel()
+        if self._exchanges:
+            await asyncio.gather(*self._exchanges, return_exceptions=True)
+        if self._discovery is not None:
+            await self._discovery.stop()
+            self._discovery = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._pins is not None:
+            await asyncio.to_thread(self._pins.save)
+
+    # --- the gossip loop ----------------------------------------------------------------------
+
+    async def _gossip_loop(self) -> None:
+        m, pub, client = self.membership, self.publisher, self._client
+        assert m is not None and pub is not None and client is not None
+        interval_s = self.settings.gossip.gossip_interval_ms / 1000.0
+        max_in_flight = 4 * self.settings.gossip.fanout + 4
+        while True:
+            self._refresh_local()
+            pub.maybe_publish()
+            for target in m.select_targets():
+                if len(self._exchanges) >= max_in_flight:
+                    m.counters.transport["exchange_skipped_busy"] += 1
+                    break
+                task = asyncio.get_running_loop().create_task(client.exchange(target))
+                self._exchanges.add(task)
+                task.add_done_callback(self._exchanges.discard)
+            if self._pins is not None and self._pins.dirty:
+                await asyncio.to_thread(self._pins.save)
+            # Jitter keeps nodes started together from gossiping in lockstep.
+            await asyncio.sleep(interval_s * self.rng.uniform(0.9, 1.1))
+
+    def _refresh_local(self) -> None:
+        if self.publisher is None:
+            return
+        if self.provider is not None:
+            try:
+                models, state = self.provider()
+                self.publisher.set_local(models, state)
+            except Exception:  # noqa: BLE001 - a failing provider must not stop gossip
+                log.exception("mesh: the capacity provider failed; publishing the last known capacity")
+        elif self._pending is not None:
+            self.publisher.set_local(*self._pending)
+            self._pending = None
+
+    def set_local_summary(self, models: Iterable[ModelCapacity], state: PublishedState | str = "serving") -> None:
+        """New local capacity; published at once (before the next round) when started."""
+        models, state = tuple(models), PublishedState(state)
+        if self.publisher is None:
+            self._pending = (models, state)
+            return
+        self.publisher.set_local(models, state)
+        self.publisher.maybe_publish()
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def peers(self) -> list[PeerView]:
+        """Every known peer with liveness and age (for routing: route to ``alive`` peers whose
+        ``age_ms`` is below the routing freshness bound)."""
+        return [] if self.membership is None else self.membership.peers()
+
+    def subscribe(self, on_update: Callable[[NodeId], None]) -> None:
+        """Call ``on_update(node_id)`` (on the loop, must not block) after a newer summary of
+        a peer is accepted: the router can dispatch queued requests on fresh capacity."""
+        if self.membership is None:
+            raise RuntimeError("call start() first")
+        self.membership.on_update.append(on_update)
+
+    def counters(self) -> dict[str, Any]:
+        """Mesh counters (messages/bytes in and out, drops by reason, transport events)."""
+        if self.membership is None:
+            return {}
+        out = self.membership.counters.as_dict()
+        policy = self.policy
+        if policy is not None:
+            out["verifications"] = {"certificate_chain": policy.chain_verifications,
+                                    "signature": policy.signature_verifications}
+        return out
+
+    def view(self) -> dict[str, Any]:
+        """The ``GET /v1/mesh`` document:
+
+        ``{"self": {...}, "nodes": [{"id", "name", "api", "mesh", "liveness", "state",
+        "age_ms", "trust", "protocol", "version", "generation", "boot", "seq", "rtt_ms",
+        "certificate_not_after", "models": [{"name", "engine", "kind", "slots", "busy",
+        "waiting", "ctx_per_slot", "healthy", "total", "fingerprint", "conflict"}]}],
+        "conflicts": [{"model", "nodes": {node_id: fingerprint}}], "counters": {...}}``.
+        ``liveness`` (what this node observes) is alive|suspect|dead|left; ``state`` (what
+        the peer publishes) serving|draining|leaving; ``waiting`` null means unknown.
+        """
+        m, pub = self.membership, self.publisher
+        if m is None or pub is None or pub.last is None:
+            return {"self": None, "nodes": [], "conflicts": [], "counters": {}}
+        conflicts = m.model_conflicts()
+        trust = self.settings.trust
+        own = pub.last.payload
+        me = {
+            "id": own.node_id, "name": own.name, "api": own.api, "mesh": own.mesh, "mesh_id": m.mesh_id,
+            "trust": trust, "protocol": own.protocol, "speaks": own.speaks, "version": own.version,
+            "generation": own.generation, "boot": own.boot, "seq": own.seq, "state": own.state.value,
+            "listen_port": self.listen_port, "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
+            "models": [_model_doc(x, own.node_id, conflicts) for x in own.models],
+        }
+        order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.LEFT: 2, Liveness.DEAD: 3}
+        nodes = []
+        for p in sorted(m.peers(), key=lambda p: (order[p.liveness], p.name, p.node_id)):
+            nodes.append({
+                "id": p.node_id, "name": p.name, "api": p.api, "mesh": p.mesh, "liveness": p.liveness.value,
+                "state": p.state.value, "age_ms": p.age_ms, "trust": trust, "protocol": p.protocol,
+                "version": p.version, "generation": p.generation, "boot": p.boot, "seq": p.seq,
+                "rtt_ms": None if p.rtt_ms is None else round(p.rtt_ms, 2),
+                "certificate_not_after": _iso(p.certificate_not_after),
+                "models": [_model_doc(x, p.node_id, conflicts) for x in p.models],
+            })
+        return {
+            "self": me, "nodes": nodes,
+            "conflicts": [{"model": name, "nodes": fps} for name, fps in sorted(conflicts.items())],
+            "counters": self.counters(),
+        }
+
+
+def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any, str]]) -> dict[str, Any]:
+    return {
+        "name": model.name, "engine": model.engine, "kind": model.kind, "slots": model.slots, "busy": model.busy,
+        "waiting": model.waiting, "ctx_per_slot": model.ctx_per_slot, "healthy": model.healthy,
+        "total": model.total, "fingerprint": model.fingerprint,
+        "conflict": model.name in conflicts and node_id in conflicts[model.name],
+    }
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _monotonic_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+__all__ = ["MeshNode", "MeshSettings", "MeshStartError"]

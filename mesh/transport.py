@@ -1,0 +1,285 @@
+"""The thin asyncio layer around the protocol core: the mutual-TLS mesh listener and the
+gossip client.
+
+**Listener.** An aiohttp application (gossip endpoints below, plus whatever routes the
+agent adds, e.g. forwarded requests) served by :class:`MutualTlsSite`: a plain TCP server
+whose connections do their TLS handshake explicitly (``loop.start_tls``) before aiohttp's
+request handler sees them. That way every failed handshake (no client certificate, another
+CA's, an expired one, garbage, a timeout) is counted (``transport.handshake_failed``) and
+logged once per address at WARNING, which asyncio's built-in server TLS cannot do. The
+verified peer's node id is put on the request (:func:`peer_of`).
+
+Endpoints (POST, body and answer are :mod:`viiwork.mesh.messages` JSON):
+
+- ``/mesh/v1/exchange``: a digest in, the reply out (200), or 400 when dropped;
+- ``/mesh/v1/push``: a push in, 204, or 400 when dropped.
+
+**Client.** :class:`GossipClient` runs one exchange per target (digest, reply, push) over a
+pooled HTTPS connection presenting this node's certificate, each bounded by
+``exchange_timeout_s`` (connect ``connect_timeout_s``), all of a round in parallel: a dead
+or slow peer costs one timed-out task, never the round or the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.web_runner import BaseRunner, BaseSite
+
+from viiwork.mesh.counters import DropReason
+from viiwork.mesh.identity import NodeId
+from viiwork.mesh.membership import GossipTarget, Membership
+from viiwork.mesh.tls import peer_node_id
+
+log = logging.getLogger(__name__)
+
+EXCHANGE_PATH = "/mesh/v1/exchange"
+PUSH_PATH = "/mesh/v1/push"
+HANDSHAKE_TIMEOUT_S = 5.0
+PEER_KEY: web.AppKey[Callable[[web.Request], NodeId | None]] = web.AppKey("viiwork_mesh_peer_of")
+
+
+def peer_of(request: web.Request) -> NodeId | None:
+    """The node id of the verified client certificate of a request on the mesh listener."""
+    transport = request.transport
+    return None if transport is None else peer_node_id(transport.get_extra_info("ssl_object"))
+
+
+class _Buffer(asyncio.Protocol):
+    """Holds application data that arrives between the end of the handshake and the
+    hand-over to the request handler."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.eof = False
+        self.lost: BaseException | None | bool = False
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = exc if exc is not None else True
+
+
+class _TlsGate(asyncio.Protocol):
+    """Accepts one TCP connection, performs the server-side TLS handshake, then hands the
+    TLS transport to aiohttp's request handler."""
+
+    def __init__(self, site: MutualTlsSite):
+        self._site = site
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        # No byte of the ClientHello may land here: start_tls takes over reading.
+        transport.pause_reading()
+        self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
+        self._site._tasks.add(self._task)
+        self._task.add_done_callback(self._site._tasks.discard)
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        loop = asyncio.get_running_loop()
+        peer = transport.get_extra_info("peername")
+        buffer = _Buffer()
+        try:
+            tls = await loop.start_tls(transport, buffer, self._site.ssl_context, server_side=True,
+                                       ssl_handshake_timeout=self._site.handshake_timeout_s)
+        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError, RuntimeError) as exc:
+            self._site.handshake_failed(peer, exc)
+            transport.close()
+            return
+        if tls is None:  # the peer went away during the handshake
+            self._site.handshake_failed(peer, ConnectionError("closed during handshake"))
+            return
+        handler = self._site.server_factory()
+        tls.set_protocol(handler)
+        handler.connection_made(tls)
+        for chunk in buffer.chunks:
+            handler.data_received(chunk)
+        if buffer.eof:
+            handler.eof_received()
+        if buffer.lost is not False:
+            handler.connection_lost(None if buffer.lost is True else buffer.lost)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:  # pragma: no cover - reading is paused
+        pass
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        pass
+
+
+class MutualTlsSite(BaseSite):
+    """An aiohttp site on ``host:port`` whose connections must complete mutual TLS with
+    ``ssl_context`` (see the module doc). ``on_handshake_failure(peer, exc)`` is called for
+    every failed handshake. ``port`` 0 binds a free port (see :attr:`port`)."""
+
+    def __init__(self, runner: BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext,
+                 on_handshake_failure: Callable[[Any, BaseException], None] | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, backlog: int = 128):
+        super().__init__(runner, backlog=backlog)
+        self.host, self._port = host, port
+        self.ssl_context = ssl_context
+        self.handshake_timeout_s = handshake_timeout_s
+        self._on_failure = on_handshake_failure
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._warned: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return f"https://{self.host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        if self._server is not None and self._server.sockets:
+            return int(self._server.sockets[0].getsockname()[1])
+        return self._port
+
+    @property
+    def server_factory(self) -> Callable[[], asyncio.Protocol]:
+        server = self._runner.server
+        assert server is not None, "call runner.setup() before starting the site"
+        return server  # type: ignore[return-value]
+
+    def handshake_failed(self, peer: Any, exc: BaseException) -> None:
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if host not in self._warned and len(self._warned) < 10_000:
+            self._warned.add(host)
+            log.warning("mesh listener: TLS handshake from %s failed: %s", host, exc)
+        else:
+            log.debug("mesh listener: TLS handshake from %s failed: %s", host, exc)
+        if self._on_failure is not None:
+            self._on_failure(peer, exc)
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _TlsGate(self), self.host, self._port,
+                                                backlog=self._backlog, reuse_address=True)
+
+    async def stop(self) -> None:
+        await super().stop()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def gossip_routes(membership: Membership) -> list[web.RouteDef]:
+    """The gossip endpoints for ``membership`` (added to the listener's application)."""
+
+    async def read_body(request: web.Request) -> bytes | None:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            membership.counters.drop(DropReason.OVERSIZED)
+            return None
+
+    async def exchange(request: web.Request) -> web.Response:
+        body = await read_body(request)
+        if body is None:
+            return web.Response(status=413)
+        reply = membership.on_digest_bytes(peer_of(request), body)
+        if reply is None:
+            return web.Response(status=400)
+        return web.Response(body=reply, content_type="application/json")
+
+    async def push(request: web.Request) -> web.Response:
+        body = await read_body(request)
+        if body is None:
+            return web.Response(status=413)
+        return web.Response(status=204 if membership.on_push_bytes(peer_of(request), body) else 400)
+
+    return [web.post(EXCHANGE_PATH, exchange), web.post(PUSH_PATH, push)]
+
+
+class GossipClient:
+    """Dials peers over mutual TLS and runs exchanges for ``membership`` (see module doc)."""
+
+    def __init__(self, membership: Membership, ssl_context: ssl.SSLContext, connect_timeout_s: float = 1.0,
+                 exchange_timeout_s: float = 2.0):
+        self.membership = membership
+        self.ssl_context = ssl_context
+        self.connect_timeout_s = connect_timeout_s
+        self.exchange_timeout_s = exchange_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._warned: set[str] = set()
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(ssl=self.ssl_context, limit=256, limit_per_host=2, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(total=self.exchange_timeout_s, sock_connect=self.connect_timeout_s)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _url(self, address: str, path: str) -> str:
+        return f"https://{address}{path}"
+
+    async def exchange(self, target: GossipTarget) -> bool:
+        """One exchange with ``target``; True when it completed. Never raises for network
+        or peer faults (counted in ``transport``: exchange_failed, exchange_timeout)."""
+        m = self.membership
+        counters = m.counters.transport
+        if self._session is None:
+            raise RuntimeError("call GossipClient.start() first")
+        try:
+            async with asyncio.timeout(self.exchange_timeout_s):
+                started = time.monotonic()
+                digest = m.digest_bytes(target)
+                async with self._session.post(self._url(target.address, EXCHANGE_PATH), data=digest,
+                                              headers={"Content-Type": "application/json"}) as resp:
+                    peer = _response_peer(resp)
+                    body = await resp.read()
+                    status = resp.status
+                rtt_ms = (time.monotonic() - started) * 1000.0
+                if status != 200:
+                    counters["exchange_refused"] += 1
+                    self._warn(target.address, f"answered {status}")
+                    return False
+                if peer is not None:
+                    m.note_rtt(peer, rtt_ms)
+                push = m.on_reply_bytes(peer, body, target)
+                if push is not None:
+                    async with self._session.post(self._url(target.address, PUSH_PATH), data=push,
+                                                  headers={"Content-Type": "application/json"}) as resp:
+                        await resp.read()
+                        if resp.status != 204:
+                            counters["push_refused"] += 1
+                counters["exchanges_ok"] += 1
+                return True
+        except TimeoutError:
+            counters["exchange_timeout"] += 1
+            self._warn(target.address, "timed out", debug=True)
+        except (aiohttp.ClientError, OSError, ssl.SSLError) as exc:
+            counters["exchange_failed"] += 1
+            self._warn(target.address, f"{type(exc).__name__}: {exc}", debug=True)
+        return False
+
+    def _warn(self, address: str, what: str, debug: bool = False) -> None:
+        # Dead peers are routine (their death is what liveness reports): DEBUG. Refusals
+        # from a live peer are worth one WARNING per address.
+        if not debug and address not in self._warned and len(self._warned) < 10_000:
+            self._warned.add(address)
+            log.warning("gossip with %s: %s", address, what)
+        else:
+            log.debug("gossip with %s: %s", address, what)
+
+
+def _response_peer(resp: aiohttp.ClientResponse) -> NodeId | None:
+    conn = resp.connection
+    if conn is None or conn.transport is None:
+        return None
+    return peer_node_id(conn.transport.get_extra_info("ssl_object"))

@@ -1,0 +1,181 @@
+"""Mesh benchmark with real processes: N MeshNodes on 127.0.0.1, real mutual TLS, real Ed25519.
+
+Each node is tests/support/mesh_runner.py (open trust, seeds only: node 0 is everyone's
+seed) with the default gossip settings (500 ms rounds, fanout 3, suspect 2 s, dead 10 s)
+unless overridden. Prints:
+
+- join: time until every node sees every other as alive (after the last process is up);
+- change p50/p99: a node changes its published load; time until each other node shows it
+  (polled every 50 ms over HTTP, so figures carry up to ~50 ms of polling delay);
+- per node, steady state over ``--steady-s``: CPU (user+sys of the whole process: Python,
+  TLS, HTTP, JSON and crypto), bytes sent, signature verifications per second, and the
+  share of CPU those verifications cost (Ed25519 verify timed here);
+- not-alive / dead: from SIGKILL of one node until each other node shows it suspect / dead.
+
+Usage: .venv/bin/python tests/bench/bench_mesh_processes.py [--nodes 10] [--steady-s 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+RUNNER = Path(__file__).resolve().parent.parent / "support" / "mesh_runner.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return json.load(resp)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+
+def ed25519_verify_us(n: int = 2000) -> float:
+    key = Ed25519PrivateKey.generate()
+    pub, data = key.public_key(), b"x" * 600
+    sig = key.sign(data)
+    started = time.perf_counter()
+    for _ in range(n):
+        pub.verify(sig, data)
+    return (time.perf_counter() - started) / n * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=10)
+    ap.add_argument("--steady-s", type=float, default=20.0)
+    ap.add_argument("--interval-ms", type=int, default=500)
+    ap.add_argument("--suspect-ms", type=int, default=2000)
+    ap.add_argument("--dead-ms", type=int, default=10000)
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
+    seed_port = free_port()
+    procs, infos = [], []
+    try:
+        for i in range(args.nodes):
+            argv_i = [sys.executable, str(RUNNER), "--state", str(tmp / f"n{i}"), "--name", f"n{i}", "--trust", "open",
+                      "--mesh-id", "bench", "--discovery", "seeds", "--model", f"m{i}",
+                      "--interval-ms", str(args.interval_ms), "--suspect-ms", str(args.suspect_ms),
+                      "--dead-ms", str(args.dead_ms)]
+            if i == 0:
+                argv_i += ["--mesh-port", str(seed_port)]
+            else:
+                argv_i += ["--seeds", f"127.0.0.1:{seed_port}"]
+            proc = subprocess.Popen(argv_i, stdout=subprocess.PIPE, stderr=open(tmp / f"n{i}.log", "wb"))
+            procs.append(proc)
+            infos.append(json.loads(proc.stdout.readline()))
+        urls = [f"http://127.0.0.1:{info['api_port']}" for info in infos]
+        up_at = time.monotonic()
+
+        def alive_counts() -> list[int]:
+            return [sum(1 for n in get(u + "/v1/mesh")["nodes"] if n["liveness"] == "alive") for u in urls]
+
+        while min(alive_counts()) < args.nodes - 1:
+            if time.monotonic() - up_at > 60:
+                raise SystemExit("did not converge in 60 s")
+            time.sleep(0.05)
+        join_s = time.monotonic() - up_at
+
+        # Capacity changes.
+        change_ms: list[float] = []
+        for k, origin in enumerate([1, args.nodes // 2, args.nodes - 1, 2, 3]):
+            origin %= args.nodes
+            busy = 1 + k % 3
+            post(urls[origin] + "/v1/busy", {"busy": busy})
+            t0 = time.monotonic()
+            pending = {i for i in range(args.nodes) if i != origin}
+            node_id = infos[origin]["node_id"]
+            while pending and time.monotonic() - t0 < 20:
+                for i in list(pending):
+                    doc = get(urls[i] + "/v1/mesh")
+                    if any(n["id"] == node_id and n["models"][0]["busy"] == busy for n in doc["nodes"]):
+                        change_ms.append((time.monotonic() - t0) * 1000)
+                        pending.discard(i)
+                time.sleep(0.05)
+
+        # Steady state cost.
+        before = [get(u + "/v1/counters") for u in urls]
+        time.sleep(args.steady_s)
+        after = [get(u + "/v1/counters") for u in urls]
+        cpu = [(a["cpu_s"] - b["cpu_s"]) / args.steady_s for a, b in zip(after, before)]
+        sent = [(a["bytes_out"] - b["bytes_out"]) / args.steady_s for a, b in zip(after, before)]
+        verif = [(a["verifications"]["signature"] - b["verifications"]["signature"]) / args.steady_s
+                 for a, b in zip(after, before)]
+        verify_us = ed25519_verify_us()
+
+        # Crash detection.
+        victim = args.nodes - 1
+        victim_id = infos[victim]["node_id"]
+        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].wait(10)
+        t_kill = time.monotonic()
+        not_alive: dict[int, float] = {}
+        dead: dict[int, float] = {}
+        while len(dead) < args.nodes - 1 and time.monotonic() - t_kill < args.dead_ms / 1000 + 30:
+            for i in range(args.nodes - 1):
+                for n in get(urls[i] + "/v1/mesh")["nodes"]:
+                    if n["id"] != victim_id:
+                        continue
+                    now_ms = (time.monotonic() - t_kill) * 1000
+                    if n["liveness"] != "alive":
+                        not_alive.setdefault(i, now_ms)
+                    if n["liveness"] == "dead":
+                        dead.setdefault(i, now_ms)
+            time.sleep(0.05)
+
+        rows = {
+            "nodes": args.nodes, "join_s": round(join_s, 2),
+            "change_p50_ms": round(pct(change_ms, 0.5)), "change_p99_ms": round(pct(change_ms, 0.99)),
+            "cpu_per_node_%": round(100 * statistics.mean(cpu), 2),
+            "bytes_sent_per_node_s": round(statistics.mean(sent)),
+            "sig_verif_per_node_s": round(statistics.mean(verif), 1),
+            "ed25519_verify_us": round(verify_us, 1),
+            "verify_cpu_%": round(100 * statistics.mean(verif) * verify_us / 1e6, 3),
+            "not_alive_p50_ms": round(pct(list(not_alive.values()), 0.5)),
+            "not_alive_p99_ms": round(pct(list(not_alive.values()), 0.99)),
+            "dead_p50_ms": round(pct(list(dead.values()), 0.5)), "dead_p99_ms": round(pct(list(dead.values()), 0.99)),
+        }
+        print("| " + " | ".join(rows) + " |")
+        print("|" + "---|" * len(rows))
+        print("| " + " | ".join(str(v) for v in rows.values()) + " |")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

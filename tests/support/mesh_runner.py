@@ -1,0 +1,113 @@
+"""Run one MeshNode in its own process, with a loopback HTTP API that serves ``GET /v1/mesh``
+(as the agent will), for the real-process mesh tests and the real-process benchmark.
+
+    python tests/support/mesh_runner.py --state DIR --name n1 --trust open --mesh-id lab \
+        --discovery mdns,seeds [--seeds 127.0.0.1:P] [--ca CA.crt] [--model m] [--interval-ms 200]
+
+Everything binds 127.0.0.1 only (mDNS too), or ``--host`` (a namespace's address). When ready it prints one JSON line
+``{"node_id", "mesh_port", "api_port"}``. SIGTERM stops gracefully (publishes ``leaving``);
+SIGKILL is a crash. ``GET /v1/counters`` adds the process's CPU time and ``POST /v1/busy``
+``{"busy": n}`` changes the published load (both for the benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from viiwork.mesh.membership import GossipSettings
+from viiwork.mesh.node import MeshNode, MeshSettings
+from viiwork.mesh.summary import ModelCapacity, PublishedState
+
+
+async def main(args: argparse.Namespace) -> int:
+    gossip = GossipSettings(gossip_interval_ms=args.interval_ms, suspect_after_ms=args.suspect_ms,
+                            dead_after_ms=args.dead_ms, scale_with_size=False)
+    node_ref: dict[str, MeshNode] = {}
+    state: dict[str, ModelCapacity] = {}
+
+    async def mesh_view(request: web.Request) -> web.Response:
+        return web.json_response(node_ref["node"].view())
+
+    async def counters(request: web.Request) -> web.Response:
+        times = os.times()
+        return web.json_response({**node_ref["node"].counters(), "cpu_s": times.user + times.system})
+
+    async def set_busy(request: web.Request) -> web.Response:
+        busy = int((await request.json())["busy"])
+        state["model"] = ModelCapacity(args.model, "llamacpp", "chat", 4, busy, None, 4096, 1, 1, f"fp-{args.model}")
+        node_ref["node"].set_local_summary([state["model"]], PublishedState.SERVING)
+        return web.json_response({"busy": busy, "seq": node_ref["node"].publisher.seq})
+
+    api = web.Application()
+    api.router.add_get("/v1/mesh", mesh_view)
+    api.router.add_get("/v1/counters", counters)
+    api.router.add_post("/v1/busy", set_busy)
+    runner = web.AppRunner(api, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, 0)
+    await site.start()
+    api_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    settings = MeshSettings(
+        state_dir=Path(args.state), name=args.name, trust=args.trust, listen=f"{args.host}:{args.mesh_port}",
+        advertise=args.host, api_listen=f"{args.host}:{api_port}", interfaces=(args.host,),
+        discovery=tuple(args.discovery.split(",")), seeds=tuple(s for s in args.seeds.split(",") if s),
+        mesh_id=args.mesh_id, ca_certificate=Path(args.ca) if args.ca else None, gossip=gossip, version="runner",
+        connect_timeout_s=0.5, exchange_timeout_s=1.0)
+    state["model"] = ModelCapacity(args.model, "llamacpp", "chat", 4, 0, None, 4096, 1, 1, f"fp-{args.model}")
+    node = MeshNode(settings, provider=lambda: ([state["model"]], PublishedState.SERVING))
+    node_ref["node"] = node
+    await node.start()
+    print(json.dumps({"node_id": node.node_id, "mesh_port": node.listen_port, "api_port": api_port}), flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    while not stop.is_set():
+        if args.view_file:
+            tmp = Path(args.view_file + ".tmp")
+            tmp.write_text(json.dumps(node.view()))
+            tmp.replace(args.view_file)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except TimeoutError:
+            pass
+    await node.stop(leave=True)
+    await runner.cleanup()
+    return 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--state", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--trust", choices=["ca", "open"], required=True)
+    ap.add_argument("--mesh-id")
+    ap.add_argument("--ca")
+    ap.add_argument("--discovery", default="mdns,seeds")
+    ap.add_argument("--seeds", default="")
+    ap.add_argument("--mesh-port", type=int, default=0)
+    ap.add_argument("--model", default="m")
+    ap.add_argument("--interval-ms", type=int, default=200)
+    ap.add_argument("--suspect-ms", type=int, default=1000)
+    ap.add_argument("--dead-ms", type=int, default=3000)
+    ap.add_argument("--host", default="127.0.0.1", help="listen, advertise and run mDNS on this address")
+    ap.add_argument("--view-file", help="write the /v1/mesh document here every 200 ms")
+    ap.add_argument("--log-level", default="WARNING")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ns = parse()
+    logging.basicConfig(level=ns.log_level, format="%(name)s %(levelname)s %(message)s")
+    sys.exit(asyncio.run(main(ns)))
