@@ -65,8 +65,22 @@ class ClientApi:
         self.admissions = {name: ModelAdmission(rt, queue_max, queue_timeout_s) for name, rt in runtimes.items()}
         self.status_source = status_source
         self.extra_status = extra_status or {}
+        self.queue_max = queue_max
+        self.queue_timeout_s = queue_timeout_s
         self.started = time.monotonic()
         self.responses: Counter[tuple[str, int]] = Counter()
+        # Set by `viiworkctl drain`: new requests get 503; those admitted or queued finish.
+        self.draining = False
+
+    def sync_models(self) -> None:
+        """Follow ``runtimes`` after a reload: admission for new models, none for removed ones."""
+        for name, runtime in self.runtimes.items():
+            admission = self.admissions.get(name)
+            if admission is None or admission.runtime is not runtime:
+                self.admissions[name] = ModelAdmission(runtime, self.queue_max, self.queue_timeout_s)
+        for name in list(self.admissions):
+            if name not in self.runtimes:
+                del self.admissions[name]
 
     # -- app ---------------------------------------------------------------------------
 
@@ -136,6 +150,10 @@ class ClientApi:
             return self._count(model, error_response(
                 400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} needs a "
                 f"{wanted.value} model", param="model"))
+        if self.draining:
+            return self._count(model, error_response(
+                503, f"node {self.node_name!r} is draining for maintenance and admits no new requests",
+                retry_after_s=5))
         admission = self.admissions[model]
         try:
             lease = await admission.acquire()
@@ -184,7 +202,7 @@ class ClientApi:
             if admission is not None:
                 entry["queued"] = admission.queued
         doc: dict[str, Any] = {
-            "node": {"name": self.node_name, "version": __version__,
+            "node": {"name": self.node_name, "version": __version__, "draining": self.draining,
                      "uptime_s": round(time.monotonic() - self.started, 1)},
             "models": models,
         }

@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from viiwork import __version__
+from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.api import ClientApi
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
 from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
@@ -82,11 +83,12 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 async def run_agent(config: Config, *, source: str = "config", text: str | None = None,
-                    ready_banner: bool = True) -> int:
+                    config_path: Path | None = None, ready_banner: bool = True) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code.
 
     ``source``/``text``: the config's file name and text, for line numbers in errors found
-    against this host (GPUs that do not exist).
+    against this host (GPUs that do not exist). ``config_path``: the file that
+    ``viiworkctl reload`` and SIGHUP re-read (None: the embedded demo config).
     """
     # Reads (and removes from our environment) NOTIFY_SOCKET and the watchdog variables.
     notifier = Notifier()
@@ -126,6 +128,30 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
+        actions = node_actions(supervisor=supervisor, api=api, config_path=config_path)
+        admin_runner = web.AppRunner(build_admin_app(actions), access_log=None)
+        await admin_runner.setup()
+        stack.push_async_callback(admin_runner.cleanup)
+        try:
+            await start_admin_site(admin_runner, config.api.admin_socket)
+        except OSError as exc:
+            log.error("cannot create the admin socket %s (api.admin_socket): %s", config.api.admin_socket,
+                      exc.strerror or exc)
+            return 1
+
+        def on_sighup() -> None:
+            async def reload() -> None:
+                try:
+                    result = await actions.reload()
+                    log.info("SIGHUP reload: %s", {k: v for k, v in result.items() if v})
+                except ActionError as exc:
+                    log.error("SIGHUP reload failed: %s", exc)
+            task = asyncio.create_task(reload(), name="reload")
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        reloads: set[asyncio.Task] = set()
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
         await supervisor.start()
         # On the way out: drain and stop the engines, or leave them running when systemd is
         # restarting the agent (the next one adopts them): viiwork.agent.notify.
@@ -188,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     try:
-        return asyncio.run(run_agent(config, source=source, text=text))
+        return asyncio.run(run_agent(config, source=source, text=text,
+                                     config_path=None if args.demo else (args.config or DEFAULT_CONFIG_PATH)))
     except RunnerError as exc:
         print(f"viiwork-agent: {exc}", file=sys.stderr)
         return 1

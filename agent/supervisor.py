@@ -119,6 +119,12 @@ def escape_name(text: str) -> str:
     return "".join(out)
 
 
+def backend_log_path(config: Config, model: str, index: int) -> Path:
+    """Where the process runner writes backend ``index`` of ``model``'s output."""
+    log_dir = config.supervisor.log_dir or (config.node.state_dir / "logs")
+    return Path(log_dir) / f"{escape_name(model)}-{index}.log"
+
+
 def free_loopback_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0), not in ``avoid``."""
     for _ in range(64):
@@ -212,18 +218,26 @@ class Supervisor:
         self._started = False
         for model in config.models:
             runtime = ModelRuntime(config=model, engine=ENGINES[model.engine])
-            digest = config_hash(model)
-            for index in range(model.backend_count):
-                backend = Backend(
-                    id=BackendId(f"{model.name}-{index}"),
-                    model=model.name,
-                    index=index,
-                    gpus=model.backend_gpus(index),
-                    parallel=model.parallel,
-                )
-                runtime.backends.append(backend)
-                self._controls.append(_Control(runtime=runtime, backend=backend, config_hash=digest))
+            self._controls += self._build_backends(runtime)
             self.models[model.name] = runtime
+
+    def _build_backends(self, runtime: ModelRuntime) -> list[_Control]:
+        """Fill ``runtime.backends`` from its config; returns their (unstarted) controls."""
+        model = runtime.config
+        digest = config_hash(model)
+        runtime.backends = []
+        controls = []
+        for index in range(model.backend_count):
+            backend = Backend(
+                id=BackendId(f"{model.name}-{index}"),
+                model=model.name,
+                index=index,
+                gpus=model.backend_gpus(index),
+                parallel=model.parallel,
+            )
+            runtime.backends.append(backend)
+            controls.append(_Control(runtime=runtime, backend=backend, config_hash=digest))
+        return controls
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -305,6 +319,62 @@ class Supervisor:
         for ctrl in self._controls:
             await self._terminate(ctrl, drain=False)
             self._discard_exit_task(ctrl)
+
+    async def reload(self, config: Config) -> dict[str, list[str]]:
+        """Apply a new config's ``[[models]]``, diffed by name (DESIGN §4).
+
+        Only models whose entry changed (``config_hash``) restart: their backends are drained
+        and stopped, then started from the new entry; removed models are drained and
+        stopped; added ones start; unchanged ones are not touched. Health settings apply
+        from now on. Returns ``{"added", "changed", "removed", "unchanged"}`` model names.
+        """
+        old = {m.name: m for m in self.config.models}
+        new = {m.name: m for m in config.models}
+        added = [n for n in new if n not in old]
+        removed = [n for n in old if n not in new]
+        changed = [n for n in new if n in old and config_hash(new[n]) != config_hash(old[n])]
+        unchanged = [n for n in new if n in old and n not in changed]
+        retiring = [c for c in self._controls if c.runtime.name in removed or c.runtime.name in changed]
+        await self._retire(retiring)
+        self.config = config
+        for name in removed:
+            runtime = self.models.pop(name)
+            runtime.state = ModelState.DOWN
+            runtime.notify()  # queued requests for it end with 503 now
+        starting: list[_Control] = []
+        for name in changed + added:
+            runtime = self.models.get(name)
+            if runtime is None:
+                runtime = self.models[name] = ModelRuntime(config=new[name], engine=ENGINES[new[name].engine])
+            else:
+                runtime.config, runtime.engine = new[name], ENGINES[new[name].engine]
+                runtime.state = ModelState.RUNNING
+            starting += self._build_backends(runtime)
+        self._controls += starting
+        if self._started:
+            for ctrl in starting:
+                ctrl.task = asyncio.create_task(self._backend_main(ctrl), name=f"backend {ctrl.backend.id}")
+        for name in changed + added:
+            self.models[name].notify()
+        log.info("reload: added %s, changed %s, removed %s, unchanged %s",
+                 added or "-", changed or "-", removed or "-", unchanged or "-")
+        return {"added": added, "changed": changed, "removed": removed, "unchanged": unchanged}
+
+    async def _retire(self, controls: list[_Control]) -> None:
+        """Drain and stop ``controls``' backends, end their tasks and forget them."""
+        for ctrl in controls:
+            self._command(ctrl, want_running=False)
+        await self._settle(controls)
+        tasks = [c.task for c in controls if c.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for ctrl in controls:
+            await self._terminate(ctrl, drain=False)
+            self._discard_exit_task(ctrl)
+            self._controls.remove(ctrl)
 
     async def down(self, model: str) -> None:
         """Drain and stop ``model``'s backends and keep them stopped until ``up``.
@@ -515,7 +585,7 @@ class Supervisor:
                 "config_hash": ctrl.config_hash,
                 "port": str(port),
             },
-            log_path=str(Path(self.log_dir) / f"{escape_name(model.name)}-{backend.index}.log"),
+            log_path=str(backend_log_path(self.config, model.name, backend.index)),
             stop_timeout_s=self.config.supervisor.stop_timeout_s,
             memory_max_bytes=model.memory_max_bytes,
             cpu_weight=model.cpu_weight,

@@ -18,6 +18,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.config_check",
     "viiwork.agent.cli.doctor",
     "viiwork.agent.cli.mesh",
+    "viiwork.agent.cli.control",
+    "viiwork.agent.cli.logs",
 )
 
 

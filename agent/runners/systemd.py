@@ -21,11 +21,13 @@ in production and the user bus in development and tests:
   interface's (``bus_unit_send_change_signal``), so when ``ActiveState`` turns ``inactive``
   or ``failed`` the result and exit status are already known.
 
-Limits of the hosts seen: on cgroup v1 systemd accepts ``MemoryMax`` (as
+Limits (measured on systemd 252): on cgroup v1 systemd accepts ``MemoryMax`` (as
 ``memory.limit_in_bytes``) and the kernel enforces it, but systemd learns of OOM kills only
-from cgroup v2's ``memory.events``: there an OOM-killed engine ends with ``Result=signal``,
-SIGKILL, and this runner adds that detail. A user manager without delegated controllers
-accepts limits and enforces none.
+from cgroup v2's ``memory.events``; on v1 an OOM-killed engine ends with ``Result=signal``,
+SIGKILL, and this runner says in the detail that this may be the memory limit. A user
+manager without delegated controllers accepts limits and enforces none. A lost D-Bus
+connection (dbus restarted) is not re-established: handles stop hearing of their units and
+calls raise RunnerError; a re-executed systemd (``daemon-reexec``) is followed.
 """
 
 from __future__ import annotations
@@ -797,6 +799,9 @@ class SystemdRunner:
         except TimeoutError:
             self._forget(handle)
             raise RunnerError(f"systemd did not finish starting {name} within {START_JOB_TIMEOUT_S:.0f} s") from None
+        except DBusError as exc:
+            self._forget(handle)
+            raise RunnerError(f"systemd could not start {name}: {exc.text}") from exc
         except BaseException:
             self._forget(handle)
             raise
@@ -841,10 +846,14 @@ class SystemdRunner:
         """Running engine units labelled ``owner=<owner>``, as handles watched from now on.
 
         Lists ``viiwork-engine-*.service`` units that are active, activating or reloading
-        (``ListUnitsByPatterns``) and reads each one's Environment for its labels.
+        (``ListUnitsByPatterns``) and reads each one's Environment for its labels. Units
+        that are being stopped are left alone. Raises RunnerError when systemd cannot list.
         """
-        units = (await call(self._conn, SYSTEMD_BUS_NAME, SYSTEMD_PATH, MANAGER_IFACE, "ListUnitsByPatterns",
-                            "asas", [["active", "activating", "reloading"], [f"{UNIT_PREFIX}*.service"]]))[0]
+        try:
+            units = (await call(self._conn, SYSTEMD_BUS_NAME, SYSTEMD_PATH, MANAGER_IFACE, "ListUnitsByPatterns",
+                                "asas", [["active", "activating", "reloading"], [f"{UNIT_PREFIX}*.service"]]))[0]
+        except DBusError as exc:
+            raise RunnerError(f"cannot list engine units: {exc.text}") from exc
         found = []
         for entry in units:
             name, path = entry[0], entry[6]

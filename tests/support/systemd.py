@@ -402,9 +402,14 @@ def pid1_system(directory: Path, *, v1: Sequence[str] = PID1_V1_CONTROLLERS, hos
             time.sleep(0.02)
         _wait_path(directory / "run" / "systemd" / "private", max(1.0, deadline - time.monotonic()), proc, log)
         system = Pid1System(root=directory, pid=systemd_pid, share=share, name=name)
-        answer = system.systemctl("is-system-running", "--wait", check=False,
-                                  timeout_s=max(1.0, deadline - time.monotonic()))
-        state = answer.stdout.strip()
+        while True:
+            answer = system.systemctl("is-system-running", "--wait", check=False,
+                                      timeout_s=max(1.0, deadline - time.monotonic()))
+            state = answer.stdout.strip()
+            # No answer at all: systemctl could not reach PID 1 yet (it is still setting up).
+            if state or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         if state not in ("running", "degraded"):
             failed = system.systemctl("list-units", "--failed", "--no-legend", check=False)
             raise RuntimeError(f"container systemd state {state!r} ({answer.stderr.strip()}); failed units:\n"

@@ -389,3 +389,24 @@ async def test_detect_runner_needs_systemd_on_the_bus(systemd_user: UserManager,
         daemon.stdout.close()
     choice = await detect_runner("user", f"unix:path={tmp_path / 'nothing-here'}")
     assert choice.kind == "process" and "cannot connect" in choice.reason
+
+
+async def test_runner_follows_systemd_across_daemon_reexec(user_runner: SystemdRunner, systemd_user: UserManager,
+                                                           tmp_path: Path) -> None:
+    handle = await user_runner.start(request_for("", ("/usr/bin/sleep", "300"), tmp_path))
+    owner_before = user_runner._systemd_owner
+    systemd_user.systemctl("daemon-reexec")
+    # systemd comes back on the bus under a new unique name; the runner follows it.
+    deadline = time.monotonic() + 10
+    while user_runner._systemd_owner == owner_before:
+        assert time.monotonic() < deadline, "runner did not see systemd return to the bus"
+        await asyncio.sleep(0.02)
+    assert handle.running()
+    os.kill(handle.pid, signal.SIGKILL)
+    async with asyncio.timeout(10):
+        info = await handle.wait()
+    assert (info.result, info.signal) == ("signal", signal.SIGKILL)
+    # And new units still start and report.
+    again = await user_runner.start(request_for("", ("/usr/bin/true",), tmp_path, index=1))
+    async with asyncio.timeout(10):
+        assert (await again.wait()).result == "success"

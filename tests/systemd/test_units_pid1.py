@@ -12,12 +12,17 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.systemd import Pid1System, unit_main_pid, unit_show
+from conftest import require
+from support.agent import render_config
+from support.engines import fake_engine_binary
+from support.procs import free_port
+from support.systemd import Pid1System, missing_pid1, pid1_system, unit_main_pid, unit_show
 
 pytestmark = pytest.mark.systemd
 
@@ -166,3 +171,69 @@ def test_agent_failing_for_good_stops_the_engine_slice(agent: InstalledAgent) ->
     agent.wait_for("the engines to be stopped by viiwork-engines-stop.service",
                    lambda: unit_show(system, ENGINE, "LoadState") == "not-found")
     assert unit_show(system, "viiwork-engines-stop.service", "Result") == "success"
+
+
+def test_real_agent_under_the_shipped_unit(tmp_path: Path) -> None:
+    """viiwork-agent itself under viiwork.service's hardening, on the system bus: READY=1,
+    engines as system units, restart keeps them (adopted), stop stops them."""
+    reason = missing_pid1()
+    require(reason is None, f"systemd PID 1 tier: {reason}")
+    # Host network: the agent's API on loopback is reachable from this test. No sysusers
+    # here: without the `viiwork` user the engines run as root, which can run the test
+    # venv's Python (it lives under /root).
+    with pid1_system(tmp_path / "p1", host_network=True) as system:
+        port = free_port()
+        binary = fake_engine_binary(system.share / "bin")
+        # The wrapper execs the venv's Python on fake_engine.py: both outside /tmp, so the
+        # default sandbox profile (PrivateTmp) does not hide them.
+        config = system.share / "viiwork.toml"
+        config.write_text(render_config(
+            {"node": {"name": "p1"}, "api": {"listen": f"127.0.0.1:{port}"},
+             "health": {"interval_s": 0.5}},
+            [{"name": "alpha", "engine": "llamacpp", "path": "/dev/null", "parallel": 2,
+              "env": {"FAKE_LOAD_S": "0"}, "llamacpp": {"binary": str(system.inside(binary))}}]))
+        for unit in UNITS:
+            system.nsenter("cp", str(REPO / "systemd" / unit), f"/etc/systemd/system/{unit}")
+        agent_bin = Path(sys.executable).parent / "viiwork-agent"
+        system.nsenter("mkdir", "-p", "/etc/systemd/system/viiwork.service.d")
+        system.nsenter("tee", "/etc/systemd/system/viiwork.service.d/test.conf",
+                       input=f"[Service]\nExecStart=\nExecStart={agent_bin} --config {system.inside(config)}\n")
+        system.systemctl("daemon-reload")
+        system.systemctl("start", "viiwork.service")  # returns at READY=1
+        url = f"http://127.0.0.1:{port}"
+        unit = "viiwork-engine-p1-alpha-0.service"
+        try:
+            engine = _wait_alpha_healthy(url)
+            assert engine["unit"] == unit
+            assert str(engine["pid"]) == unit_show(system, unit, "MainPID")
+            assert unit_show(system, unit, "Slice") == "viiwork-engines.slice"
+            assert unit_show(system, unit, "ProtectSystem") == "full"  # the default profile, basic
+
+            system.systemctl("restart", "viiwork.service")
+            again = _wait_alpha_healthy(url)
+            assert again["pid"] == engine["pid"]
+            assert "stopping for a restart" in system.journal("viiwork.service")
+
+            system.systemctl("stop", "viiwork.service")
+            assert unit_show(system, unit, "LoadState") == "not-found"
+            assert "draining and stopping engines" in system.journal("viiwork.service")
+        except BaseException:
+            print(system.journal("viiwork.service")[-4000:])
+            raise
+
+
+def _wait_alpha_healthy(url: str, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/status", timeout=5) as r:
+                doc = json.load(r)
+            (backend,) = next(m for m in doc["models"] if m["name"] == "alpha")["backends"]
+            if backend["state"] == "healthy":
+                return backend
+            last = backend
+        except OSError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise AssertionError(f"alpha not healthy within {timeout_s} s; last: {last}")

@@ -1,0 +1,149 @@
+"""The admin API on a Unix socket: reload, drain/undrain, model down/up, models (DESIGN §7).
+
+Commands are listed once in ``viiwork.agent.control``; ``AdminApi`` maps each to an
+``AdminActions`` implementation supplied by the daemon. Answers are JSON:
+``{"ok": true, ...}`` or an OpenAI-shaped error with 400/404/409/500.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from viiwork.agent.control import COMMANDS
+from viiwork.agent.errors import error_response
+
+log = logging.getLogger(__name__)
+
+ADMIN_GROUP = "viiwork-admin"
+
+
+class ActionError(Exception):
+    """A control command cannot be done; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class AdminActions:
+    """What the daemon does for each command; each returns a JSON-able dict."""
+
+    reload: Callable[[], Awaitable[dict[str, Any]]]
+    drain: Callable[[], Awaitable[dict[str, Any]]]
+    undrain: Callable[[], Awaitable[dict[str, Any]]]
+    down: Callable[[str], Awaitable[dict[str, Any]]]
+    up: Callable[[str], Awaitable[dict[str, Any]]]
+    models: Callable[[], Awaitable[dict[str, Any]]]
+
+
+def build_admin_app(actions: AdminActions) -> web.Application:
+    app = web.Application()
+    for command in COMMANDS:
+        handler = _handler(command.name, command.takes_model, actions)
+        app.router.add_route(command.method, command.path, handler)
+    return app
+
+
+def _handler(name: str, takes_model: bool, actions: AdminActions) -> Callable[[web.Request], Awaitable[web.Response]]:
+    action = getattr(actions, name)
+
+    async def handle(request: web.Request) -> web.Response:
+        try:
+            if takes_model:
+                result = await action(request.match_info["model"])
+            else:
+                result = await action()
+        except ActionError as exc:
+            return error_response(exc.status, str(exc))
+        except Exception as exc:  # the admin socket must answer, and the agent keep running
+            log.exception("admin command %s failed", name)
+            return error_response(500, f"{name} failed: {exc}")
+        log.info("admin command %s done", name)
+        return web.json_response({"ok": True, "command": name, **result})
+
+    return handle
+
+
+async def start_admin_site(runner: web.AppRunner, path: Path) -> web.UnixSite:
+    """Bind the admin socket at ``path`` (stale socket removed), mode 0660, group viiwork-admin."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if path.is_socket():
+        path.unlink()
+    site = web.UnixSite(runner, str(path))
+    await site.start()
+    os.chmod(path, 0o660)
+    try:
+        gid = grp.getgrnam(ADMIN_GROUP).gr_gid
+    except KeyError:
+        gid = None
+    if gid is not None:
+        try:
+            os.chown(path, -1, gid)
+        except PermissionError as exc:
+            log.warning("cannot give %s to group %s: %s", path, ADMIN_GROUP, exc)
+    return site
+
+
+def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
+                 on_reloaded: Callable[[Any], None] | None = None) -> AdminActions:
+    """The daemon's actions over its ``Supervisor`` and ``ClientApi``.
+
+    config_path: the file ``reload`` re-reads (None for the embedded demo config, which
+    cannot be reloaded). on_reloaded: called with the new Config after a reload.
+    """
+    from viiwork.agent.config import ConfigError, load_config
+    from viiwork.agent.supervisor import UnknownModel
+
+    async def reload() -> dict[str, Any]:
+        if config_path is None:
+            raise ActionError(409, "this agent runs the embedded demo config, which has no file to re-read")
+        try:
+            new = load_config(config_path)
+        except ConfigError as exc:
+            raise ActionError(400, f"config not reloaded, the running one stays:\n{exc}") from None
+        old = supervisor.config
+        restart_needed = [s for s in ("node", "api", "mesh", "routing", "supervisor")
+                          if getattr(old, s) != getattr(new, s)]
+        result = await supervisor.reload(new)
+        api.sync_models()
+        if on_reloaded is not None:
+            on_reloaded(new)
+        if restart_needed:
+            log.warning("reload: changes to %s take effect at the next agent restart", ", ".join(restart_needed))
+        return {**result, "restart_needed": restart_needed}
+
+    async def drain() -> dict[str, Any]:
+        api.draining = True
+        return {"message": "draining: new requests get 503; requests in flight finish (undo: viiworkctl undrain)"}
+
+    async def undrain() -> dict[str, Any]:
+        api.draining = False
+        return {"message": "admitting requests again"}
+
+    async def down(model: str) -> dict[str, Any]:
+        try:
+            await supervisor.down(model)
+        except UnknownModel as exc:
+            raise ActionError(404, str(exc)) from None
+        return {"message": f"model {model!r} is down: backends stopped, out of routing (undo: viiworkctl up {model})"}
+
+    async def up(model: str) -> dict[str, Any]:
+        try:
+            await supervisor.up(model)
+        except UnknownModel as exc:
+            raise ActionError(404, str(exc)) from None
+        return {"message": f"model {model!r} is starting"}
+
+    async def models() -> dict[str, Any]:
+        return {"models": supervisor.status()}
+
+    return AdminActions(reload=reload, drain=drain, undrain=undrain, down=down, up=up, models=models)

@@ -1,0 +1,104 @@
+"""viiworkctl reload | drain | undrain | down MODEL | up MODEL | models: the admin socket.
+
+One parser per command of ``viiwork.agent.control.COMMANDS``; each talks HTTP over the
+agent's Unix admin socket (``--socket``, else ``api.admin_socket`` of ``--config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from viiwork.agent.config import DEFAULT_CONFIG_PATH, ApiConfig, ConfigError, load_config
+from viiwork.agent.control import COMMANDS, ControlCommand
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    for command in COMMANDS:
+        parser = subparsers.add_parser(command.name, help=command.help, description=command.help[0].upper()
+                                       + command.help[1:] + ".")
+        if command.takes_model:
+            parser.add_argument("model", metavar="MODEL")
+        parser.add_argument("--socket", type=Path, help="admin socket (default: api.admin_socket of the config)")
+        parser.add_argument("--config", type=Path, help=f"agent config (default {DEFAULT_CONFIG_PATH})")
+        parser.add_argument("--json", action="store_true", help="print the agent's JSON answer")
+        parser.add_argument("--timeout", type=float, default=120.0,
+                            help="seconds to wait (drain and down wait for requests in flight; default 120)")
+        parser.set_defaults(func=lambda args, c=command: run(c, args))
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return args.socket
+    try:
+        return load_config(args.config or DEFAULT_CONFIG_PATH).api.admin_socket
+    except ConfigError:
+        if args.config:
+            raise
+        return ApiConfig().admin_socket
+
+
+def call(path: Path, command: ControlCommand, model: str | None, timeout: float) -> tuple[int, dict[str, Any]]:
+    """Send one command; returns (HTTP status, decoded JSON). Raises OSError if unreachable."""
+    conn = _UnixConnection(str(path), timeout)
+    try:
+        conn.request(command.method, command.url_path(model))
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def run(command: ControlCommand, args: argparse.Namespace) -> int:
+    try:
+        path = socket_path(args)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    try:
+        status, doc = call(path, command, getattr(args, "model", None), args.timeout)
+    except PermissionError:
+        print(f"viiworkctl {command.name}: permission denied on {path}: run as root or as a member of "
+              "the viiwork-admin group", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"viiworkctl {command.name}: cannot reach the agent's admin socket {path}: {exc} "
+              "(is viiwork-agent running? use --socket or --config)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    elif status >= 400:
+        print(f"viiworkctl {command.name}: {doc.get('error', {}).get('message', doc)}", file=sys.stderr)
+    else:
+        print(_summary(command.name, doc))
+    return 0 if status < 400 else 1
+
+
+def _summary(name: str, doc: dict[str, Any]) -> str:
+    if name == "models":
+        lines = []
+        for m in doc.get("models", []):
+            states = ", ".join(f"{b['id']} {b['state']}" for b in m.get("backends", []))
+            lines.append(f"{m['name']:<24} {m.get('engine', ''):<10} {m.get('state', ''):<8} {states}")
+        return "\n".join(lines) or "no models configured"
+    if name == "reload":
+        parts = [f"{k}: {', '.join(doc.get(k) or []) or '-'}" for k in ("added", "changed", "removed", "unchanged")]
+        return "reloaded; " + "; ".join(parts)
+    return doc.get("message") or f"{name}: done"
