@@ -7,13 +7,15 @@
   socket fails (seen: a bare aiohttp proxy answered 500s, nginx 502s).
 - After the first byte there is no retry: an engine that dies or stays silent longer than
   ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event.
+- Silence is timed by the client session's ``sock_read`` timer (restarted by every read from
+  the engine, paused while the client holds reading back), not by an ``asyncio.timeout`` per
+  request and per chunk: same rule, a fraction of the cost on the hot path.
 - A client that disconnects cancels the handler (aiohttp ``handler_cancellation``); leaving
   the upstream request's context closes its connection, and the engine frees the slot.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import aiohttp
@@ -55,7 +57,11 @@ class Upstream:
             connector=connector,
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            # sock_read: the longest silence from the engine, from the request sent to the
+            # headers and between any two reads of the body; raises ServerTimeoutError, a
+            # TimeoutError. ceil_threshold: never round it up to whole seconds.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                          sock_read=self.stream_idle_timeout_s, ceil_threshold=float("inf")),
         )
         return self
 
@@ -90,15 +96,15 @@ class Upstream:
         streamed). Errors before the first byte become 502/504 JSON errors.
         """
         upstream_headers = {"X-Request-Id": request_id}
+        request_headers = request.headers
         for name in _PASS_REQUEST_HEADERS:
-            value = request.headers.get(name)
+            value = request_headers.get(name)
             if value is not None:
                 upstream_headers[name] = value
         url = backend.base_url + request.path
         try:
-            async with asyncio.timeout(self.stream_idle_timeout_s):
-                upstream = await self._open(url, body, upstream_headers)
-        except TimeoutError:
+            upstream = await self._open(url, body, upstream_headers)
+        except TimeoutError:  # sock_read (aiohttp.ServerTimeoutError) or sock_connect
             return error_response(504, f"backend {backend.id} did not answer within "
                                   f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)", headers=headers)
         except aiohttp.ClientError as exc:
@@ -115,17 +121,15 @@ class Upstream:
     async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
                            headers: dict[str, str], content_type: str) -> web.Response:
         try:
-            async with asyncio.timeout(self.stream_idle_timeout_s):
-                data = await upstream.read()
-        except TimeoutError:
+            data = await upstream.read()
+        except TimeoutError:  # sock_read: silent for stream_idle_timeout_s
             return error_response(504, f"backend {backend.id} went silent for {self.stream_idle_timeout_s:g} s "
                                   "(api.stream_idle_timeout_s)", headers=headers)
         except _UPSTREAM_BROKEN as exc:
             return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
                                   headers=headers)
-        response = web.Response(status=upstream.status, body=data, headers=headers)
-        response.content_type = content_type.split(";", 1)[0]
-        return response
+        headers["Content-Type"] = content_type.split(";", 1)[0]
+        return web.Response(status=upstream.status, body=data, headers=headers)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
                             headers: dict[str, str], content_type: str) -> web.StreamResponse:
@@ -134,20 +138,18 @@ class Upstream:
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Accel-Buffering"] = "no"
         await response.prepare(request)
-        loop = asyncio.get_running_loop()
         idle = self.stream_idle_timeout_s
-        content = upstream.content
+        read = upstream.content.readany
+        write = response.write
         try:
-            async with asyncio.timeout(idle) as deadline:
-                while True:
-                    chunk = await content.readany()
-                    if not chunk:
-                        break
-                    try:
-                        await response.write(chunk)
-                    except ConnectionError as exc:
-                        raise _ClientGone from exc
-                    deadline.reschedule(loop.time() + idle)
+            while True:
+                chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
+                if not chunk:
+                    break
+                try:
+                    await write(chunk)
+                except ConnectionError as exc:
+                    raise _ClientGone from exc
         except _ClientGone:
             # Leaving forward() releases the upstream connection unread: aiohttp closes it,
             # and the engine stops generating.

@@ -20,7 +20,7 @@ class LlamaCppOptions(BaseModel):
     metrics: pass --metrics so waiting requests (llamacpp:requests_deferred) are known.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     binary: str = Field(default="llama-server", min_length=1)
     threads: int | None = Field(default=None, ge=1)

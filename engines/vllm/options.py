@@ -23,7 +23,7 @@ class VllmOptions(BaseModel):
         None leaves it to vLLM. Ignored for GPU backends.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     binary: str = Field(default="vllm", min_length=1)
     python: str | None = Field(default=None, min_length=1)

@@ -11,8 +11,6 @@ from support.systemd import Pid1System, UserManager, missing_pid1, missing_user_
 
 from viiwork.agent.runners.systemd import SystemdRunner
 
-pytestmark = pytest.mark.systemd
-
 
 @pytest.fixture
 def systemd_user(tmp_path: Path) -> Iterator[UserManager]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dbus_fast.aio import MessageBus
 from conftest import require
+from dbus_fast.aio import MessageBus
 from support.engines import FAKE_ENGINE, fake_engine_binary
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_main_pid, unit_show
@@ -29,13 +29,13 @@ from viiwork.agent.runners.systemd import (
     MANAGER_IFACE,
     SYSTEMD_BUS_NAME,
     SYSTEMD_PATH,
-    call,
-    unit_object_path,
     SystemdRunner,
+    call,
     detect_runner,
     engine_unit_stem,
     labels_from_environment,
     unit_name,
+    unit_object_path,
 )
 from viiwork.engines.contract import BackendSpec, Kind
 from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions
@@ -45,10 +45,10 @@ pytestmark = pytest.mark.systemd
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "FAKE_LOAD_S": "0"}
 
 
-def request_for(name: str, argv: tuple[str, ...], tmp_path: Path, *, owner: str = "node1", model: str = "m",
+def request_for(argv: tuple[str, ...], tmp_path: Path, *, owner: str = "node1", model: str = "m",
                 index: int = 0, env: dict[str, str] | None = None, **limits) -> LaunchRequest:
     return LaunchRequest(
-        name=engine_unit_stem(owner, model, index) if name == "" else name,
+        name=engine_unit_stem(owner, model, index),
         argv=argv,
         env={**BASE_ENV, **(env or {})},
         description=f"viiwork engine test for {model} #{index}",
@@ -86,7 +86,7 @@ async def wait_health(port: int, timeout_s: float = 20.0, handle=None) -> dict:
 async def test_fake_engine_unit_starts_serves_and_stops(user_runner: SystemdRunner, systemd_user: UserManager,
                                                         tmp_path: Path) -> None:
     port = free_port()
-    handle = await user_runner.start(request_for("", fake_argv(tmp_path, port), tmp_path))
+    handle = await user_runner.start(request_for(fake_argv(tmp_path, port), tmp_path))
     try:
         assert handle.unit == unit_name(engine_unit_stem("node1", "m", 0))
         assert handle.unit == "viiwork-engine-node1-m-0.service"
@@ -126,7 +126,7 @@ async def test_real_llama_server_with_tiny_model(user_runner: SystemdRunner, sys
     spec = BackendSpec(model="tiny", kind=Kind.CHAT, path=str(tiny_gguf), port=port, ctx_per_slot=256, parallel=1,
                        options=LlamaCppOptions(binary=str(llama_server), threads=1))
     command = LlamaCppEngine().build_command(spec)
-    request = request_for("", command.argv, tmp_path, model="tiny", env=dict(command.env))
+    request = request_for(command.argv, tmp_path, model="tiny", env=dict(command.env))
     handle = await user_runner.start(request)
     try:
         await wait_health(port, timeout_s=60, handle=handle)
@@ -149,7 +149,7 @@ async def test_real_llama_server_with_tiny_model(user_runner: SystemdRunner, sys
 
 async def test_kill_9_of_main_pid_is_reported_from_signals(user_runner: SystemdRunner, tmp_path: Path) -> None:
     port = free_port()
-    handle = await user_runner.start(request_for("", fake_argv(tmp_path, port), tmp_path))
+    handle = await user_runner.start(request_for(fake_argv(tmp_path, port), tmp_path))
     await wait_health(port, handle=handle)
     pid = handle.pid
     os.kill(pid, signal.SIGKILL)
@@ -162,7 +162,7 @@ async def test_kill_9_of_main_pid_is_reported_from_signals(user_runner: SystemdR
 
 async def test_exit_status_is_reported(user_runner: SystemdRunner, tmp_path: Path) -> None:
     handle = await user_runner.start(request_for(
-        "", fake_argv(tmp_path, free_port()), tmp_path, env={"FAKE_EXIT_AFTER_S": "0.3", "FAKE_EXIT_CODE": "3"}))
+        fake_argv(tmp_path, free_port()), tmp_path, env={"FAKE_EXIT_AFTER_S": "0.3", "FAKE_EXIT_CODE": "3"}))
     async with asyncio.timeout(10):
         info = await handle.wait()
     assert info == ExitInfo(result="exit-code", returncode=3, signal=None, detail=f"unit {handle.unit}")
@@ -174,7 +174,7 @@ async def test_exit_status_is_reported(user_runner: SystemdRunner, tmp_path: Pat
 async def test_stop_escalates_to_sigkill_after_grace(user_runner: SystemdRunner, tmp_path: Path) -> None:
     port = free_port()
     handle = await user_runner.start(request_for(
-        "", fake_argv(tmp_path, port), tmp_path, env={"FAKE_IGNORE_SIGTERM": "1"}))
+        fake_argv(tmp_path, port), tmp_path, env={"FAKE_IGNORE_SIGTERM": "1"}))
     await wait_health(port, handle=handle)
     started = time.monotonic()
     info = await handle.stop(0.5)
@@ -194,7 +194,7 @@ async def test_whole_process_tree_dies_with_the_unit(user_runner: SystemdRunner,
               f"    open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
               f"    time.sleep(3600)\n"
               f"time.sleep(3600)\n")
-    handle = await user_runner.start(request_for("", ("/usr/bin/python3", "-c", script), tmp_path))
+    handle = await user_runner.start(request_for(("/usr/bin/python3", "-c", script), tmp_path))
     deadline = time.monotonic() + 10
     while not pidfile.exists() or not pidfile.read_text():
         assert time.monotonic() < deadline, "worker did not start"
@@ -214,7 +214,7 @@ async def test_whole_process_tree_dies_with_the_unit(user_runner: SystemdRunner,
 ], ids=["hub-id-with-colon", "spaces-parens", "non-ascii", "path-traversal", "dash", "very-long"])
 async def test_odd_model_names_make_valid_units_and_round_trip(user_runner: SystemdRunner, systemd_user: UserManager,
                                                                tmp_path: Path, model: str) -> None:
-    request = request_for("", ("/usr/bin/sleep", "60"), tmp_path, model=model)
+    request = request_for(("/usr/bin/sleep", "60"), tmp_path, model=model)
     handle = await user_runner.start(request)
     try:
         assert len(handle.unit) <= 255
@@ -245,10 +245,10 @@ def test_unit_names_of_different_node_model_splits_differ() -> None:
 async def test_adoptable_lists_own_running_units_after_runner_is_recreated(
         systemd_user: UserManager, tmp_path: Path) -> None:
     first = await SystemdRunner.connect("user", systemd_user.bus_address, engine_user=None)
-    mine = [await first.start(request_for("", ("/usr/bin/sleep", "300"), tmp_path, model=m, index=i))
+    mine = [await first.start(request_for(("/usr/bin/sleep", "300"), tmp_path, model=m, index=i))
             for m, i in (("alpha", 0), ("alpha", 1), ("beta", 0))]
-    theirs = await first.start(request_for("", ("/usr/bin/sleep", "300"), tmp_path, owner="node2", model="alpha"))
-    ended = await first.start(request_for("", ("/usr/bin/true",), tmp_path, model="gamma"))
+    theirs = await first.start(request_for(("/usr/bin/sleep", "300"), tmp_path, owner="node2", model="alpha"))
+    ended = await first.start(request_for(("/usr/bin/true",), tmp_path, model="gamma"))
     async with asyncio.timeout(5):
         await ended.wait()
     await first.close()  # the agent goes away; its units stay
@@ -280,7 +280,7 @@ async def test_adoptable_lists_own_running_units_after_runner_is_recreated(
 
 async def test_starting_a_running_unit_again_is_refused(user_runner: SystemdRunner, systemd_user: UserManager,
                                                         tmp_path: Path) -> None:
-    request = request_for("", ("/usr/bin/sleep", "60"), tmp_path)
+    request = request_for(("/usr/bin/sleep", "60"), tmp_path)
     handle = await user_runner.start(request)
     try:
         other = await SystemdRunner.connect("user", systemd_user.bus_address, engine_user=None)
@@ -295,7 +295,7 @@ async def test_starting_a_running_unit_again_is_refused(user_runner: SystemdRunn
 
 
 async def test_restart_under_the_same_name_right_after_a_crash(user_runner: SystemdRunner, tmp_path: Path) -> None:
-    request = request_for("", ("/usr/bin/sleep", "60"), tmp_path)
+    request = request_for(("/usr/bin/sleep", "60"), tmp_path)
     for _ in range(3):
         handle = await user_runner.start(request)
         os.kill(handle.pid, signal.SIGKILL)
@@ -305,9 +305,9 @@ async def test_restart_under_the_same_name_right_after_a_crash(user_runner: Syst
 
 async def test_missing_binary_is_a_clear_error(user_runner: SystemdRunner, tmp_path: Path) -> None:
     with pytest.raises(RunnerError, match=r"binary not found: /nonexistent/llama-server"):
-        await user_runner.start(request_for("", ("/nonexistent/llama-server",), tmp_path))
+        await user_runner.start(request_for(("/nonexistent/llama-server",), tmp_path))
     with pytest.raises(RunnerError, match=r"not on PATH"):
-        await user_runner.start(request_for("", ("no-such-engine-binary",), tmp_path))
+        await user_runner.start(request_for(("no-such-engine-binary",), tmp_path))
 
 
 async def test_exec_failure_inside_systemd_fails_the_start(user_runner: SystemdRunner, systemd_user: UserManager,
@@ -317,7 +317,7 @@ async def test_exec_failure_inside_systemd_fails_the_start(user_runner: SystemdR
     script.write_text("#!/nonexistent/interpreter\n")
     script.chmod(0o755)
     with pytest.raises(RunnerError, match=r"job failed, exit-code \(status 203\).*EXEC"):
-        await user_runner.start(request_for("", (str(script),), tmp_path))
+        await user_runner.start(request_for((str(script),), tmp_path))
     # The failed unit is collected, so the same name can be used again.
     assert unit_show(systemd_user, unit_name(engine_unit_stem("node1", "m", 0)), "LoadState") == "not-found"
 
@@ -328,7 +328,7 @@ async def test_limits_and_sandbox_are_set_on_the_unit(user_runner: SystemdRunner
     # PrivateTmp hides the host's /tmp (where tmp_path and the wrapper script live): run the
     # fake engine straight from the source tree.
     argv = (sys.executable, str(FAKE_ENGINE), "--alias", "m", "--host", "127.0.0.1", "--port", str(port))
-    request = request_for("", argv, tmp_path, memory_max_bytes=512 * 1024 * 1024,
+    request = request_for(argv, tmp_path, memory_max_bytes=512 * 1024 * 1024,
                           cpu_weight=50, tasks_max=64, sandbox="strict")
     request = dataclasses.replace(request, log_path=None)
     handle = await user_runner.start(request)
@@ -346,7 +346,7 @@ async def test_limits_and_sandbox_are_set_on_the_unit(user_runner: SystemdRunner
 
 async def test_unknown_sandbox_profile_is_refused(user_runner: SystemdRunner, tmp_path: Path) -> None:
     with pytest.raises(RunnerError, match="unknown sandbox profile 'paranoid'; known: none, basic, strict"):
-        await user_runner.start(request_for("", ("/usr/bin/sleep", "1"), tmp_path, sandbox="paranoid"))
+        await user_runner.start(request_for(("/usr/bin/sleep", "1"), tmp_path, sandbox="paranoid"))
 
 
 async def test_detect_runner_needs_systemd_on_the_bus(systemd_user: UserManager, tmp_path: Path) -> None:
@@ -393,7 +393,7 @@ async def test_detect_runner_needs_systemd_on_the_bus(systemd_user: UserManager,
 
 async def test_runner_follows_systemd_across_daemon_reexec(user_runner: SystemdRunner, systemd_user: UserManager,
                                                            tmp_path: Path) -> None:
-    handle = await user_runner.start(request_for("", ("/usr/bin/sleep", "300"), tmp_path))
+    handle = await user_runner.start(request_for(("/usr/bin/sleep", "300"), tmp_path))
     owner_before = user_runner._systemd_owner
     systemd_user.systemctl("daemon-reexec")
     # systemd comes back on the bus under a new unique name; the runner follows it.
@@ -407,6 +407,6 @@ async def test_runner_follows_systemd_across_daemon_reexec(user_runner: SystemdR
         info = await handle.wait()
     assert (info.result, info.signal) == ("signal", signal.SIGKILL)
     # And new units still start and report.
-    again = await user_runner.start(request_for("", ("/usr/bin/true",), tmp_path, index=1))
+    again = await user_runner.start(request_for(("/usr/bin/true",), tmp_path, index=1))
     async with asyncio.timeout(10):
         assert (await again.wait()).result == "success"

@@ -88,6 +88,7 @@ def agent(systemd_pid1: Pid1System) -> Iterator[InstalledAgent]:
 
 
 def test_shipped_units_verify(agent: InstalledAgent) -> None:
+    # Inside the container only: systemd-analyze writes /run/systemd/systemd-units-load.
     verify = agent.system.nsenter("systemd-analyze", "verify", "--man=no", *UNITS, check=False)
     assert verify.returncode == 0, verify.stderr
     assert "viiwork" not in verify.stderr, verify.stderr  # no warnings about our units
