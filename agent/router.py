@@ -29,11 +29,16 @@ Rules, in order (docs/routing.md has the reasoning and the measured effect):
 3. A local healthy backend with a free slot (the one with the most free slots): no hop.
 4. A fresh peer (liveness ``alive``, state ``serving``, summary younger than
    ``stale_after_ms``, not in the request's ``exclude`` set) with free slots, counting
-   ``slots - busy - our reservations since its summary + our completions since its summary``.
+   ``slots - busy - our reservations since its summary + our completions since its summary``
+   (a peer that refused a forward since its summary counts as full).
    More free slots first, then lower RTT; the choice is random among near-equals (within
    :data:`NEAR_FREE` slots of the most free and :data:`NEAR_RTT_MS` ms or x2 of the lowest
    RTT), weighted by free slots, so origins working from the same picture spread out.
-5. Else queue when something could serve it later (a local backend starting or healthy; a
+5. With ``probe`` on (the default), when no peer appears to have room: the fresh peer whose picture (its
+   summary, or its last refusal) is oldest, since one of its busy slots has most likely
+   freed since; a peer known full for less than :data:`PROBE_MIN_MS` is not asked. A wrong
+   guess costs one refused forward (one round trip, before the first byte).
+6. Else queue when something could serve it later (a local backend starting or healthy; a
    peer alive or suspect, serving, listing the model with at least one backend); else 503.
 
 A model nobody in the table lists (this node, or any peer, including dead and departed
@@ -49,13 +54,15 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from viiwork.agent.backends import ModelRuntime
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.summary import ModelCapacity, PublishedState
 
 NEAR_FREE = 1  # slots: peers this close to the most free count as near-equals
 NEAR_RTT_MS = 2.0  # ms: among near-equals, RTTs within max(this, 2 x the lowest) are equal
-RESERVATION_MAX_AGE_MS = 600_000.0  # safety net: a reservation never released expires
+RESERVATION_MAX_AGE_MS = 600_000.0
+PROBE_MIN_MS = 100.0  # ms: a peer known full more recently than this is not probed  # safety net: a reservation never released expires
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -85,6 +92,14 @@ class LocalModel:
     can_serve: bool
     ctx_per_slot: int = 0
     engine: str = ""
+
+    @classmethod
+    def from_runtime(cls, runtime: ModelRuntime) -> LocalModel:
+        """The picture of one of this node's models now (read it just before routing)."""
+        return cls(name=runtime.name, kind=runtime.config.kind.value,
+                   backends=tuple(LocalBackend(b.id, b.free_slots) for b in runtime.backends),
+                   slots=sum(b.slots for b in runtime.healthy_backends), can_serve=runtime.can_ever_serve,
+                   ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +148,11 @@ class Reservation:
 
 @dataclass(slots=True)
 class _PeerBook:
-    order: tuple[int, int] = (0, 0)
+    order: tuple[int, int] | None = None  # None: no summary seen yet
     epoch: int = 0
     pending: dict[str, list[float]] = field(default_factory=dict)  # model -> made_at of this epoch
     completed: dict[str, int] = field(default_factory=dict)  # counted in the summary, since ended
-    full: set[str] = field(default_factory=set)  # refused since the summary
+    full: dict[str, float] = field(default_factory=dict)  # model -> when last refused, since the summary
 
 
 class Reservations:
@@ -168,7 +183,9 @@ class Reservations:
         """A summary of ``peer`` with ``order`` (generation, seq) is held: a newer one than
         last seen clears what this node counted against that peer."""
         book = self._book(peer)
-        if order > book.order:
+        if book.order is None:
+            book.order = order  # the first summary seen: what was reserved before still counts
+        elif order > book.order:
             book.order = order
             book.epoch += 1
             book.pending.clear()
@@ -199,7 +216,13 @@ class Reservations:
     def mark_full(self, peer: NodeId, model: str) -> None:
         """``peer`` refused a forward for ``model`` (429/503): treat it as full until its next
         summary."""
-        self._book(peer).full.add(model)
+        self._book(peer).full[model] = self.clock()
+
+    def refused_ago_ms(self, peer: NodeId, model: str) -> float | None:
+        """Milliseconds since ``peer`` last refused ``model`` since its summary, or None."""
+        book = self._books.get(peer)
+        at = None if book is None else book.full.get(model)
+        return None if at is None else self.clock() - at
 
     def adjustment(self, peer: NodeId, model: str) -> int | None:
         """Slots to add to the summary's free count (negative: taken by us), or None when the
@@ -278,7 +301,9 @@ class Router:
 
     ``self_id`` / ``self_name``: this node (host selection may name it); ``stale_after_ms``:
     ``routing.stale_after_ms`` (a peer's summary older than this is not routed to);
-    ``reservations``: this node's :class:`Reservations`; ``rng``: randomness for spreading.
+    ``reservations``: this node's :class:`Reservations`; ``rng``: randomness for spreading;
+    ``probe``: ask a likely peer when none appears free (rule 5 of the module doc;
+    docs/benchmarks-routing.md has its measured effect).
     """
 
     def __init__(self, self_id: NodeId, self_name: str, *, stale_after_ms: float, reservations: Reservations,
@@ -394,10 +419,17 @@ class Router:
             if p.node_id in exclude or not self.fresh(p):
                 continue
             cap = p.model(model)
-            if cap is None or cap.slots <= 0 or self.reservations.adjustment(p.node_id, model) is None:
+            if cap is None or cap.slots <= 0:
                 continue
-            # Slots that may have freed since the summary: busy ones, more likely the older it is.
-            score = p.age_ms * cap.slots * (1.0 + 0.25 * self.rng.random())
+            # What we know of the peer is as old as its summary or its last refusal; the older,
+            # the likelier one of its busy slots has freed since.
+            known_ms = p.age_ms
+            refused = self.reservations.refused_ago_ms(p.node_id, model)
+            if refused is not None:
+                known_ms = min(known_ms, refused)
+            if known_ms < PROBE_MIN_MS:
+                continue
+            score = known_ms * cap.slots * (1.0 + 0.25 * self.rng.random())
             if best is None or score > best[0]:
                 best = (score, p, cap)
         if best is None or best[0] <= 0:

@@ -158,6 +158,7 @@ def main() -> int:
                 model = workdir / "tiny.gguf"
                 write_tiny_gguf(model)
             cold, warm = restart_times(workdir, um.bus_address, model, args.rounds)
+            model_size_mb = model.stat().st_size / 1e6
         process_ms = agent_latency(workdir, args.n, {"runner": "process"})
     lines = [
         "## Crash detection latency",
@@ -178,7 +179,7 @@ def main() -> int:
         "",
         "## Agent restart keeps the models loaded",
         "",
-        f"Two models on llama-server ({model.name}, {model.stat().st_size / 1e6:.1f} MB), systemd runner; "
+        f"Two models on llama-server ({model.name}, {model_size_mb:.1f} MB), systemd runner; "
         f"seconds from starting `viiwork-agent` until both are healthy, {args.rounds} rounds.",
         "",
         "| start | median s | max s |",

@@ -19,19 +19,24 @@ Not a test. Discrete-event simulation in virtual time (fixed seeds, one model):
   queue is retried (head first) whenever that origin sees a slot free: a local release, the
   end of a request it forwarded, or a fresher picture of a peer.
 
-Policies: ``viiwork`` (viiwork.agent.router.Router with Reservations, the production code),
+Policies: ``viiwork`` (viiwork.agent.router.Router with Reservations and its defaults, the
+production code),
 ``oracle`` (sees true load instantly; one global FIFO queue, the freed slot goes to the
 oldest waiter at once: the best any dispatcher can do), ``most-free`` (the peer with most
 free slots in the picture, local included, no reservations, no randomisation, ties to the
 lowest RTT: what polling systems do), ``random`` (uniformly among the nodes that appear to
-have a free slot).
+have a free slot), ``viiwork-no-probe`` (the router with ``probe=False``: it never asks a peer
+that appears full). Diagnostics (``--diagnostics``), the same
+router with better information than the model above allows: ``viiwork-250ms`` (pictures
+refreshed every 250 ms) and ``viiwork-instant`` (pictures always true, and a freed slot is
+announced at once to every origin with waiters, oldest waiter first).
 
 Queueing delay: arrival until the request starts on a slot, including forward RTTs and
 refusals. Utilisation: busy slot-time over all slot-time. The first 10% of requests are
 warm-up and not counted. ``refused/100``: forwards refused per 100 requests (herding).
 
 Usage: .venv/bin/python tests/bench/bench_routing_sim.py [--requests 40000] [--seeds 1,2]
-       [--loads 0.5,0.8,0.95] [--sigma 0.8]
+       [--loads 0.5,0.8,0.95] [--sigma 0.8] [--diagnostics]
 """
 
 from __future__ import annotations
@@ -68,7 +73,10 @@ MEAN_SERVICE_MS = 2000.0
 REFRESH_MS = 1000.0
 FORWARD_RETRY = 1
 MODEL = "m"
-POLICIES = ("viiwork", "oracle", "most-free", "random")
+POLICIES = ("viiwork", "viiwork-no-probe", "oracle", "most-free", "random")
+# Diagnostics (--diagnostics): the same router with better information than the model above
+# allows, to show where the remaining gap to the oracle comes from.
+DIAGNOSTICS = ("viiwork-250ms", "viiwork-instant")
 CAPACITY_PER_S = sum(SLOTS * s for s in SPEEDS) / (MEAN_SERVICE_MS / 1000.0)
 
 ARRIVAL, DONE, REFRESH = 0, 1, 2
@@ -101,6 +109,9 @@ def workload(load: float, n_requests: int, sigma: float, seed: int) -> list[Req]
 class Simulation:
     def __init__(self, policy: str, reqs: list[Req], seed: int) -> None:
         self.policy = policy
+        self.routed = policy.startswith("viiwork")
+        self.refresh_ms = 250.0 if policy == "viiwork-250ms" else REFRESH_MS
+        self.instant = policy == "viiwork-instant"
         self.reqs = reqs
         setup = random.Random(seed * 7919 + 17)
         self.rng = random.Random(seed * 104729 + 3)
@@ -127,11 +138,11 @@ class Simulation:
             res = Reservations(clock=lambda: self.now)
             self.reservations.append(res)
             self.routers.append(Router(self.ids[o], f"node{o}", stale_after_ms=3000, reservations=res,
-                                       rng=random.Random(seed * 1000 + o)))
+                                       rng=random.Random(seed * 1000 + o), probe=policy != "viiwork-no-probe"))
         for o in range(NODES):
             for p in range(NODES):
                 if o != p:
-                    self.push(setup.uniform(0.0, REFRESH_MS), REFRESH, (o, p))
+                    self.push(setup.uniform(0.0, self.refresh_ms), REFRESH, (o, p))
         for r in reqs:
             self.push(r.arrival, ARRIVAL, r)
 
@@ -168,7 +179,7 @@ class Simulation:
                 self.start(r, o)
                 return True
             token = None
-            if self.policy == "viiwork":
+            if self.routed:
                 token = self.reservations[o].reserve(self.ids[target], MODEL)
             if self.forward(r, o, target):
                 r.token = token
@@ -181,7 +192,7 @@ class Simulation:
 
     def choose(self, o: int, tried: set[int]) -> int | None:
         local_free = SLOTS - self.busy[o]
-        if self.policy == "viiwork":
+        if self.routed:
             return self.choose_router(o, tried)
         seen = [(SLOTS - self.picture[o][p][0], p) for p in range(NODES) if p != o and p not in tried]
         if self.policy == "most-free":
@@ -205,6 +216,9 @@ class Simulation:
             if p == o:
                 continue
             busy, order, at = self.picture[o][p]
+            if self.instant and busy != self.busy[p]:
+                busy, order, at = self.busy[p], order + 1, self.now
+                self.picture[o][p] = (busy, order, at)
             cap = ModelCapacity(MODEL, "llamacpp", "chat", SLOTS, busy, None, 4096, 1, 1)
             peers.append(PeerSnapshot(self.ids[p], f"node{p}", Liveness.ALIVE, PublishedState.SERVING,
                                       self.now - at, (1, order), (cap,), self.rtt[o][p]))
@@ -264,12 +278,15 @@ class Simulation:
                 self.wake(node)
                 if r.origin != node:
                     self.wake(r.origin)
+                if self.instant:  # the freed slot is announced at once, oldest waiter first
+                    for _, o in sorted((q[0].arrival, i) for i, q in enumerate(self.queues) if q):
+                        self.wake(o)
             else:
                 o, p = data
                 _, order, _ = self.picture[o][p]
                 self.picture[o][p] = (self.busy[p], order + 1, t)
                 if t < last_arrival + 600_000:
-                    self.push(t + REFRESH_MS, REFRESH, (o, p))
+                    self.push(t + self.refresh_ms, REFRESH, (o, p))
                 if not oracle:
                     self.wake(o)
 
@@ -304,10 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default="0.5,0.8,0.95", help="offered loads (default 0.5,0.8,0.95)")
     ap.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of service times (default 0.8)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--diagnostics", action="store_true", help="add " + ", ".join(DIAGNOSTICS))
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     loads = [float(x) for x in args.loads.split(",")]
-    policies = args.policies.split(",")
+    policies = args.policies.split(",") + (list(DIAGNOSTICS) if args.diagnostics else [])
     began = time.perf_counter()
     print(f"8 nodes x {SLOTS} slots, speeds {SPEEDS}, capacity {CAPACITY_PER_S:g} req/s, service lognormal "
           f"mean {MEAN_SERVICE_MS / 1000:g} s sigma {args.sigma:g}, pictures refreshed every {REFRESH_MS:g} ms, "

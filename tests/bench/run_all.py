@@ -1,0 +1,285 @@
+"""``make bench``: run every benchmark under tests/bench/ and write docs/benchmarks.md.
+
+usage: .venv/bin/python tests/bench/run_all.py [--only NAME[,NAME]] [--out docs/benchmarks.md]
+       [--budget-s 1140] [--no-install]
+
+Each ``tests/bench/bench_*.py`` runs as its own process with its own time budget (the table
+below; 90 s for a script not listed), in the order listed, under one overall budget (19 min
+by default, so the whole stays under 20 minutes with the venv already built). A benchmark
+that fails or runs out of time is recorded in the document with its exit status and the tail
+of its output, and the runner goes on. Output of a benchmark: the file it was told to write
+with ``--out`` when it takes one, else what it printed; ``docs/benchmarks-*.md`` files that
+benchmarks wrote during the run are included too.
+
+Tools only the benchmarks need are kept out of the product's dependencies:
+- ``.bench-venv/`` (created here): LiteLLM's proxy (``litellm[proxy]==1.108.7``) and py-spy;
+- Debian packages ``wrk`` and ``nginx`` (``nginx-light`` is enough): installed with apt-get
+  when missing and running as root, with service starts blocked by a temporary
+  ``policy-rc.d`` (the host's nginx service is never started or touched); otherwise the
+  rows that need them say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BENCH_VENV = ROOT / ".bench-venv"
+BENCH_REQUIREMENTS = ["litellm[proxy]==1.108.7", "py-spy==0.4.3"]
+
+
+@dataclass
+class Bench:
+    script: str
+    budget_s: int
+    args: list[str] = field(default_factory=list)
+    takes_out: bool = True  # accepts --out FILE
+    title: str = ""
+
+
+# Order: the issue-9 tables first, then the figures of the other issues.
+KNOWN: list[Bench] = [
+    Bench("bench_overhead.py", 330, ["-n", "1000", "--stream-n", "300", "--wrk-s", "4", "--profile"],
+          title="Proxy overhead, memory and start-up (issue 9)"),
+    Bench("bench_proxy.py", 200, ["-n", "600"], title="Added latency of one agent, fake engine and llama-server (issue 2)"),
+    Bench("bench_mesh_sim.py", 200, [], takes_out=False, title="Mesh simulation"),
+    Bench("bench_routing_sim.py", 120, [], takes_out=False, title="Routing simulation"),
+    Bench("bench_mesh_processes.py", 120, ["--nodes", "10", "--steady-s", "15"], takes_out=False,
+          title="Mesh with real processes"),
+    Bench("bench_crash_detection.py", 120, ["-n", "10"], title="Crash detection"),
+]
+DEFAULT_BUDGET_S = 90
+
+
+@dataclass
+class Outcome:
+    bench: Bench
+    command: str
+    status: str
+    seconds: float
+    text: str
+    extra_docs: list[Path] = field(default_factory=list)
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def ensure_debian_tools(notes: list[str], install: bool) -> None:
+    missing = [pkg for pkg, binary in (("wrk", "wrk"), ("nginx-light", "nginx"))
+               if not (shutil.which(binary) or Path(f"/usr/sbin/{binary}").exists())]
+    if not missing:
+        return
+    if not install or os.geteuid() != 0 or not shutil.which("apt-get"):
+        notes.append(f"missing Debian packages {', '.join(missing)} (apt-get install {' '.join(missing)}); "
+                     "their rows are skipped")
+        return
+    print(f"==> installing Debian packages {' '.join(missing)} (service starts blocked)", flush=True)
+    policy = Path("/usr/sbin/policy-rc.d")
+    created = False
+    if not policy.exists():
+        policy.write_text("#!/bin/sh\n# temporary, from viiwork's tests/bench/run_all.py\nexit 101\n")
+        policy.chmod(0o755)
+        created = True
+    try:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        r = sh(["apt-get", "install", "-y", "-q", *missing], env=env, timeout=300)
+        if r.returncode != 0:
+            sh(["apt-get", "update", "-q"], env=env, timeout=300)
+            r = sh(["apt-get", "install", "-y", "-q", *missing], env=env, timeout=300)
+        if r.returncode != 0:
+            notes.append(f"apt-get install {' '.join(missing)} failed: {r.stderr.strip()[-300:]}")
+    finally:
+        if created:
+            policy.unlink()
+
+
+def ensure_bench_venv(notes: list[str], install: bool) -> str | None:
+    """The interpreter of .bench-venv with LiteLLM's proxy and py-spy, or None."""
+    python = BENCH_VENV / "bin" / "python"
+    stamp = BENCH_VENV / (".installed-" + "-".join(r.replace("[", "_").replace("]", "_") for r in BENCH_REQUIREMENTS))
+    if stamp.exists():
+        return str(python)
+    if not install:
+        notes.append(".bench-venv missing and --no-install given: LiteLLM not measured")
+        return None
+    print(f"==> creating {BENCH_VENV.name} with {' '.join(BENCH_REQUIREMENTS)} (benchmark-only tools)", flush=True)
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    try:
+        if not python.exists():
+            r = sh([base, "-m", "venv", str(BENCH_VENV)], timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(r.stderr.strip()[-300:])
+        r = sh([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *BENCH_REQUIREMENTS],
+               timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip()[-500:])
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+        notes.append(f"could not build {BENCH_VENV.name}: {exc}; LiteLLM not measured")
+        return None
+    stamp.touch()
+    return str(python)
+
+
+def discover(only: set[str] | None) -> list[Bench]:
+    known = {b.script: b for b in KNOWN}
+    present = sorted(p.name for p in HERE.glob("bench_*.py"))
+    ordered = [known[name] for name in known if name in present]
+    ordered += [Bench(name, DEFAULT_BUDGET_S, [], takes_out=False, title=name) for name in present if name not in known]
+    if only:
+        ordered = [b for b in ordered if b.script.removesuffix(".py") in only or b.script in only]
+    return ordered
+
+
+def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path) -> Outcome:
+    args = list(bench.args)
+    if bench.script == "bench_overhead.py" and bench_python:
+        args += ["--litellm-python", bench_python]
+    out_file = work / (bench.script + ".md")
+    if bench.takes_out:
+        args += ["--out", str(out_file)]
+    cmd = [sys.executable, str(HERE / bench.script), *args]
+    shown = " ".join([".venv/bin/python", f"tests/bench/{bench.script}", *[
+        a if not a.startswith(str(work)) else "FILE" for a in args]]).replace(str(ROOT) + "/", "")
+    env = dict(os.environ)
+    if bench_python:  # py-spy for profiles
+        env["PATH"] = f"{Path(bench_python).parent}:{env.get('PATH', '')}"
+    print(f"==> {bench.script} (budget {budget_s:.0f} s)", flush=True)
+    started = time.monotonic()
+    wall_start = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=budget_s)
+        status = "ok" if proc.returncode == 0 else f"failed (exit status {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 15)
+        try:
+            output, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            output, _ = proc.communicate()
+        status = f"timed out after its budget of {budget_s:.0f} s"
+    seconds = time.monotonic() - started
+    if status == "ok" and bench.takes_out and out_file.exists():
+        text = out_file.read_text()
+    elif status == "ok":
+        text = output
+    else:
+        text = "Output (tail):\n\n```\n" + "\n".join(output.splitlines()[-40:]) + "\n```\n"
+    extra = [p for p in sorted((ROOT / "docs").glob("benchmarks-*.md")) if p.stat().st_mtime >= wall_start - 1]
+    print(f"    {status} in {seconds:.0f} s", flush=True)
+    return Outcome(bench, shown, status, seconds, text, extra)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (f"{cpu}, {os.cpu_count()} CPUs{mem}, Linux {platform.release()} ({platform.machine()}), "
+            f"Python {platform.python_version()}")
+
+
+def as_section(text: str) -> str:
+    """Demote a benchmark's headings so they sit under its ``##`` section."""
+    lines = []
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if not in_code and line.startswith("#"):
+            hashes = len(line) - len(line.lstrip("#"))
+            line = "#" * max(3, hashes) + line[hashes:]
+        lines.append(line)
+    return "\n".join(lines).strip() + "\n"
+
+
+def looks_like_markdown(text: str) -> bool:
+    return any(line.startswith(("|", "#")) for line in text.splitlines())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", help="comma-separated benchmark names (bench_overhead,...)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--budget-s", type=float, default=19 * 60, help="overall budget")
+    ap.add_argument("--no-install", action="store_true", help="do not install wrk, nginx or .bench-venv")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    notes: list[str] = []
+    load0 = os.getloadavg()
+    ensure_debian_tools(notes, not args.no_install)
+    bench_python = ensure_bench_venv(notes, not args.no_install)
+    only = set(args.only.split(",")) if args.only else None
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory(prefix="vw-bench-all-") as tmp:
+        for bench in discover(only):
+            left = args.budget_s - (time.monotonic() - t0)
+            if left < 20:
+                outcomes.append(Outcome(bench, f".venv/bin/python tests/bench/{bench.script}", "not run: the overall "
+                                        "budget was spent", 0.0, ""))
+                continue
+            outcomes.append(run_one(bench, min(bench.budget_s, left), bench_python, Path(tmp)))
+    load1 = os.getloadavg()
+    total = time.monotonic() - t0
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT).stdout.strip() or "unknown"
+        dirty = " (with uncommitted changes)" if sh(["git", "status", "--porcelain"], cwd=ROOT).stdout.strip() else ""
+    except OSError:
+        commit, dirty = "unknown", ""
+    doc = ["# Benchmarks", "",
+           "Written by `make bench` (`tests/bench/run_all.py`); do not edit by hand. Every figure below "
+           "comes from the run described here; comparisons are made within one run, as ratios, because "
+           "the host is shared and absolute figures move with its load.", "",
+           f"- Run: {now}, commit {commit}{dirty}, {total / 60:.1f} minutes in all.",
+           f"- Machine: {machine()}.",
+           f"- Load average (1 min): {load0[0]:.2f} at the start, {load1[0]:.2f} at the end "
+           "(other work was running on this host; read ratios, not absolute figures).", "",
+           "| benchmark | status | seconds | command |", "|---|---|---|---|"]
+    for o in outcomes:
+        doc.append(f"| {o.bench.title or o.bench.script} | {o.status} | {o.seconds:.0f} | `{o.command}` |")
+    if notes:
+        doc += ["", "Notes: " + "; ".join(notes)]
+    for o in outcomes:
+        doc += ["", f"## {o.bench.title or o.bench.script}", "", f"Command: `{o.command}`; {o.status}, "
+                f"{o.seconds:.0f} s.", ""]
+        if o.text:
+            body = o.text if looks_like_markdown(o.text) or o.status != "ok" else "```\n" + o.text.strip() + "\n```\n"
+            doc.append(as_section(body))
+        for extra in o.extra_docs:
+            doc += [f"From `{extra.relative_to(ROOT)}`, written by this benchmark in this run:", "",
+                    as_section(extra.read_text())]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(doc).rstrip() + "\n")
+    print(f"==> wrote {args.out} in {total / 60:.1f} minutes", flush=True)
+    failed = [o for o in outcomes if o.status != "ok"]
+    for o in failed:
+        print(f"    {o.bench.script}: {o.status}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The packaging tier: build the .deb and run the clean-install test on fresh Debian 12 hosts.
+
+Runs ``packaging/build-deb`` (with lintian: an error fails it) and then
+``packaging/install-test`` (three nspawn hosts on a namespaced bridge; see the script's
+header for every step and assertion). Needs root, namespaces and a Debian mirror for the
+first debootstrap (the rootfs is cached in /var/cache/viiwork-test, or
+$VIIWORK_TEST_CACHE); where those are missing the tests skip with the reason (fail under
+CI=true). Bounded: the build is given 8 minutes, the install test 12.
+
+The mesh assertions of the install test are gated by a capability check (the agent serves
+GET /v1/mesh once [mesh] is configured). ``test_mesh_through_packages`` reports that gate:
+it skips, naming the check, while the agent has no mesh support, and runs the assertions
+(they fail the script) once it has. VIIWORK_REQUIRE_MESH=1 turns the gate into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, require
+
+pytestmark = [pytest.mark.packaging, pytest.mark.timeout(1500)]
+
+BUILD_TIMEOUT_S = 8 * 60
+INSTALL_TEST_TIMEOUT_S = 12 * 60
+CANNOT_RUN = 77  # packaging/install-test's "this machine cannot run it"
+
+
+def _environment_ok() -> None:
+    require(os.geteuid() == 0, "the packaging tier needs root (apt-get, debootstrap, namespaces)")
+    for tool in ("unshare", "nsenter", "ip", "dpkg-buildpackage", "apt-get"):
+        require(shutil.which(tool) is not None, f"{tool} is missing (Debian 12 with util-linux, iproute2, dpkg-dev)")
+
+
+@pytest.fixture(scope="module")
+def install_run(tmp_path_factory) -> dict[str, str]:
+    """Build the package, run the install test once; returns its report (KEY=VALUE figures)."""
+    _environment_ok()
+    out = tmp_path_factory.mktemp("deb")
+    build = subprocess.run([str(REPO / "packaging" / "build-deb"), "--out", str(out)],
+                           capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert build.returncode == 0, f"build-deb failed:\n{build.stderr[-6000:]}"
+    deb = Path(build.stdout.strip().splitlines()[-1])
+    assert deb.is_file() and deb.name.startswith("viiwork_") and deb.suffix == ".deb", deb
+    report = out / "report.txt"
+    cmd = [str(REPO / "packaging" / "install-test"), "--deb", str(deb), "--report", str(report)]
+    if os.environ.get("VIIWORK_REQUIRE_MESH") == "1":
+        cmd.append("--require-mesh")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TEST_TIMEOUT_S)
+    if run.returncode == CANNOT_RUN:
+        require(False, run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "install-test cannot run here")
+    assert run.returncode == 0, f"install-test failed:\n{run.stdout[-8000:]}\n{run.stderr[-6000:]}"
+    figures = dict(line.split("=", 1) for line in report.read_text().splitlines() if "=" in line)
+    figures["stdout"] = run.stdout
+    return figures
+
+
+def test_clean_install_restart_upgrade_remove_purge(install_run):
+    out = install_run["stdout"]
+    # Each phase of the script printed its "ok:" line; a missing one means a phase was skipped.
+    for phase in ("enabled, active with READY=1 on the shipped config",
+                  "every host serves its model through a systemd engine unit",
+                  "enrolled (node.key 0600",
+                  "kept MainPID",
+                  "agent restarted (not stopped)",
+                  "removed: engines stopped",
+                  "purged: state and config gone"):
+        assert phase in out, f"install-test did not report: {phase}"
+    assert float(install_run["install_to_ready_s_h1"]) > 0
+
+
+def test_mesh_through_packages(install_run):
+    if install_run.get("mesh_step") != "1":
+        pytest.skip("mesh step gated off by install-test's capability check: the installed agent does not "
+                    "serve GET /v1/mesh with [mesh] configured (mesh not wired into the agent yet)")
+    assert "mixed-version mesh" in install_run["stdout"]
+    assert float(install_run["mesh_formation_s"]) <= 10.0 + 60.0
