@@ -84,6 +84,20 @@ class ModelAdmission:
                 best, best_free = backend, free
         return best
 
+    def try_acquire(self, backend_id: str | None = None) -> Backend | None:
+        """Take a free local slot now, never queueing: ``backend_id``'s if it has one, else
+        the backend with the most free slots; None when nothing is free. For mesh routing
+        (the origin queues itself) and forwarded requests (a receiver never queues)."""
+        backend = None
+        if backend_id is not None:
+            backend = next((b for b in self.runtime.backends if b.id == backend_id and b.free_slots > 0), None)
+        if backend is None:
+            backend = self._pick()
+        if backend is not None:
+            backend.in_flight += 1
+            self.admitted += 1
+        return backend
+
     async def acquire(self) -> Lease:
         """Take a slot, waiting in the queue if needed. Raises an AdmissionError subclass."""
         if not self._waiters:

@@ -12,23 +12,30 @@ The request body is forwarded as received (never re-serialised); mesh headers
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import json
 import logging
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.admission import AdmissionError, ModelAdmission
 from viiwork.agent.backends import ModelRuntime
+
+if TYPE_CHECKING:
+    from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.errors import error_response
-from viiwork.agent.proxy import Upstream
+from viiwork.agent.proxy import REFUSED_HEADER, Refused, Upstream
+from viiwork.agent.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
+from viiwork.mesh.transport import peer_of
 from viiwork.engines.contract import Kind
 
 log = logging.getLogger(__name__)
@@ -59,8 +66,11 @@ class ClientApi:
         queue_timeout_s: float,
         status_source: Callable[[], list[dict[str, Any]]],
         extra_status: dict[str, Callable[[], Any]] | None = None,
+        forward_retry: int = 1,
     ) -> None:
         self.node_name = node_name
+        self.forward_retry = forward_retry
+        self.mesh: MeshLink | None = None
         self.runtimes = runtimes
         self.upstream = upstream
         self.max_body_bytes = max_body_bytes
@@ -99,6 +109,7 @@ class ClientApi:
             resource.add_route("*", self._method_not_allowed("POST"))
         for path, handler in (
             ("/v1/models", self.handle_models),
+            ("/v1/mesh", self.handle_mesh),
             ("/health", self.handle_health),
             ("/v1/status", self.handle_status),
             ("/metrics", self.handle_metrics),
@@ -147,6 +158,8 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return self._count("-", error_response(400, "'model' is required and must be a string", param="model"))
         runtime = self.runtimes.get(model)
+        if self.mesh is not None:
+            return self._count(model, await self._mesh_inference(request, body, payload, model, runtime, request_id))
         if runtime is None:
             known = ", ".join(sorted(self.runtimes)) or "none"
             return self._count("-", error_response(
@@ -179,6 +192,182 @@ class ClientApi:
             admission.release(lease.backend)
         return self._count(model, response)
 
+    # -- mesh ----------------------------------------------------------------------------
+
+    def attach_mesh(self, mesh: MeshLink) -> None:
+        """Route over the mesh (DESIGN §6) and accept forwards on its listener (call before
+        ``mesh.start()``: routes are added to the mesh listener's app)."""
+        self.mesh = mesh
+        for path in _KIND_OF_PATH:
+            mesh.node.app.router.add_post(path, self.handle_forwarded)
+        for name, runtime in self.runtimes.items():
+            runtime.listeners.append(lambda rt: mesh.wake(rt.name))
+
+    async def _mesh_inference(self, request: web.Request, body: bytes, payload: dict[str, Any], model: str,
+                              runtime: ModelRuntime | None, request_id: str) -> web.StreamResponse:
+        """Run a request anywhere in the mesh: local first, else the peer with most room,
+        else wait in this origin's queue (DESIGN §6). Peers that refuse before the first byte
+        are retried elsewhere ``routing.forward_retry`` times."""
+        mesh = self.mesh
+        assert mesh is not None
+        wanted = _KIND_OF_PATH[request.path]
+        kind = runtime.config.kind.value if runtime is not None else next(
+            (m.get("kind") for m in mesh.models() if m.get("id") == model), None)
+        if kind is not None and kind != wanted.value:
+            return error_response(400, f"model {model!r} is a {kind} model; {request.path} needs a "
+                                  f"{wanted.value} model", param="model")
+        if self.draining:
+            return error_response(503, f"node {self.node_name!r} is draining for maintenance and admits no new "
+                                  "requests", retry_after_s=5)
+        host = request.query.get("host") or request.headers.get("X-Viiwork-Host")
+        affinity = request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity")
+        stream = payload.get("stream") is True
+        admission = self.admissions.get(model)
+        queue = mesh.queue(model)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.queue_timeout_s
+        waiter: asyncio.Event | None = None
+        tried: set[Any] = set()
+        refusals = 0
+        if len(queue):  # never overtake a waiting request
+            if len(queue) >= self.queue_max:
+                return self._queue_full(model)
+            waiter = queue.enter()
+        try:
+            while True:
+                if waiter is not None:
+                    waiter.clear()
+                decision: Decision = mesh.route(model, host=host, affinity=affinity, exclude=tried)
+                if isinstance(decision, RunLocal):
+                    backend = admission.try_acquire(decision.backend_id) if admission is not None else None
+                    if backend is not None:
+                        headers = self._where(self.node_name, backend.id, started, request_id)
+                        try:
+                            return await self.upstream.forward(request, backend, body, stream, headers, request_id)
+                        finally:
+                            admission.release(backend)  # type: ignore[union-attr]
+                            mesh.wake(model)
+                    decision = Queue("local slot taken meanwhile")
+                elif isinstance(decision, RunOnPeer):
+                    target = mesh.peer_target(decision.node_id)
+                    result: web.StreamResponse | Refused
+                    if target is None:
+                        result = Refused(503, "no mesh address")
+                    else:
+                        token = mesh.reservations.reserve(decision.node_id, model)
+                        headers = self._where(decision.name, "", started, request_id)
+                        try:
+                            result = await self.upstream.forward(
+                                request, target, body, stream, headers, request_id, session=mesh.session,
+                                extra_headers={"X-Viiwork-Origin": self.node_name},
+                                relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True)
+                        finally:
+                            mesh.reservations.release(token)
+                            mesh.wake(model)
+                    if not isinstance(result, Refused):
+                        mesh.forwards_out += 1
+                        return result
+                    mesh.refusals_out += 1
+                    log.debug("request %s: %s refused (%d %s)", request_id, decision.name, result.status,
+                              result.reason)
+                    mesh.reservations.mark_full(decision.node_id, model)
+                    tried.add(decision.node_id)
+                    refusals += 1
+                    if refusals <= self.forward_retry:
+                        continue
+                    decision = Queue("peers refused")
+                if isinstance(decision, Refuse):
+                    return error_response(decision.status, decision.message, param=decision.param,
+                                          code=decision.code, retry_after_s=decision.retry_after_s)
+                # Queue: wait for capacity anywhere, then route again.
+                if waiter is None:
+                    if len(queue) >= self.queue_max:
+                        return self._queue_full(model)
+                    waiter = queue.enter()
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return self._queue_timeout(model)
+                try:
+                    # Woken on capacity changes; re-routes at least twice a second regardless.
+                    await asyncio.wait_for(waiter.wait(), min(remaining, 0.5))
+                except TimeoutError:
+                    pass
+                tried.clear()
+                refusals = 0
+        finally:
+            if waiter is not None:
+                queue.leave(waiter)
+                queue.wake()
+
+    def _where(self, node: str, backend: str, started: float, request_id: str) -> dict[str, str]:
+        headers = {
+            "X-Viiwork-Node": node,
+            "X-Viiwork-Origin": self.node_name,
+            "X-Viiwork-Queued-Ms": f"{(asyncio.get_running_loop().time() - started) * 1000:.1f}",
+            "X-Request-Id": request_id,
+        }
+        if backend:
+            headers["X-Viiwork-Backend"] = backend
+        return headers
+
+    def _queue_full(self, model: str) -> web.Response:
+        return error_response(429, f"model {model!r}: no free slot in the mesh and the queue is full "
+                              f"({self.queue_max} waiting)", retry_after_s=1)
+
+    def _queue_timeout(self, model: str) -> web.Response:
+        return error_response(429, f"model {model!r}: no slot freed in the mesh within "
+                              f"{self.queue_timeout_s:g} s", retry_after_s=2)
+
+    async def handle_forwarded(self, request: web.Request) -> web.StreamResponse:
+        """A request forwarded by a peer, on the mesh listener (mutual TLS).
+
+        Admitted only into a free local slot: never queued, never forwarded again. Otherwise
+        answered 429/503 with ``X-Viiwork-Refused`` so the origin can try another peer
+        before the first byte.
+        """
+        mesh = self.mesh
+        assert mesh is not None
+        origin_id = peer_of(request)
+        origin = mesh.peer_name(origin_id)
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            body = await request.read()
+            payload = json.loads(body)
+            model = payload["model"]
+            if not isinstance(model, str):
+                raise TypeError("model is not a string")
+        except (ValueError, KeyError, TypeError, web.HTTPRequestEntityTooLarge) as exc:
+            return error_response(400, f"forwarded request is malformed: {exc}")
+        runtime = self.runtimes.get(model)
+        admission = self.admissions.get(model)
+        if runtime is None or admission is None:
+            return self._refuse(503, "not-served", f"node {self.node_name!r} does not serve model {model!r}")
+        if self.draining:
+            return self._refuse(503, "draining", f"node {self.node_name!r} is draining")
+        wanted = _KIND_OF_PATH[request.path]
+        if runtime.config.kind is not wanted:
+            return error_response(400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} "
+                                  f"needs a {wanted.value} model", param="model")
+        backend = admission.try_acquire()
+        if backend is None:
+            mesh.refusals_in += 1
+            return self._refuse(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
+        mesh.forwards_in += 1
+        log.debug("request %s for %s forwarded by %s runs on %s", request_id, model, origin, backend.id)
+        headers = {"X-Viiwork-Node": self.node_name, "X-Viiwork-Backend": backend.id,
+                   "X-Viiwork-Origin": origin, "X-Request-Id": request_id}
+        try:
+            return await self.upstream.forward(request, backend, body, payload.get("stream") is True, headers,
+                                               request_id)
+        finally:
+            admission.release(backend)
+            mesh.wake(model)
+
+    @staticmethod
+    def _refuse(status: int, reason: str, message: str) -> web.Response:
+        return error_response(status, message, retry_after_s=1, headers={REFUSED_HEADER: reason})
+
     def _count(self, model: str, response: web.StreamResponse) -> web.StreamResponse:
         self.responses[(model, response.status)] += 1
         return response
@@ -186,6 +375,8 @@ class ClientApi:
     # -- read-only views ---------------------------------------------------------------
 
     async def handle_models(self, request: web.Request) -> web.Response:
+        if self.mesh is not None:
+            return web.json_response({"object": "list", "data": self.mesh.models()})
         data = []
         for name, rt in sorted(self.runtimes.items()):
             ctx = rt.ctx_per_slot
@@ -195,6 +386,12 @@ class ClientApi:
                 "max_model_len": ctx, "context_length": ctx,
             })
         return web.json_response({"object": "list", "data": data})
+
+    async def handle_mesh(self, request: web.Request) -> web.Response:
+        """GET /v1/mesh: every node this node knows, with liveness, age and models."""
+        if self.mesh is None:
+            return error_response(404, f"node {self.node_name!r} is standalone: its config has no [mesh] section")
+        return web.json_response(self.mesh.node.view())
 
     async def handle_health(self, request: web.Request) -> web.Response:
         healthy = sum(len(rt.healthy_backends) for rt in self.runtimes.values())

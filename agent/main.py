@@ -25,7 +25,9 @@ from viiwork.agent.api import ClientApi
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
 from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.notify import Notifier, finish_supervision, run_status, status_line
+from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.proxy import Upstream
+from viiwork.mesh.node import MeshStartError
 from viiwork.agent.runners.base import Runner, RunnerError
 from viiwork.agent.supervisor import Supervisor
 
@@ -124,7 +126,22 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             queue_timeout_s=config.routing.queue_timeout_s,
             status_source=supervisor.status,
             extra_status={"gpus": gpus.status_section},
+            forward_retry=config.routing.forward_retry,
         )
+        if config.mesh is not None:
+            mesh = MeshLink(config, supervisor.models, draining=lambda: api.draining)
+            api.attach_mesh(mesh)
+            api.extra_status["mesh"] = mesh.status
+            if config.mesh.trust == "open":
+                log.warning("mesh trust is \"open\": node certificates are self-signed and pinned on first use; "
+                            "any host that reaches the mesh port first can join mesh %r. Use trust = \"ca\" "
+                            "outside labs.", config.mesh.mesh_id)
+            try:
+                await mesh.start()
+            except MeshStartError as exc:
+                log.error("mesh: %s", exc)
+                return 1
+            stack.push_async_callback(mesh.stop)
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
@@ -172,6 +189,11 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             run_status(notifier, lambda: status_line(supervisor.models)), name="status"))
         await stop.wait()
         log.info("stopping")
+        # Admit nothing new, and tell peers first (they stop routing here at once), then
+        # the exit stack drains and stops (or hands over) the engines.
+        api.draining = True
+        if api.mesh is not None:
+            await api.mesh.stop()
     return 0
 
 

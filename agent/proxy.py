@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +36,18 @@ class _ClientGone(Exception):
     """The client closed its connection; nothing more can be written to it."""
 
 _PASS_REQUEST_HEADERS = ("Content-Type", "Accept")
+
+# Set by a peer that declines a forwarded request before doing any work (no free slot, model
+# not served, draining): the origin may try another peer before the first byte.
+REFUSED_HEADER = "X-Viiwork-Refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A peer declined a forward before the first byte: HTTP ``status`` and its ``reason``."""
+
+    status: int
+    reason: str
 
 
 class Upstream:
@@ -69,11 +82,13 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
-    async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        assert self._session is not None, "use Upstream as an async context manager"
+    async def _open(self, url: str, body: bytes, headers: dict[str, str],
+                    session: aiohttp.ClientSession | None = None) -> aiohttp.ClientResponse:
+        session = session or self._session
+        assert session is not None, "use Upstream as an async context manager"
         for attempt in (0, 1):
             try:
-                return await self._session.post(url, data=body, headers=headers)
+                return await session.post(url, data=body, headers=headers)
             except _STALE_CONNECTION as exc:
                 if attempt == 1 or isinstance(exc, aiohttp.ClientConnectorError):
                     raise
@@ -89,11 +104,21 @@ class Upstream:
         stream: bool,
         headers: dict[str, str],
         request_id: str,
-    ) -> web.StreamResponse:
+        *,
+        session: aiohttp.ClientSession | None = None,
+        extra_headers: dict[str, str] | None = None,
+        relay_headers: tuple[str, ...] = (),
+        refusable: bool = False,
+    ) -> web.StreamResponse | Refused:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
-        Returns the response to give the client (already prepared and finished when
-        streamed). Errors before the first byte become 502/504 JSON errors.
+        ``backend`` is anything with ``id`` and ``base_url`` (a local Backend, or a peer's mesh
+        listener reached with ``session``, whose TLS context authenticates both sides).
+        ``extra_headers`` go upstream; ``relay_headers`` are copied from the upstream answer
+        to the client's. With ``refusable``, an answer carrying ``X-Viiwork-Refused`` (a peer
+        that has no free slot) returns ``Refused`` before anything reaches the client, so the
+        caller can try elsewhere. Returns the response to give the client (already prepared
+        and finished when streamed). Errors before the first byte become 502/504 JSON errors.
         """
         upstream_headers = {"X-Request-Id": request_id}
         request_headers = request.headers
@@ -101,16 +126,28 @@ class Upstream:
             value = request_headers.get(name)
             if value is not None:
                 upstream_headers[name] = value
+        if extra_headers:
+            upstream_headers.update(extra_headers)
         url = backend.base_url + request.path
         try:
-            upstream = await self._open(url, body, upstream_headers)
+            upstream = await self._open(url, body, upstream_headers, session)
         except TimeoutError:  # sock_read (aiohttp.ServerTimeoutError) or sock_connect
+            if refusable:
+                return Refused(504, "timeout")
             return error_response(504, f"backend {backend.id} did not answer within "
                                   f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)", headers=headers)
         except aiohttp.ClientError as exc:
+            if refusable:
+                return Refused(502, f"unreachable: {exc.__class__.__name__}")
             return error_response(502, f"backend {backend.id} unreachable: {exc.__class__.__name__}",
                                   headers=headers)
         try:
+            if refusable and REFUSED_HEADER in upstream.headers:
+                return Refused(upstream.status, upstream.headers[REFUSED_HEADER])
+            for name in relay_headers:
+                value = upstream.headers.get(name)
+                if value is not None:
+                    headers[name] = value
             content_type = upstream.headers.get("Content-Type", "application/json")
             if not stream or upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 return await self._relay_whole(upstream, backend, headers, content_type)

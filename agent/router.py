@@ -61,8 +61,8 @@ from viiwork.mesh.summary import ModelCapacity, PublishedState
 
 NEAR_FREE = 1  # slots: peers this close to the most free count as near-equals
 NEAR_RTT_MS = 2.0  # ms: among near-equals, RTTs within max(this, 2 x the lowest) are equal
-RESERVATION_MAX_AGE_MS = 600_000.0
-PROBE_MIN_MS = 100.0  # ms: a peer known full more recently than this is not probed  # safety net: a reservation never released expires
+RESERVATION_MAX_AGE_MS = 600_000.0  # ms: safety net: a reservation never released expires
+PROBE_MIN_MS = 100.0  # ms: a peer known full more recently than this is not probed
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -309,11 +309,11 @@ class Router:
     def __init__(self, self_id: NodeId, self_name: str, *, stale_after_ms: float, reservations: Reservations,
                  rng: random.Random, probe: bool = True) -> None:
         self.self_id = self_id
-        self.probe = probe
         self.self_name = self_name
         self.stale_after_ms = stale_after_ms
         self.reservations = reservations
         self.rng = rng
+        self.probe = probe
 
     # -- public --------------------------------------------------------------------------
 
@@ -353,7 +353,7 @@ class Router:
             probe = self._probe(model, serving, exclude)
             if probe is not None:
                 return probe
-        return self._queue_or_refuse(model, here, serving, exclude)
+        return self._queue_or_refuse(model, here, serving)
 
     def models(self, local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot]) -> list[dict[str, Any]]:
         """The mesh-wide ``/v1/models`` list (see :func:`mesh_models`)."""
@@ -485,8 +485,7 @@ class Router:
         return Queue(f"pinned to {peer.name}, which has no free slot for {model!r} now "
                      f"({peer.liveness.value}, summary {peer.age_ms:.0f} ms old)")
 
-    def _queue_or_refuse(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot],
-                         exclude: Collection[NodeId]) -> Decision:
+    def _queue_or_refuse(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot]) -> Decision:
         if here is not None and here.can_serve:
             return Queue(f"no free slot for {model!r} on this node or a fresh peer")
         later = [p for p in serving if p.liveness in (Liveness.ALIVE, Liveness.SUSPECT)

@@ -593,6 +593,24 @@ def startup_and_rss(work: Path, runs: int) -> tuple[list[float], list[int], str]
     return times, rss, note
 
 
+def import_costs(top: int = 6) -> tuple[float, list[tuple[str, float]]]:
+    """``-X importtime`` of ``viiwork.agent.main``: total ms and the largest imports (ms)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import viiwork.agent.main"],
+                       capture_output=True, text=True, timeout=60)
+    total = float("nan")
+    entries: list[tuple[str, float]] = []
+    for line in r.stderr.splitlines():
+        if not line.startswith("import time:") or "cumulative" in line:
+            continue
+        _self, cumulative, name = line[len("import time:"):].split("|")
+        depth = (len(name) - len(name.lstrip())) // 2
+        if name.strip() == "viiwork.agent.main":
+            total = int(cumulative) / 1000
+        elif depth <= 1:
+            entries.append((name.strip(), int(cumulative) / 1000))
+    return total, sorted(entries, key=lambda e: -e[1])[:top]
+
+
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -651,6 +669,7 @@ def main() -> int:
                     wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s / 2, 32, work, s.pids()))
             profile = profile_agent(agent.pid, aport, work, 6) if args.profile else []
             startup, rss, snote = startup_and_rss(work, args.startup_runs)
+            imports = import_costs()
             if snote:
                 notes.append(snote)
         finally:
@@ -732,6 +751,8 @@ def main() -> int:
     if rss:
         lines.append(f"| VmRSS idle (MiB) | {statistics.median(rss) / 1024:.1f} | {min(rss) / 1024:.1f} | "
                      f"{max(rss) / 1024:.1f} | {len(rss)} |")
+    lines.append(f"| import of viiwork.agent.main (ms, -X importtime, one run) | {imports[0]:.0f} | | | 1 |")
+    lines += ["", "Largest imports (cumulative ms): " + ", ".join(f"`{n}` {t:.0f}" for n, t in imports[1]) + "."]
     lines += ["", "READY=1 is captured on a datagram socket owned by the benchmark (NOTIFY_SOCKET); RSS is "
               "/proc/PID/status VmRSS 2 s after READY. With 10 peers: not yet measurable (the mesh is not "
               "wired into the agent)."]

@@ -216,8 +216,8 @@ class Simulation:
             if p == o:
                 continue
             busy, order, at = self.picture[o][p]
-            if self.instant and busy != self.busy[p]:
-                busy, order, at = self.busy[p], order + 1, self.now
+            if self.instant:
+                busy, order, at = self.busy[p], order + (busy != self.busy[p]), self.now
                 self.picture[o][p] = (busy, order, at)
             cap = ModelCapacity(MODEL, "llamacpp", "chat", SLOTS, busy, None, 4096, 1, 1)
             peers.append(PeerSnapshot(self.ids[p], f"node{p}", Liveness.ALIVE, PublishedState.SERVING,

@@ -78,5 +78,6 @@ def test_mesh_through_packages(install_run):
     if install_run.get("mesh_step") != "1":
         pytest.skip("mesh step gated off by install-test's capability check: the installed agent does not "
                     "serve GET /v1/mesh with [mesh] configured (mesh not wired into the agent yet)")
-    assert "mixed-version mesh" in install_run["stdout"]
-    assert float(install_run["mesh_formation_s"]) <= 10.0 + 60.0
+    out = install_run["stdout"]
+    assert "mesh formed; host 1 serves host" in out
+    assert "mixed-version mesh" in out

@@ -1,0 +1,142 @@
+"""Three real agents on loopback forming a mesh and serving each other's overflow (issue 5).
+
+Each agent runs fake llama-servers (separate processes) with ``parallel = 1``; agents find
+each other by seeds, gossip over mutual TLS (open trust), and route with the real router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from support.agent import Agent, run_agent
+from support.engines import fake_engine_binary
+from support.procs import free_port
+
+SLOW = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "20", "FAKE_TOKEN_DELAY_S": "0.05"}  # ~1 s per answer
+
+
+def chat(model: str, stream: bool = False) -> dict:
+    return {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def mesh_section(port: int, seeds: list[int]) -> dict:
+    return {"trust": "open", "mesh_id": "test-mesh", "listen": f"127.0.0.1:{port}",
+            "advertise": f"127.0.0.1:{port}", "discovery": ["seeds"],
+            "seeds": [f"127.0.0.1:{p}" for p in seeds], "gossip_interval_ms": 100,
+            "suspect_after_ms": 1000, "dead_after_ms": 3000}
+
+
+@pytest.fixture
+def mesh3(tmp_path: Path) -> Iterator[dict[str, Agent]]:
+    binary = fake_engine_binary(tmp_path / "bin")
+    ports = {n: free_port() for n in "abc"}
+    agents: dict[str, Agent] = {}
+    with ExitStack() as stack:
+        for name in "abc":
+            models = [{"name": "shared", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
+                       "llamacpp": {"binary": str(binary)}, "env": SLOW}]
+            if name == "c":
+                models.append({"name": "only-c", "engine": "llamacpp", "path": "/dev/null", "parallel": 1,
+                               "backends": 1, "llamacpp": {"binary": str(binary)}, "env": SLOW})
+            seeds = [p for n, p in ports.items() if n != name]
+            agents[name] = stack.enter_context(run_agent(
+                tmp_path, models, name=f"node-{name}",
+                extra={"mesh": mesh_section(ports[name], seeds),
+                       "routing": {"queue_max": 1, "queue_timeout_s": 10, "stale_after_ms": 3000}}))
+        for agent in agents.values():
+            agent.wait_for(lambda d: all(b["state"] == "healthy" for m in d["models"] for b in m["backends"]),
+                           30, "backends healthy")
+        for agent in agents.values():
+            agent.wait_for(lambda d: len(d.get("mesh", {}).get("peers", {})) and
+                           d["mesh"]["peers"].get("alive", 0) == 2, 30, "two alive peers")
+        yield agents
+
+
+async def test_overflow_runs_on_peers_then_queues_then_429(mesh3: dict[str, Agent]) -> None:
+    a = mesh3["a"]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{a.url}/v1/models") as r:
+            ids = [m["id"] for m in (await r.json())["data"]]
+        assert ids == ["only-c", "shared"]
+
+        async def one() -> tuple[int, str, str]:
+            async with http.post(f"{a.url}/v1/chat/completions", json=chat("shared")) as r:
+                await r.read()
+                return r.status, r.headers.get("X-Viiwork-Node", ""), r.headers.get("X-Viiwork-Origin", "")
+
+        first = [asyncio.create_task(one()) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        fourth = asyncio.create_task(one())  # waits in A's queue
+        await asyncio.sleep(0.3)
+        async with http.post(f"{a.url}/v1/chat/completions", json=chat("shared")) as r:
+            assert r.status == 429 and "Retry-After" in r.headers  # queue_max = 1
+        results = await asyncio.gather(*first)
+        assert sorted(node for _, node, _ in results) == ["node-a", "node-b", "node-c"]
+        assert all(status == 200 and origin == "node-a" for status, _, origin in results)
+        status, _, _ = await fourth
+        assert status == 200
+
+
+async def test_model_only_on_c_streams_through_a(mesh3: dict[str, Agent]) -> None:
+    a = mesh3["a"]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{a.url}/v1/chat/completions", json=chat("only-c", stream=True),
+                             headers={"X-Request-Id": "trace-1"}) as r:
+            assert r.status == 200
+            assert r.headers["X-Viiwork-Node"] == "node-c"
+            assert r.headers["X-Viiwork-Origin"] == "node-a"
+            assert r.headers["X-Request-Id"] == "trace-1"
+            events = [line[6:] for line in (await r.read()).decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    words = [c["delta"].get("content") for e in events[:-1] for c in json.loads(e)["choices"]
+             if c["delta"].get("content")]
+    assert len(words) == 20  # every chunk, in order, through the hop
+    assert "trace-1" in mesh3["c"].log_text()
+
+
+async def test_host_selection_and_unknown_model(mesh3: dict[str, Agent]) -> None:
+    a = mesh3["a"]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{a.url}/v1/chat/completions?host=node-b", json=chat("shared")) as r:
+            assert r.status == 200 and r.headers["X-Viiwork-Node"] == "node-b"
+        async with http.post(f"{a.url}/v1/chat/completions", json=chat("shared"),
+                             headers={"X-Viiwork-Host": "nowhere"}) as r:
+            assert r.status == 404 and "nowhere" in (await r.json())["error"]["message"]
+        async with http.post(f"{a.url}/v1/chat/completions?host=node-b", json=chat("only-c")) as r:
+            assert r.status == 400
+        async with http.post(f"{a.url}/v1/chat/completions", json=chat("nope")) as r:
+            doc = await r.json()
+            assert r.status == 404 and "only-c" in doc["error"]["message"]
+        # mesh headers sent by a client change nothing
+        async with http.post(f"{a.url}/v1/chat/completions", json=chat("shared"),
+                             headers={"X-Viiwork-Origin": "evil", "X-Viiwork-Refused": "no-slot"}) as r:
+            assert r.status == 200 and r.headers["X-Viiwork-Origin"] == "node-a"
+
+
+async def test_killed_peer_mid_stream_and_failover(mesh3: dict[str, Agent]) -> None:
+    a, c = mesh3["a"], mesh3["c"]
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{a.url}/v1/chat/completions", json=chat("only-c", stream=True))
+        assert resp.headers["X-Viiwork-Node"] == "node-c"
+        await resp.content.readline()
+        os.kill(c.proc.pid, signal.SIGKILL)
+        raw = await asyncio.wait_for(resp.read(), 30)
+        resp.close()
+        events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+        assert "[DONE]" not in events and "error" in json.loads(events[-1])
+        # C's engines die with it (process runner); A stops routing there once C is suspect.
+        a.wait_for(lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 10, "C no longer alive")
+        async with http.post(f"{a.url}/v1/chat/completions", json=chat("only-c")) as r:
+            assert r.status in (429, 503)
+        for _ in range(3):
+            async with http.post(f"{a.url}/v1/chat/completions", json=chat("shared")) as r:
+                assert r.status == 200 and r.headers["X-Viiwork-Node"] in ("node-a", "node-b")
