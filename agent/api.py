@@ -257,6 +257,7 @@ class ClientApi:
                     else:
                         token = mesh.reservations.reserve(decision.node_id, model)
                         headers = self._where(decision.name, "", started, request_id)
+                        log.debug("request %s for %s: forwarding to %s", request_id, model, decision.name)
                         try:
                             result = await self.upstream.forward(
                                 request, target, body, stream, headers, request_id, session=mesh.session,

@@ -666,7 +666,7 @@ def main() -> int:
             for _round in range(2):
                 for s in systems:
                     wrk[s.name].append(run_wrk(s.port, BODY, args.wrk_s, 32, work, s.pids()))
-                    wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s / 2, 32, work, s.pids()))
+                    wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s, 32, work, s.pids()))
             profile = profile_agent(agent.pid, aport, work, 6) if args.profile else []
             startup, rss, snote = startup_and_rss(work, args.startup_runs)
             imports = import_costs()
@@ -694,7 +694,7 @@ def main() -> int:
              "pooled samples, "
              f"{args.n} non-streamed and {args.stream_n} streamed requests per system (a quarter / a third for "
              f"LiteLLM), interleaved in {ROUNDS} rounds after warm-up. c=32: `wrk -t1 -c32`, best of 2 runs of "
-             f"{args.wrk_s:g} s ({args.wrk_s / 2:g} s streamed). Streamed answers are {CHUNKS} SSE chunks; "
+             f"{args.wrk_s:g} s each, non-streamed and streamed. Streamed answers are {CHUNKS} SSE chunks; "
              "per-chunk = (total - TTFB) / 20. CPU/req: user+sys CPU of the system's own processes (not the "
              "upstream's, except for direct) over the c=32 run divided by requests served, which moves "
              "less with the host's load than requests/s.", ""]

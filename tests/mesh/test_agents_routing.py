@@ -140,3 +140,67 @@ async def test_killed_peer_mid_stream_and_failover(mesh3: dict[str, Agent]) -> N
         for _ in range(3):
             async with http.post(f"{a.url}/v1/chat/completions", json=chat("shared")) as r:
                 assert r.status == 200 and r.headers["X-Viiwork-Node"] in ("node-a", "node-b")
+
+
+def test_forward_refused_by_draining_peer_is_retried(tmp_path: Path) -> None:
+    """B has a free slot in A's picture but refuses (it drained after its last summary):
+    A takes the refusal before the first byte and the request runs on C instead."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    binary = fake_engine_binary(tmp_path / "bin")
+    ports = {n: free_port() for n in "abc"}
+    long_env = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "15", "FAKE_TOKEN_DELAY_S": "0.1"}  # ~1.5 s
+    shared = {"name": "shared", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
+              "llamacpp": {"binary": str(binary)}, "env": long_env}
+    with ExitStack() as stack:
+        agents = {}
+        for name in "abc":
+            mesh = mesh_section(ports[name], [p for n, p in ports.items() if n != name])
+            if name == "b":  # B publishes rarely: A keeps believing B serves for seconds
+                mesh.update(gossip_interval_ms=5000, suspect_after_ms=20000, dead_after_ms=40000)
+            else:
+                mesh.update(suspect_after_ms=20000, dead_after_ms=40000)
+            agents[name] = stack.enter_context(run_agent(
+                tmp_path, [] if name == "a" else [shared], name=f"node-{name}",
+                extra={"mesh": mesh, "routing": {"stale_after_ms": 15000, "forward_retry": 1}}))
+        a, b, c = agents["a"], agents["b"], agents["c"]
+        for agent in (b, c):
+            agent.wait_healthy("shared")
+
+        def free_in_a(node: str) -> int:
+            doc = json.load(urllib.request.urlopen(f"{a.url}/v1/mesh", timeout=5))
+            for n in doc["nodes"]:
+                if n["name"] == node and n["liveness"] == "alive":
+                    return sum(m["slots"] - m["busy"] for m in n["models"] if m["name"] == "shared")
+            return -1
+
+        a.wait_for(lambda d: free_in_a("node-b") == 1 and free_in_a("node-c") == 1, 30, "B and C free in A's view")
+        # occupy C (runs on C itself) and wait until A sees it busy
+        body = json.dumps(chat("shared")).encode()
+        busy = subprocess.Popen([sys.executable, "-c",
+                                 "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request("
+                                 f"{c.url + '/v1/chat/completions'!r}, data=sys.stdin.buffer.read(), "
+                                 "headers={'Content-Type': 'application/json'}), timeout=30).read()"],
+                                stdin=subprocess.PIPE)
+        busy.stdin.write(body)
+        busy.stdin.close()
+        try:
+            a.wait_for(lambda d: free_in_a("node-c") == 0, 10, "C busy in A's view")
+            sock = tmp_path / "node-b" / "admin.sock"
+            ctl = Path(sys.executable).parent / "viiworkctl"
+            subprocess.run([str(ctl), "drain", "--socket", str(sock)], check=True, capture_output=True, timeout=30)
+            assert free_in_a("node-b") == 1  # A has not heard of the drain yet
+            started = time.monotonic()
+            req = urllib.request.Request(f"{a.url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.status == 200
+                assert r.headers["X-Viiwork-Node"] == "node-c"
+                assert r.headers["X-Viiwork-Origin"] == "node-a"
+            assert time.monotonic() - started < 10
+            assert a.status()["mesh"]["forwards"]["refused_out"] >= 1
+        finally:
+            busy.wait(30)
