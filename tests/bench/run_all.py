@@ -8,8 +8,8 @@ below; 90 s for a script not listed), in the order listed, under one overall bud
 by default, so the whole stays under 20 minutes with the venv already built). A benchmark
 that fails or runs out of time is recorded in the document with its exit status and the tail
 of its output, and the runner goes on. Output of a benchmark: the file it was told to write
-with ``--out`` when it takes one, else what it printed; ``docs/benchmarks-*.md`` files that
-benchmarks wrote during the run are included too.
+with ``--out`` when it takes one, else what it printed. ``docs/benchmarks-*.md`` (documents
+kept by the owners of the mesh, routing and packaging work) are appended, each with its date.
 
 Tools only the benchmarks need are kept out of the product's dependencies:
 - ``.bench-venv/`` (created here): LiteLLM's proxy (``litellm[proxy]==1.108.7``) and py-spy;
@@ -73,7 +73,6 @@ class Outcome:
     status: str
     seconds: float
     text: str
-    extra_docs: list[Path] = field(default_factory=list)
 
 
 def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -161,7 +160,6 @@ def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path)
         env["PATH"] = f"{Path(bench_python).parent}:{env.get('PATH', '')}"
     print(f"==> {bench.script} (budget {budget_s:.0f} s)", flush=True)
     started = time.monotonic()
-    wall_start = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:
@@ -182,9 +180,8 @@ def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path)
         text = output
     else:
         text = "Output (tail):\n\n```\n" + "\n".join(output.splitlines()[-40:]) + "\n```\n"
-    extra = [p for p in sorted((ROOT / "docs").glob("benchmarks-*.md")) if p.stat().st_mtime >= wall_start - 1]
     print(f"    {status} in {seconds:.0f} s", flush=True)
-    return Outcome(bench, shown, status, seconds, text, extra)
+    return Outcome(bench, shown, status, seconds, text)
 
 
 def machine() -> str:
@@ -232,6 +229,7 @@ def main() -> int:
     ap.add_argument("--no-install", action="store_true", help="do not install wrk, nginx or .bench-venv")
     args = ap.parse_args()
     t0 = time.monotonic()
+    run_started = time.time()
     notes: list[str] = []
     load0 = os.getloadavg()
     ensure_debian_tools(notes, not args.no_install)
@@ -273,9 +271,12 @@ def main() -> int:
         if o.text:
             body = o.text if looks_like_markdown(o.text) or o.status != "ok" else "```\n" + o.text.strip() + "\n```\n"
             doc.append(as_section(body))
-        for extra in o.extra_docs:
-            doc += [f"From `{extra.relative_to(ROOT)}`, written by this benchmark in this run:", "",
-                    as_section(extra.read_text())]
+    for extra in sorted((ROOT / "docs").glob("benchmarks-*.md")):
+        when = datetime.datetime.fromtimestamp(extra.stat().st_mtime, datetime.timezone.utc)
+        fresh = "during this run" if extra.stat().st_mtime >= run_started else "before this run"
+        doc += ["", f"## `docs/{extra.name}`", "",
+                f"Included as written by its owners (last written {when:%Y-%m-%d %H:%M} UTC, {fresh}); the "
+                "figures re-measured by this run are in the sections above.", "", as_section(extra.read_text())]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(doc).rstrip() + "\n")
     print(f"==> wrote {args.out} in {total / 60:.1f} minutes", flush=True)
