@@ -169,7 +169,9 @@ async def test_requests_during_load_are_queued_then_served(tmp_path: Path, llama
 
 
 async def test_client_disconnect_frees_slot(tmp_path: Path, llama_server: Path, tiny_gguf: Path) -> None:
-    with run_agent(tmp_path, [llama_model(llama_server, tiny_gguf, parallel=1)]) as agent:
+    # 8k tokens of context: the tiny model needs seconds to fill it, so the stream is still
+    # generating when the client leaves.
+    with run_agent(tmp_path, [llama_model(llama_server, tiny_gguf, parallel=1, ctx_per_slot=8192)]) as agent:
         agent.wait_healthy("tiny")
         direct = f"http://127.0.0.1:{backend_port(agent, 'tiny')}"
         async with aiohttp.ClientSession() as http:
