@@ -314,7 +314,8 @@ def wait_post(port: int, deadline_s: float, proc: subprocess.Popen | None = None
     raise TimeoutError(f"port {port} did not answer a POST within {deadline_s:g} s: {last!r}")
 
 
-def agent_config(work: Path, name: str, port: int, engine: Path, models: bool) -> Path:
+def agent_config(work: Path, name: str, port: int, engine: Path, models: bool,
+                 mesh: tuple[int, int] | None = None) -> Path:
     text = f"""
 [node]
 name = "{name}"
@@ -326,6 +327,17 @@ admin_socket = {json.dumps(str(work / name / "admin.sock"))}
 
 [supervisor]
 runner = "process"
+"""
+    if mesh is not None:  # (own mesh port, the seed's)
+        text += f"""
+[mesh]
+trust = "open"
+mesh_id = "bench-{os.getpid()}"
+listen = "127.0.0.1:{mesh[0]}"
+advertise = "127.0.0.1:{mesh[0]}"
+interfaces = ["lo"]
+discovery = ["seeds"]
+seeds = ["127.0.0.1:{mesh[1]}"]
 """
     if models:
         text += f"""
@@ -345,6 +357,28 @@ threads = 1
     path = work / f"{name}.toml"
     path.write_text(text)
     return path
+
+
+def start_mesh_pair(work: Path, engine: Path, notes: list[str]) -> list[System]:
+    """Agent B serves model m (its own instant engine); agent A has no models and forwards
+    every request to B over the mesh (mutual TLS, open trust). Returns [A, B] or []."""
+    pa, pb, ma, mb = free_port(), free_port(), free_port(), free_port()
+    try:
+        agb, _ = start_agent(agent_config(work, "hop-b", pb, engine, True, (mb, ma)), pb, work / "hop-b.log")
+    except (RuntimeError, TimeoutError) as exc:
+        notes.append(f"mesh pair: agent B did not start: {exc}")
+        return []
+    aga = subprocess.Popen([str(agent_binary()), "--config", str(agent_config(work, "hop-a", pa, engine, False, (ma, mb))),
+                            "--log-level", "warning"], stdout=open(work / "hop-a.log", "ab"), stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        wait_post(pa, 60, aga)
+    except (RuntimeError, TimeoutError) as exc:
+        stop_process(aga)
+        stop_process(agb)
+        notes.append(f"mesh pair: agent A did not forward to B: {exc}")
+        return []
+    return [System("viiwork (2 agents, 1 forward)", pa, aga, own=[aga.pid, agb.pid]), System("hop-b", pb, agb)]
 
 
 def agent_binary() -> Path:
@@ -540,18 +574,20 @@ def _short(frame: str) -> str:
 
 
 def _owner(frame: str) -> str:
-    f = frame.replace("\\", "/")
-    if "/agent/" in f and "site-packages" not in f:
+    m = re.match(r".*? \((.*?)(?::\d+)?\)$", frame.strip())
+    parts = (m.group(1) if m else frame).replace("\\", "/").split("/")
+    func = frame.split(" (", 1)[0]
+    if "agent" in parts and "site-packages" not in parts:
         return "viiwork's own code (agent/*.py)"
-    if "selector_events.py" in f and "write" in f:
+    if parts[-1] == "selector_events.py" and func.endswith(".write"):
         return "socket send (kernel: loopback delivery, waking the receiver)"
-    if "selectors.py" in f:
+    if parts[-1] == "selectors.py":
         return "waiting in epoll (idle)"
-    if "/aiohttp/" in f or "/yarl/" in f or "/multidict/" in f:
+    if {"aiohttp", "yarl", "multidict"} & set(parts):
         return "aiohttp (HTTP server, client, parsing)"
-    if "/asyncio/" in f:
+    if "asyncio" in parts:
         return "asyncio (event loop, tasks, transports)"
-    if "/json/" in f:
+    if "json" in parts:
         return "json (parsing the request for its model)"
     return "other"
 
@@ -662,6 +698,7 @@ def main() -> int:
         aport = free_port()
         agent, upstream = start_agent(agent_config(work, "bench", aport, engine, True), aport, work / "agent.log")
         systems: list[System] = []
+        pair: list[System] = []
         try:
             wait_post(aport, 30, agent)
             engine_pids = [p for p in _tree(agent.pid, True) if p != agent.pid]
@@ -669,6 +706,8 @@ def main() -> int:
             extra = start_systems(work, upstream, args.litellm_python, notes)
             systems += [s for s in extra if s.name in ("nginx", "bare aiohttp")]
             systems.append(System("viiwork (1 agent)", aport, agent))
+            pair = start_mesh_pair(work, engine, notes)
+            systems += pair[:1]
             systems += [s for s in extra if s.name.startswith("LiteLLM")]
             c1 = {s.name: C1() for s in systems}
             c1s = {s.name: C1() for s in systems}
@@ -694,7 +733,7 @@ def main() -> int:
             if snote:
                 notes.append(snote)
         finally:
-            for s in systems:
+            for s in systems + pair[1:]:
                 if s.proc is not None and s.proc is not agent:
                     stop_process(s.proc, 10)
             stop_process(agent, 15)
@@ -766,8 +805,9 @@ def main() -> int:
               "the same bare proxy adds the figure above in this run, so the comparison that carries is the "
               "ratio to it. What limits both is in the profile below (first table: the share of samples in "
               "viiwork's own code against aiohttp, asyncio and the socket sends)."]
-    lines += ["", "Through two agents (one mesh forwarding hop): not yet measurable: the mesh is not wired into "
-              "the agent's request path (no forwarding in `agent/api.py`) at the time of this run."]
+    lines += ["", "Two agents: A has no models and forwards every request over the mesh (mutual TLS, open trust, "
+              "seeds on loopback) to B, which serves the model from its own instant engine (the same program "
+              "as the other rows' upstream); CPU/req counts both agents."]
     lines += ["", "#### Agent memory and start-up (no models, no peers)", "",
               "| figure | median | min | max | runs |", "|---|---|---|---|---|"]
     if startup:
@@ -779,8 +819,8 @@ def main() -> int:
     lines.append(f"| import of viiwork.agent.main (ms, -X importtime, one run) | {imports[0]:.0f} | | | 1 |")
     lines += ["", "Largest imports (cumulative ms): " + ", ".join(f"`{n}` {t:.0f}" for n, t in imports[1]) + "."]
     lines += ["", "READY=1 is captured on a datagram socket owned by the benchmark (NOTIFY_SOCKET); RSS is "
-              "/proc/PID/status VmRSS 2 s after READY. With 10 peers: not yet measurable (the mesh is not "
-              "wired into the agent)."]
+              "/proc/PID/status VmRSS 2 s after READY. With 10 peers: not measured yet (the mesh was wired "
+              "into the agent while this benchmark was being written; a 10-peer RSS row is still to add)."]
     if profile:
         lines += ["", "#### Where the agent spends its time at c=32 (py-spy, 200 Hz, non-streamed)", ""] + profile
     if notes:
