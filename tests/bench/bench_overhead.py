@@ -481,7 +481,9 @@ def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: l
                             stdout=subprocess.DEVNULL, stderr=open(work / "bare.out", "ab"), start_new_session=True)
     wait_post(port, 30, proc)
     systems.append(System("bare aiohttp", port, proc))
-    if litellm_python:
+    if litellm_python and not (Path(litellm_python).parent / "litellm").exists():
+        logs.append(f"LiteLLM not measured: no litellm next to {litellm_python}")
+    elif litellm_python:
         port = free_port()
         conf = work / "litellm.yaml"
         conf.write_text(LITELLM_CONF.format(upstream=upstream))

@@ -112,7 +112,8 @@ def ensure_bench_venv(notes: list[str], install: bool) -> str | None:
     """The interpreter of .bench-venv with LiteLLM's proxy and py-spy, or None."""
     python = BENCH_VENV / "bin" / "python"
     stamp = BENCH_VENV / (".installed-" + "-".join(r.replace("[", "_").replace("]", "_") for r in BENCH_REQUIREMENTS))
-    if stamp.exists():
+    tools = [BENCH_VENV / "bin" / name for name in ("python", "litellm", "py-spy")]
+    if stamp.exists() and all(t.exists() for t in tools):
         return str(python)
     if not install:
         notes.append(".bench-venv missing and --no-install given: LiteLLM not measured")
@@ -124,7 +125,8 @@ def ensure_bench_venv(notes: list[str], install: bool) -> str | None:
             r = sh([base, "-m", "venv", str(BENCH_VENV)], timeout=120)
             if r.returncode != 0:
                 raise RuntimeError(r.stderr.strip()[-300:])
-        r = sh([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *BENCH_REQUIREMENTS],
+        r = sh([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--force-reinstall",
+                *BENCH_REQUIREMENTS],
                timeout=600)
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip()[-500:])

@@ -12,10 +12,22 @@ from support.systemd import Pid1System, UserManager, missing_pid1, missing_user_
 from viiwork.agent.runners.systemd import SystemdRunner
 
 
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def checkout_hidden_by_private_tmp() -> str | None:
+    """Why units cannot see this checkout (it lives under a private-tmp path), or None."""
+    for hidden in ("/tmp", "/var/tmp", "/dev/shm"):
+        if REPO == Path(hidden) or Path(hidden) in REPO.parents:
+            return (f"the checkout {REPO} is under {hidden}, which units with PrivateTmp=yes and the PID-1 "
+                    "container do not see; clone it elsewhere (.ci/run copies itself out of /tmp)")
+    return None
+
+
 @pytest.fixture
 def systemd_user(tmp_path: Path) -> Iterator[UserManager]:
     """A fresh ``systemd --user`` (user-manager tier) for one test."""
-    reason = missing_user_manager()
+    reason = missing_user_manager() or checkout_hidden_by_private_tmp()
     require(reason is None, f"systemd user-manager tier: {reason}")
     with user_manager(tmp_path / "um") as manager:
         yield manager
@@ -24,7 +36,7 @@ def systemd_user(tmp_path: Path) -> Iterator[UserManager]:
 @pytest.fixture
 def systemd_pid1(tmp_path: Path) -> Iterator[Pid1System]:
     """A fresh systemd PID 1 in namespaces (system bus, journald, v1 memory/pids)."""
-    reason = missing_pid1()
+    reason = missing_pid1() or checkout_hidden_by_private_tmp()
     require(reason is None, f"systemd PID 1 tier: {reason}")
     # A short directory: the container's paths appear in unit names and socket paths.
     with pid1_system(tmp_path / "p1") as system:
