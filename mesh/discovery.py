@@ -75,13 +75,15 @@ def interface_addresses(interfaces: list[str]) -> list[str]:
 
 def pick_advertised_host(listen_host: str, advertise: str | None, interfaces: list[str]) -> str | None:
     """The host to advertise to peers: ``advertise`` as given (the operator's explicit
-    choice, loopback included); else a specific listen address if advertisable; else the
-    first advertisable IPv4 address of the configured interfaces, or of any interface.
-    None when nothing advertisable exists (the node then only dials out)."""
+    choice, loopback included); else a specific listen address if advertisable (a listener
+    bound to one address is reachable there only: a loopback one is advertised nowhere);
+    else, for a wildcard listener, the first advertisable IPv4 address of the configured
+    interfaces, or of any interface. None when nothing advertisable exists (the node then
+    only dials out)."""
     if advertise:
         return advertise
-    if listen_host not in ("0.0.0.0", "::", "") and is_advertisable(listen_host):
-        return listen_host
+    if listen_host not in ("0.0.0.0", "::", ""):
+        return listen_host if is_advertisable(listen_host) else None
     candidates = interface_addresses(interfaces) if interfaces else [
         ip.ip for a in ifaddr.get_adapters() for ip in a.ips if isinstance(ip.ip, str)]
     for host in candidates:
