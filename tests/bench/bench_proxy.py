@@ -106,7 +106,8 @@ async def measure(direct_port: int, agent_port: int, n: int, tokens: int, stream
             s = await run_series(label, url, body, n // 2, warmup=20 if round_ == 0 else 5)
             out.setdefault(label, Series(label)).samples += s.samples
             out[label].errors += s.errors
-            st = await run_series(label + "-stream", url, sbody, max(50, n // 10), warmup=5)
+            st = await run_series(label + "-stream", url, sbody, max(50, n // 10), warmup=5,
+                                  fresh_connections=True)
             out.setdefault(label + "-stream", Series(label + "-stream")).samples += st.samples
             out[label + "-stream"].errors += st.errors
     return out
@@ -147,7 +148,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vw-bench-") as tmp:
         work = Path(tmp)
         fake = fake_engine_binary(work)
-        cases = [("(a) instant fake upstream", str(fake), "/dev/null", {"FAKE_LOAD_S": "0", "FAKE_TOKENS": "1"}, 1, 20)]
+        cases = [("(a) instant fake upstream", str(fake), "/dev/null", {"FAKE_LOAD_S": "0", "FAKE_TOKENS": "20"}, 1, 20)]
         llama = find_llama_server()
         if llama:
             from support.tiny_gguf import write_tiny_gguf

@@ -54,10 +54,15 @@ def chat_body(model: str, stream: bool, max_tokens: int) -> bytes:
 
 
 async def run_series(name: str, url: str, body: bytes, n: int, concurrency: int = 1,
-                     warmup: int = 20) -> Series:
-    """Send ``n`` requests (after ``warmup``) at ``concurrency``; time headers and body."""
+                     warmup: int = 20, fresh_connections: bool = False) -> Series:
+    """Send ``n`` requests (after ``warmup``) at ``concurrency``; time headers and body.
+
+    ``fresh_connections``: one TCP connection per request, for streams: llama-server (and
+    the fake engine) close the connection after a stream while answering keep-alive, so a
+    pooled client would fail every other direct request.
+    """
     series = Series(name)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as http:
 
@@ -67,12 +72,13 @@ async def run_series(name: str, url: str, body: bytes, n: int, concurrency: int 
                 async with http.post(url, data=body, headers=headers) as resp:
                     first = await resp.content.readany()
                     t1 = time.perf_counter()
-                    chunks = 1 if first else 0
+                    # SSE events, not socket reads (reads coalesce events that arrive together)
+                    chunks = first.count(b"data: ") or (1 if first else 0)
                     while True:
                         chunk = await resp.content.readany()
                         if not chunk:
                             break
-                        chunks += 1
+                        chunks += chunk.count(b"data: ")
                     t2 = time.perf_counter()
                     ok = resp.status == 200
             except aiohttp.ClientError:
