@@ -652,6 +652,72 @@ def startup_and_rss(work: Path, runs: int) -> tuple[list[float], list[int], str]
     return times, rss, note
 
 
+def rss_with_peers(work: Path, peers: int = 10) -> tuple[int | None, str]:
+    """VmRSS (kB) of an agent with no models in a mesh of ``peers`` other nodes (real
+    MeshNode processes from tests/support/mesh_runner.py, seeds on loopback), 5 s after it
+    sees all of them alive; (None, why) when the mesh does not form in time."""
+    runner = Path(__file__).resolve().parent.parent / "support" / "mesh_runner.py"
+    mesh_id = f"bench-peers-{os.getpid()}"
+    procs: list[subprocess.Popen] = []
+    agent: subprocess.Popen | None = None
+    try:
+        ports: list[int] = []
+        for i in range(peers):
+            seeds = f"127.0.0.1:{ports[0]}" if ports else ""
+            proc = subprocess.Popen([sys.executable, str(runner), "--state", str(work / f"peer{i}"), "--name",
+                                     f"peer{i}", "--trust", "open", "--mesh-id", mesh_id, "--discovery", "seeds",
+                                     "--seeds", seeds, "--interval-ms", "500", "--suspect-ms", "4000",
+                                     "--dead-ms", "10000"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                    start_new_session=True)
+            procs.append(proc)
+            ports.append(int(json.loads(proc.stdout.readline())["mesh_port"]))
+        port, mesh_port = free_port(), free_port()
+        cfg = work / "peers-agent.toml"
+        cfg.write_text(f"""
+[node]
+name = "with-peers"
+state_dir = {json.dumps(str(work / "with-peers"))}
+
+[api]
+listen = "127.0.0.1:{port}"
+admin_socket = {json.dumps(str(work / "with-peers" / "admin.sock"))}
+
+[supervisor]
+runner = "process"
+
+[mesh]
+trust = "open"
+mesh_id = "{mesh_id}"
+listen = "127.0.0.1:{mesh_port}"
+advertise = "127.0.0.1:{mesh_port}"
+discovery = ["seeds"]
+seeds = {json.dumps([f"127.0.0.1:{p}" for p in ports[:3]])}
+""")
+        agent = subprocess.Popen([str(agent_binary()), "--config", str(cfg), "--log-level", "warning"],
+                                 stdout=subprocess.DEVNULL, stderr=open(work / "peers-agent.log", "ab"),
+                                 start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=2) as r:
+                    if json.load(r).get("mesh", {}).get("peers", {}).get("alive", 0) >= peers:
+                        break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        else:
+            return None, f"the agent did not see {peers} alive peers within 60 s"
+        time.sleep(5.0)
+        status = Path(f"/proc/{agent.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)), ""
+    finally:
+        if agent is not None:
+            stop_process(agent, 10)
+        for proc in procs:
+            stop_process(proc, 10)
+
+
 def import_costs(top: int = 6) -> tuple[float, list[tuple[str, float]]]:
     """``-X importtime`` of ``viiwork.agent.main``: total ms and the largest imports (ms)."""
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import viiwork.agent.main"],
@@ -731,6 +797,9 @@ def main() -> int:
                     wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s, 32, work, s.pids()))
             profile = profile_agent(agent.pid, aport, work, 6) if args.profile else []
             startup, rss, snote = startup_and_rss(work, args.startup_runs)
+            rss_peers, pnote = rss_with_peers(work)
+            if pnote:
+                notes.append(pnote)
             imports = import_costs()
             if snote:
                 notes.append(snote)
@@ -818,11 +887,13 @@ def main() -> int:
     if rss:
         lines.append(f"| VmRSS idle (MiB) | {statistics.median(rss) / 1024:.1f} | {min(rss) / 1024:.1f} | "
                      f"{max(rss) / 1024:.1f} | {len(rss)} |")
+    if rss_peers is not None:
+        lines.append(f"| VmRSS idle with 10 peers (MiB; real MeshNode processes, seeds on loopback) | "
+                     f"{rss_peers / 1024:.1f} | | | 1 |")
     lines.append(f"| import of viiwork.agent.main (ms, -X importtime, one run) | {imports[0]:.0f} | | | 1 |")
     lines += ["", "Largest imports (cumulative ms): " + ", ".join(f"`{n}` {t:.0f}" for n, t in imports[1]) + "."]
     lines += ["", "READY=1 is captured on a datagram socket owned by the benchmark (NOTIFY_SOCKET); RSS is "
-              "/proc/PID/status VmRSS 2 s after READY. With 10 peers: not measured yet (the mesh was wired "
-              "into the agent while this benchmark was being written; a 10-peer RSS row is still to add)."]
+              "/proc/PID/status VmRSS 2 s after READY; with 10 peers, 5 s after the agent sees all ten alive."]
     if profile:
         lines += ["", "#### Where the agent spends its time at c=32 (py-spy, 200 Hz, non-streamed)", ""] + profile
     if notes:
