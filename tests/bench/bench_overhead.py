@@ -458,8 +458,10 @@ class System:
         return _tree(self.proc.pid, self.tree) if self.proc is not None else []
 
 
-def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: list[str]) -> list[System]:
-    systems: list[System] = []
+def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: list[str],
+                  systems: list[System]) -> list[System]:
+    """Start nginx, the bare proxy and LiteLLM in front of ``upstream``, appending each to
+    ``systems`` as soon as it runs, so the caller stops them even if a later one fails."""
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
     if nginx:
         port = free_port()
@@ -767,11 +769,12 @@ def main() -> int:
         agent, upstream = start_agent(agent_config(work, "bench", aport, engine, True), aport, work / "agent.log")
         systems: list[System] = []
         pair: list[System] = []
+        extra: list[System] = []
         try:
             wait_post(aport, 30, agent)
             engine_pids = [p for p in _tree(agent.pid, True) if p != agent.pid]
             systems = [System("direct", upstream, own=engine_pids)]
-            extra = start_systems(work, upstream, args.litellm_python, notes)
+            start_systems(work, upstream, args.litellm_python, notes, extra)
             systems += [s for s in extra if s.name in ("nginx", "bare aiohttp")]
             systems.append(System("viiwork (1 agent)", aport, agent))
             pair = start_mesh_pair(work, engine, notes)
@@ -804,7 +807,7 @@ def main() -> int:
             if snote:
                 notes.append(snote)
         finally:
-            for s in systems + pair[1:]:
+            for s in {id(s): s for s in systems + pair + extra}.values():
                 if s.proc is not None and s.proc is not agent:
                     stop_process(s.proc, 10)
             stop_process(agent, 15)
