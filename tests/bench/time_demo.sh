@@ -8,7 +8,8 @@ dir=${1:-$(mktemp -d /var/tmp/viiwork-demo-XXXXXX)}
 git clone -q "$repo" "$dir/clone"
 cd "$dir/clone"
 start=$(date +%s.%N)
-make demo > "$dir/demo.log" 2>&1 &
+setsid make demo > "$dir/demo.log" 2>&1 &
+demo=$!  # leader of its own process group: make and the agent it runs
 answer=""
 for _ in $(seq 1 4000); do
     answer=$(curl -s --max-time 60 127.0.0.1:8086/v1/chat/completions -H 'Content-Type: application/json' \
@@ -20,5 +21,6 @@ done
 end=$(date +%s.%N)
 echo "seconds until the printed curl answered: $(echo "$end - $start" | bc)"
 echo "answer: $answer"
-pkill -INT -f "$dir/clone/.venv/bin/python $dir/clone/.venv/bin/viiwork-agent --demo" || true
+kill -INT -- "-$demo" 2>/dev/null || true
+wait "$demo" 2>/dev/null || true
 grep '^==>' "$dir/demo.log" || true
