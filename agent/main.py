@@ -129,7 +129,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             forward_retry=config.routing.forward_retry,
         )
         if config.mesh is not None:
-            mesh = MeshLink(config, supervisor.models, draining=lambda: api.draining)
+            mesh = MeshLink(config, supervisor.models, draining=lambda: api.draining, gpus=lambda: gpus.inventory)
             api.attach_mesh(mesh)
             api.extra_status["mesh"] = mesh.status
             if config.mesh.trust == "open":

@@ -20,6 +20,7 @@ import os
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,11 @@ import aiohttp
 from viiwork import __version__
 from viiwork.agent.backends import ModelRuntime
 from viiwork.agent.config import Config
+from viiwork.agent.gpus import GpuInventory
 from viiwork.agent.router import Decision, LocalModel, PeerSnapshot, Reservations, Router, mesh_models
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.node import MeshNode, MeshSettings
-from viiwork.mesh.summary import ModelCapacity, PublishedState
+from viiwork.mesh.summary import GpuCapacity, ModelCapacity, PublishedState
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,16 @@ class MeshWaitQueue:
             event.set()
 
 
+def gpu_capacities(inventory: GpuInventory) -> list[GpuCapacity]:
+    """The GPUs to publish: index, name and memory in MiB (rounded down to 64 MiB so small
+    fluctuations do not force a new summary); unknown stays None, never 0."""
+    def mib(value: int | None) -> int | None:
+        return None if value is None else (value // (1 << 20)) // 64 * 64
+    return [GpuCapacity(index=g.index, name=(g.name or f"{g.vendor.value} GPU")[:128],
+                        memory_total_mib=mib(g.memory_total_bytes), memory_free_mib=mib(g.memory_free_bytes))
+            for g in inventory.gpus if not g.lost]
+
+
 def model_fingerprint(path: str) -> str | None:
     """Identifies the weights across nodes: sha256 of the file name and size (paths differ
     between hosts; a different quantisation or revision differs in size); None if unknown."""
@@ -89,11 +101,12 @@ class MeshLink:
     """This node in the mesh, seen from the agent (``start``/``stop`` around the API's life)."""
 
     def __init__(self, config: Config, runtimes: dict[str, ModelRuntime], *, draining: Any,
-                 rng: random.Random | None = None) -> None:
+                 gpus: Callable[[], GpuInventory] | None = None, rng: random.Random | None = None) -> None:
         assert config.mesh is not None
         self.config = config
         self.runtimes = runtimes
         self.draining = draining  # callable: is the node draining?
+        self.gpus = gpus  # callable: the latest GPU inventory (published with the capacity)
         self.rng = rng or random.Random()
         self.node = MeshNode(MeshSettings.from_config(config.mesh, config.node, config.api.listen, __version__),
                              provider=self._capacity, rng=random.Random(self.rng.random()))
@@ -139,7 +152,7 @@ class MeshLink:
             self._fingerprints[runtime.name] = model_fingerprint(runtime.config.path)
         return self._fingerprints[runtime.name]
 
-    def _capacity(self) -> tuple[list[ModelCapacity], PublishedState]:
+    def _capacity(self) -> tuple[list[ModelCapacity], PublishedState, list[GpuCapacity] | None]:
         models = []
         for rt in self.runtimes.values():
             healthy = rt.healthy_backends
@@ -152,7 +165,7 @@ class MeshLink:
                 ctx_per_slot=rt.ctx_per_slot, healthy=len(healthy), total=len(rt.backends),
                 fingerprint=self._fingerprint(rt)))
         state = PublishedState.DRAINING if self.draining() else PublishedState.SERVING
-        return models, state
+        return models, state, None if self.gpus is None else gpu_capacities(self.gpus())
 
     # -- routing ---------------------------------------------------------------------------
 

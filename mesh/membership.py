@@ -76,6 +76,7 @@ from viiwork.mesh.messages import (
 )
 from viiwork.mesh.signing import CertificateView, TrustPolicy
 from viiwork.mesh.summary import (
+    GpuCapacity,
     IMPLEMENTED_PROTOCOLS,
     PROTOCOL_VERSION,
     ModelCapacity,
@@ -202,6 +203,7 @@ class PeerView:
     models: tuple[ModelCapacity, ...]
     rtt_ms: float | None
     certificate_not_after: dt.datetime | None
+    gpus: tuple[GpuCapacity, ...] = ()
 
 
 @dataclass(slots=True)
@@ -746,7 +748,7 @@ class Membership:
                 node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._liveness_of(rec, now),
                 state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
                 generation=p.generation, boot=p.boot, seq=p.seq, models=p.models, rtt_ms=rec.rtt_ms,
-                certificate_not_after=getattr(rec.cert, "not_after", None),
+                certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus,
             ))
         return out
 

@@ -39,7 +39,7 @@ from viiwork.mesh.membership import GossipSettings, Liveness, Membership, PeerVi
 from viiwork.mesh.pins import PINS_FILE, PinStore
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import NodeSigner
-from viiwork.mesh.summary import PROTOCOL_VERSION, ModelCapacity, PublishedState
+from viiwork.mesh.summary import PROTOCOL_VERSION, GpuCapacity, ModelCapacity, PublishedState
 from viiwork.mesh.transport import GossipClient, MutualTlsSite, gossip_routes
 from viiwork.mesh.trust import (
     NODE_CERT_FILE,
@@ -123,7 +123,8 @@ class MeshSettings:
         )
 
 
-Provider = Callable[[], tuple[Iterable[ModelCapacity], PublishedState | str]]
+# Returns (models, state) or (models, state, gpus); GPUs are published with protocol 2.
+Provider = Callable[[], tuple[Any, ...]]
 
 
 class MeshNode:
@@ -360,8 +361,9 @@ class MeshNode:
             return
         if self.provider is not None:
             try:
-                models, state = self.provider()
-                self.publisher.set_local(models, state)
+                provided = self.provider()
+                models, state = provided[0], provided[1]
+                self.publisher.set_local(models, state, provided[2] if len(provided) > 2 else None)
             except Exception:  # noqa: BLE001 - a failing provider must not stop gossip
                 log.exception("mesh: the capacity provider failed; publishing the last known capacity")
         elif self._pending is not None:
@@ -425,6 +427,7 @@ class MeshNode:
             "generation": own.generation, "boot": own.boot, "seq": own.seq, "state": own.state.value,
             "listen_port": self.listen_port, "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
             "models": [_model_doc(x, own.node_id, conflicts) for x in own.models],
+            "gpus": [_gpu_doc(g) for g in own.gpus],
         }
         order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.LEFT: 2, Liveness.DEAD: 3}
         nodes = []
@@ -436,6 +439,7 @@ class MeshNode:
                 "rtt_ms": None if p.rtt_ms is None else round(p.rtt_ms, 2),
                 "certificate_not_after": _iso(p.certificate_not_after),
                 "models": [_model_doc(x, p.node_id, conflicts) for x in p.models],
+                "gpus": [_gpu_doc(g) for g in p.gpus],
             })
         return {
             "self": me, "nodes": nodes,
@@ -451,6 +455,11 @@ def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any
         "total": model.total, "fingerprint": model.fingerprint,
         "conflict": model.name in conflicts and node_id in conflicts[model.name],
     }
+
+
+def _gpu_doc(gpu: GpuCapacity) -> dict[str, Any]:
+    return {"index": gpu.index, "name": gpu.name, "memory_total_mib": gpu.memory_total_mib,
+            "memory_free_mib": gpu.memory_free_mib}
 
 
 def _iso(value: dt.datetime | None) -> str | None:

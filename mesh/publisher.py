@@ -19,7 +19,14 @@ from collections.abc import Callable, Iterable
 from viiwork.mesh.boot import Boot
 from viiwork.mesh.membership import Membership
 from viiwork.mesh.signing import Signer
-from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryPayload, sign_payload
+from viiwork.mesh.summary import (
+    GpuCapacity,
+    ModelCapacity,
+    PublishedState,
+    SignedSummary,
+    SummaryPayload,
+    sign_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +52,21 @@ class LocalPublisher:
         self.store_generation = store_generation
         self.seq = 0
         self.models: tuple[ModelCapacity, ...] = ()
+        self.gpus: tuple[GpuCapacity, ...] = ()
         self.state = PublishedState.SERVING
         self._changed = True
         self._last_protocol = 0
         self.last: SignedSummary | None = None
 
-    def set_local(self, models: Iterable[ModelCapacity], state: PublishedState | str = PublishedState.SERVING) -> None:
-        """New content: published at the next :meth:`maybe_publish`. ``models`` are sorted by name."""
+    def set_local(self, models: Iterable[ModelCapacity], state: PublishedState | str = PublishedState.SERVING,
+                  gpus: Iterable[GpuCapacity] | None = None) -> None:
+        """New content: published at the next :meth:`maybe_publish`. ``models`` are sorted by
+        name; ``gpus`` None keeps the GPUs published so far."""
         models = tuple(sorted(models, key=lambda m: m.name))
         state = PublishedState(state)
-        if models != self.models or state is not self.state:
-            self.models, self.state = models, state
+        new_gpus = self.gpus if gpus is None else tuple(sorted(gpus, key=lambda g: g.index))
+        if models != self.models or state is not self.state or new_gpus != self.gpus:
+            self.models, self.state, self.gpus = models, state, new_gpus
             self._changed = True
 
     def maybe_publish(self, force: bool = False) -> SignedSummary | None:
@@ -81,7 +92,7 @@ class LocalPublisher:
         payload = SummaryPayload(
             protocol=protocol, speaks=m.protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
-            state=self.state, models=models,
+            state=self.state, models=models, gpus=self.gpus if protocol >= 2 else (),
         )
         summary = sign_payload(payload, self.signer.sign, self.signer.certificate_der)
         m.publish(summary)

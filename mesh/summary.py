@@ -44,6 +44,7 @@ IMPLEMENTED_PROTOCOLS = (1, 2)
 
 MAX_SUMMARY_BYTES = 16 * 1024  # canonical payload; a node with 10 models is ~2.5 KB
 MAX_MODELS = 64
+MAX_GPUS = 64
 MAX_NAME_CHARS = 200
 MAX_LABEL_CHARS = 64
 MAX_ADDRESS_CHARS = 270  # [ipv6]:port or a 253-char DNS name with a port
@@ -113,6 +114,18 @@ class ModelCapacity:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuCapacity:
+    """One GPU of the publishing node (protocol 2): ``index`` as its inventory numbers it,
+    ``name`` (e.g. "NVIDIA H200"), memory in MiB; None when it could not be read (unknown
+    is never 0)."""
+
+    index: int
+    name: str
+    memory_total_mib: int | None = None
+    memory_free_mib: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SummaryPayload:
     """The signed content. ``protocol``: the version this payload is encoded in;
     ``speaks``: the newest version the node speaks (it may publish in the previous one
@@ -133,6 +146,7 @@ class SummaryPayload:
     state: PublishedState
     models: tuple[ModelCapacity, ...] = ()
     speaks: int = 0  # 0: same as ``protocol``
+    gpus: tuple[GpuCapacity, ...] = ()  # protocol 2 only
 
     def __post_init__(self) -> None:
         if self.speaks == 0:
@@ -182,8 +196,10 @@ _MODEL_KEYS = {
     2: frozenset({"name", "engine", "kind", "slots", "busy", "waiting", "ctx_per_slot", "healthy", "total",
                   "fingerprint"}),
 }
-_PAYLOAD_KEYS = frozenset({"protocol", "speaks", "mesh_id", "node_id", "name", "api", "mesh", "version", "generation", "boot",
-                           "seq", "state", "models"})
+_BASE_PAYLOAD_KEYS = frozenset({"protocol", "speaks", "mesh_id", "node_id", "name", "api", "mesh", "version",
+                                "generation", "boot", "seq", "state", "models"})
+_PAYLOAD_KEYS = {1: _BASE_PAYLOAD_KEYS, 2: _BASE_PAYLOAD_KEYS | {"gpus"}}
+_GPU_KEYS = frozenset({"index", "name", "memory_total_mib", "memory_free_mib"})
 
 
 def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
@@ -197,11 +213,15 @@ def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
         if payload.protocol >= 2:
             entry["fingerprint"] = m.fingerprint
         models.append(entry)
-    return {
+    obj = {
         "protocol": payload.protocol, "speaks": payload.speaks, "mesh_id": payload.mesh_id, "node_id": payload.node_id, "name": payload.name,
         "api": payload.api, "mesh": payload.mesh, "version": payload.version, "generation": payload.generation,
         "boot": payload.boot, "seq": payload.seq, "state": payload.state.value, "models": models,
     }
+    if payload.protocol >= 2:
+        obj["gpus"] = [{"index": g.index, "name": g.name, "memory_total_mib": g.memory_total_mib,
+                        "memory_free_mib": g.memory_free_mib} for g in payload.gpus]
+    return obj
 
 
 def encode_payload(payload: SummaryPayload) -> bytes:
@@ -291,13 +311,31 @@ def decode_model(obj: Any, protocol: int, where: str) -> ModelCapacity:
     return model
 
 
+def _opt_int(obj: dict[str, Any], key: str, where: str, hi: int) -> int | None:
+    return None if obj[key] is None else _int(obj, key, where, 0, hi)
+
+
+def decode_gpu(obj: Any, where: str) -> GpuCapacity:
+    obj = _keys(obj, _GPU_KEYS, where)
+    gpu = GpuCapacity(
+        index=_int(obj, "index", where + ".", 0, 1 << 16),
+        name=_str(obj, "name", where + ".", MAX_LABEL_CHARS * 2),
+        memory_total_mib=_opt_int(obj, "memory_total_mib", where + ".", 1 << 30),
+        memory_free_mib=_opt_int(obj, "memory_free_mib", where + ".", 1 << 30),
+    )
+    if gpu.memory_total_mib is not None and gpu.memory_free_mib is not None \
+            and gpu.memory_free_mib > gpu.memory_total_mib:
+        raise MalformedSummary(f"{where}.memory_free_mib: {gpu.memory_free_mib} exceeds total {gpu.memory_total_mib}")
+    return gpu
+
+
 def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
     """Strictly decode a payload object (see module doc). Raises MalformedSummary naming the
     field, or UnsupportedProtocol."""
     if not isinstance(obj, dict):
         raise MalformedSummary(f"payload: expected an object, got {type(obj).__name__}")
     protocol = check_protocol(obj.get("protocol"), accepted, "payload.protocol")
-    obj = _keys(obj, _PAYLOAD_KEYS, "payload")
+    obj = _keys(obj, _PAYLOAD_KEYS[protocol], "payload")
     node_id = obj["node_id"]
     if not is_node_id(node_id):
         raise MalformedSummary(f"payload.node_id: not a node id: {node_id!r:.40}")
@@ -312,7 +350,14 @@ def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
     if len({m.name for m in models}) != len(models):
         raise MalformedSummary("payload.models: a model name appears twice")
     speaks = _int(obj, "speaks", "payload.", protocol, 1 << 16)
+    gpus: tuple[GpuCapacity, ...] = ()
+    if protocol >= 2:
+        gpus_obj = obj["gpus"]
+        if not isinstance(gpus_obj, list) or len(gpus_obj) > MAX_GPUS:
+            raise MalformedSummary(f"payload.gpus: expected a list of at most {MAX_GPUS} GPUs")
+        gpus = tuple(decode_gpu(g, f"payload.gpus[{i}]") for i, g in enumerate(gpus_obj))
     return SummaryPayload(
+        gpus=gpus,
         protocol=protocol,
         speaks=speaks,
         mesh_id=_str(obj, "mesh_id", "payload.", MAX_LABEL_CHARS * 2),

@@ -272,6 +272,16 @@ def _models_cell(models: list[dict[str, Any]]) -> tuple[str, str]:
     return "\n".join(names) or "-", f"{busy}/{slots}"
 
 
+def gpus_cell(gpus: list[dict[str, Any]]) -> str:
+    """One line per GPU: ``index name free/total GiB`` ("?" where memory is unknown); "-" for none."""
+    lines = []
+    for g in gpus:
+        total, free = g.get("memory_total_mib"), g.get("memory_free_mib")
+        mem = f"{'?' if free is None else f'{free / 1024:.0f}'}/{'?' if total is None else f'{total / 1024:.0f}'} GiB free"
+        lines.append(f"{g.get('index', '?')} {g.get('name', '?')} {mem}")
+    return "\n".join(lines) or "-"
+
+
 _LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
 
 
@@ -281,10 +291,11 @@ def render(doc: dict[str, Any], console: Console) -> None:
     if me:
         models, load = _models_cell(me.get("models") or [])
         console.print(f"this node [bold]{me.get('name', '?')}[/bold] ({me.get('id', '?')}), mesh {me.get('mesh_id', '?')} "
-                      f"({me.get('trust', '?')} trust), {me.get('state', '?')}, slots busy/total {load}")
+                      f"({me.get('trust', '?')} trust), {me.get('state', '?')}, slots busy/total {load}, "
+                      f"GPUs: {gpus_cell(me.get('gpus') or []).replace(chr(10), '; ')}")
     table = Table()
     for col in ("name", "id", "address", "liveness", "state", "age", "models (busy/slots)", "slots busy/total",
-                "trust"):
+                "GPUs", "trust"):
         table.add_column(col)
     for node in doc.get("nodes", []):
         models, load = _models_cell(node.get("models") or [])
@@ -292,7 +303,8 @@ def render(doc: dict[str, Any], console: Console) -> None:
         style = _LIVENESS_STYLE.get(liveness, "")
         table.add_row(node.get("name", "?"), str(node.get("id", "?")), node.get("api") or node.get("mesh") or "-",
                       f"[{style}]{liveness}[/{style}]" if style else liveness, node.get("state", "?"),
-                      _age(node.get("age_ms")), models, load, node.get("trust", "?"))
+                      _age(node.get("age_ms")), models, load, gpus_cell(node.get("gpus") or []),
+                      node.get("trust", "?"))
     console.print(table)
     conflicts = doc.get("conflicts") or []
     for c in conflicts:

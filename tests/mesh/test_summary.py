@@ -100,7 +100,9 @@ CASES = [
     ("model not object", lambda o: o["payload"]["models"].append(3), "models[2]"),
     ("short signature", lambda o: o.update(sig="AAAA"), "summary.sig"),
     ("bad base64", lambda o: o.update(sig="!!!"), "summary.sig"),
-    ("fingerprint in v1", lambda o: o["payload"].update(protocol=1), "unknown fingerprint"),
+    ("fingerprint in v1", lambda o: (o["payload"].update(protocol=1), o["payload"].pop("gpus")),
+     "unknown fingerprint"),
+    ("gpus in v1", lambda o: o["payload"].update(protocol=1), "unknown gpus"),
     ("generation 0", lambda o: o["payload"].update(generation=0), "payload.generation"),
 ]
 
