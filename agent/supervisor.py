@@ -293,30 +293,32 @@ class Supervisor:
         For a restart of the agent by systemd (``viiwork.agent.notify.stop_intent``); the
         engines of a runner whose engines die with the agent are better stopped with stop().
         """
-        tasks = [c.task for c in self._controls if c.task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._end_tasks(self._controls)
         for ctrl in self._controls:
             self._discard_exit_task(ctrl)
             ctrl.handle = None
 
     async def stop(self) -> None:
         """Drain and stop every backend, then end the backend tasks (none is left running)."""
-        for ctrl in self._controls:
-            self._command(ctrl, want_running=False)
-        await self._settle(self._controls)
-        tasks = [c.task for c in self._controls if c.task is not None]
+        await self._stop_controls(self._controls)
+
+    async def _end_tasks(self, controls: list[_Control]) -> None:
+        tasks = [c.task for c in controls if c.task is not None]
         for task in tasks:
             task.cancel()
         # Tasks end at their next await; each cancelled task is awaited so none leaks.
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _stop_controls(self, controls: list[_Control]) -> None:
+        """Drain and stop ``controls``' backends and end their tasks."""
+        for ctrl in controls:
+            self._command(ctrl, want_running=False)
+        await self._settle(controls)
+        await self._end_tasks(controls)
         # A backend that did not settle in time (engine stuck) is stopped here directly.
-        for ctrl in self._controls:
+        for ctrl in controls:
             await self._terminate(ctrl, drain=False)
             self._discard_exit_task(ctrl)
 
@@ -362,18 +364,8 @@ class Supervisor:
 
     async def _retire(self, controls: list[_Control]) -> None:
         """Drain and stop ``controls``' backends, end their tasks and forget them."""
+        await self._stop_controls(controls)
         for ctrl in controls:
-            self._command(ctrl, want_running=False)
-        await self._settle(controls)
-        tasks = [c.task for c in controls if c.task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for ctrl in controls:
-            await self._terminate(ctrl, drain=False)
-            self._discard_exit_task(ctrl)
             self._controls.remove(ctrl)
 
     async def down(self, model: str) -> None:
