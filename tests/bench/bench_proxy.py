@@ -33,13 +33,14 @@ from support.procs import free_port, stop_process, wait_http  # noqa: E402
 
 def find_llama_server() -> str | None:
     bindir = Path(sys.executable).parent
-    for name in ("llama-server-vulkan", "llama-server"):
+    for name in ("llama-server", "llama-server-vulkan"):
         if (bindir / name).exists():
             return str(bindir / name)
     return None
 
 
-def agent_config(workdir: Path, name: str, binary: str, model_path: str, port: int, env: dict[str, str]) -> Path:
+def agent_config(workdir: Path, name: str, binary: str, model_path: str, port: int, env: dict[str, str],
+                 mesh: tuple[int, int] | None = None, models: bool = True) -> Path:
     env_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
     text = f"""
 [node]
@@ -52,7 +53,8 @@ admin_socket = {json.dumps(str(workdir / name / "admin.sock"))}
 
 [supervisor]
 runner = "process"
-
+{mesh_section(workdir, mesh) if mesh else ""}
+{"" if models else "# no models: every request is forwarded"}
 [[models]]
 name = "m"
 engine = "llamacpp"
@@ -69,9 +71,79 @@ startup_timeout_s = 60
 binary = {json.dumps(binary)}
 threads = 1
 """
+    if not models:
+        text = text[:text.index("[[models]]")]
     path = workdir / f"{name}.toml"
     path.write_text(text)
     return path
+
+
+def mesh_section(workdir: Path, mesh: tuple[int, int]) -> str:
+    """Open trust on loopback: own mesh port, and the other agent's as the only seed."""
+    own, seed = mesh
+    return f"""
+[mesh]
+trust = "open"
+mesh_id = "bench-hop-{os.getpid()}"
+listen = "127.0.0.1:{own}"
+advertise = "127.0.0.1:{own}"
+discovery = ["seeds"]
+seeds = ["127.0.0.1:{seed}"]
+"""
+
+
+def measure_hop(work: Path, llama: str, gguf: Path, n: int) -> list[str]:
+    """One forwarding hop on the tiny model: origin A (no models) -> peer B -> engine, against
+    B's own API (peer -> engine), TTFB and total, same run, interleaved."""
+    pa, pb, ma, mb = free_port(), free_port(), free_port(), free_port()
+    cfg_b = agent_config(work, "hop-b", llama, str(gguf), pb, {}, mesh=(mb, ma))
+    cfg_a = agent_config(work, "hop-a", llama, str(gguf), pa, {}, mesh=(ma, mb), models=False)
+    proc_b, _ = start_agent(cfg_b, pb, work / "hop-b.log")
+    agent = Path(sys.executable).parent / "viiwork-agent"
+    proc_a = subprocess.Popen([str(agent), "--config", str(cfg_a), "--log-level", "warning"],
+                              stdout=open(work / "hop-a.log", "ab"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{pa}/v1/models", timeout=2) as r:
+                    if any(m["id"] == "m" for m in json.load(r)["data"]):
+                        break
+            except (OSError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                return ["(hop not measured: agent A did not learn of B's model within 60 s)"]
+            time.sleep(0.2)
+        body = chat_body("m", False, 4)
+
+        async def go() -> dict[str, Series]:
+            out: dict[str, Series] = {}
+            for round_ in range(2):
+                for label, port in (("peer -> engine (B's API)", pb), ("origin -> peer -> engine (A)", pa)):
+                    s = await run_series(label, f"http://127.0.0.1:{port}/v1/chat/completions", body, n // 2,
+                                         warmup=20 if round_ == 0 else 5)
+                    out.setdefault(label, Series(label)).samples += s.samples
+                    out[label].errors += s.errors
+            return out
+
+        res = asyncio.run(go())
+    finally:
+        stop_process(proc_a, 15)
+        stop_process(proc_b, 15)
+    direct, hop = res["peer -> engine (B's API)"], res["origin -> peer -> engine (A)"]
+    lines = ["#### (c) one forwarding hop, llama-server with the tiny random model (issue 5)", "",
+             "Agent A has no models and forwards over the mesh (mutual TLS, open trust, loopback) to agent B, "
+             "which runs the model; the reference is the same request sent to B's own API.", "",
+             "| path | n | TTFB p50 ms | TTFB p99 ms | total p50 ms | total p99 ms | errors |",
+             "|---|---|---|---|---|---|---|"]
+    for s in (direct, hop):
+        lines.append(f"| {s.name} | {len(s.samples)} | {ms(s.pct('ttfb_s', .5))} | {ms(s.pct('ttfb_s', .99))} | "
+                     f"{ms(s.pct('total_s', .5))} | {ms(s.pct('total_s', .99))} | {s.errors} |")
+    lines.append(f"| **added by the hop** | | **{ms(hop.pct('ttfb_s', .5) - direct.pct('ttfb_s', .5))}** | "
+                 f"{ms(hop.pct('ttfb_s', .99) - direct.pct('ttfb_s', .99))} | "
+                 f"{ms(hop.pct('total_s', .5) - direct.pct('total_s', .5))} | "
+                 f"{ms(hop.pct('total_s', .99) - direct.pct('total_s', .99))} | |")
+    return lines + [""]
 
 
 def start_agent(config: Path, port: int, log: Path) -> tuple[subprocess.Popen, int]:
@@ -165,6 +237,8 @@ def main() -> int:
             finally:
                 stop_process(proc, 15)
             lines += table(title, res)
+        if llama:
+            lines += measure_hop(work, llama, gguf, args.n)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -19,7 +19,6 @@ import pytest
 
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
-from support.procs import free_port
 
 SLOW = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "20", "FAKE_TOKEN_DELAY_S": "0.05"}  # ~1 s per answer
 
@@ -28,18 +27,23 @@ def chat(model: str, stream: bool = False) -> dict:
     return {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def mesh_section(port: int, seeds: list[int]) -> dict:
-    return {"trust": "open", "mesh_id": "test-mesh", "listen": f"127.0.0.1:{port}",
-            "advertise": f"127.0.0.1:{port}", "discovery": ["seeds"],
-            "seeds": [f"127.0.0.1:{p}" for p in seeds], "gossip_interval_ms": 100,
+def mesh_section(seeds: list[str]) -> dict:
+    """Mesh listener on a port the agent picks (0: no race with other processes for a port
+    chosen in advance); later agents seed with the first one's address, gossip does the rest."""
+    return {"trust": "open", "mesh_id": "test-mesh", "listen": "127.0.0.1:0",
+            "advertise": "127.0.0.1", "discovery": ["seeds"], "seeds": seeds, "gossip_interval_ms": 100,
             "suspect_after_ms": 1000, "dead_after_ms": 3000}
+
+
+def mesh_address(agent: Agent) -> str:
+    return agent.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
 
 
 @pytest.fixture
 def mesh3(tmp_path: Path) -> Iterator[dict[str, Agent]]:
     binary = fake_engine_binary(tmp_path / "bin")
-    ports = {n: free_port() for n in "abc"}
     agents: dict[str, Agent] = {}
+    seeds: list[str] = []
     with ExitStack() as stack:
         for name in "abc":
             models = [{"name": "shared", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
@@ -47,11 +51,12 @@ def mesh3(tmp_path: Path) -> Iterator[dict[str, Agent]]:
             if name == "c":
                 models.append({"name": "only-c", "engine": "llamacpp", "path": "/dev/null", "parallel": 1,
                                "backends": 1, "llamacpp": {"binary": str(binary)}, "env": SLOW})
-            seeds = [p for n, p in ports.items() if n != name]
             agents[name] = stack.enter_context(run_agent(
                 tmp_path, models, name=f"node-{name}",
-                extra={"mesh": mesh_section(ports[name], seeds),
+                extra={"mesh": mesh_section(seeds),
                        "routing": {"queue_max": 1, "queue_timeout_s": 10, "stale_after_ms": 3000}}))
+            if not seeds:
+                seeds = [mesh_address(agents[name])]
         for agent in agents.values():
             agent.wait_for(lambda d: all(b["state"] == "healthy" for m in d["models"] for b in m["backends"]),
                            30, "backends healthy")
@@ -151,14 +156,14 @@ def test_forward_refused_by_draining_peer_is_retried(tmp_path: Path) -> None:
     import urllib.request
 
     binary = fake_engine_binary(tmp_path / "bin")
-    ports = {n: free_port() for n in "abc"}
+    seeds: list[str] = []
     long_env = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "15", "FAKE_TOKEN_DELAY_S": "0.1"}  # ~1.5 s
     shared = {"name": "shared", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
               "llamacpp": {"binary": str(binary)}, "env": long_env}
     with ExitStack() as stack:
         agents = {}
         for name in "abc":
-            mesh = mesh_section(ports[name], [p for n, p in ports.items() if n != name])
+            mesh = mesh_section(seeds)
             if name == "b":  # B publishes rarely: A keeps believing B serves for seconds
                 mesh.update(gossip_interval_ms=5000, suspect_after_ms=20000, dead_after_ms=40000)
             else:
@@ -166,6 +171,8 @@ def test_forward_refused_by_draining_peer_is_retried(tmp_path: Path) -> None:
             agents[name] = stack.enter_context(run_agent(
                 tmp_path, [] if name == "a" else [shared], name=f"node-{name}",
                 extra={"mesh": mesh, "routing": {"stale_after_ms": 15000, "forward_retry": 1}}))
+            if not seeds:
+                seeds = [mesh_address(agents[name])]
         a, b, c = agents["a"], agents["b"], agents["c"]
         for agent in (b, c):
             agent.wait_healthy("shared")

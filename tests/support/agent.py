@@ -92,8 +92,38 @@ class Agent:
 @contextmanager
 def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
               extra: dict[str, dict[str, Any]] | None = None, port: int | None = None) -> Iterator[Agent]:
-    """Write a config for ``models`` and run ``viiwork-agent --config`` on a free port."""
-    port = port or free_port()
+    """Write a config for ``models`` and run ``viiwork-agent --config`` on a free port.
+
+    A port found free can be taken by another process before the agent binds it (engines of
+    other agents pick loopback ports too): when the agent exits because its API port was
+    taken, it is started again on a new one (up to 3 tries; not when ``port`` is given).
+    """
+    fixed = port is not None
+    log = workdir / f"{name}.log"
+    for attempt in range(3):
+        port = port if fixed else free_port()
+        config = write_config(workdir, models, name, extra, port)
+        agent_bin = Path(sys.executable).parent / "viiwork-agent"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([str(agent_bin), "--config", str(config), "--log-level", "debug"],
+                                    stdout=out, stderr=subprocess.STDOUT)
+        agent = Agent(proc, f"http://127.0.0.1:{port}", log)
+        try:
+            agent.wait_for(lambda doc: True, 30, "the API to answer")
+        except AssertionError:
+            stop_process(proc, 30)
+            if fixed or attempt == 2 or "cannot listen" not in agent.log_text():
+                raise
+            continue
+        try:
+            yield agent
+        finally:
+            stop_process(proc, 30)
+        return
+
+
+def write_config(workdir: Path, models: list[dict[str, Any]], name: str,
+                 extra: dict[str, dict[str, Any]] | None, port: int) -> Path:
     state = workdir / name
     sections: dict[str, dict[str, Any]] = {
         "node": {"name": name, "state_dir": str(state)},
@@ -105,14 +135,4 @@ def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
         sections[key] = {**sections.get(key, {}), **table}
     config = workdir / f"{name}.toml"
     config.write_text(render_config(sections, models))
-    log = workdir / f"{name}.log"
-    agent_bin = Path(sys.executable).parent / "viiwork-agent"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([str(agent_bin), "--config", str(config), "--log-level", "debug"],
-                                stdout=out, stderr=subprocess.STDOUT)
-    agent = Agent(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        agent.wait_for(lambda doc: True, 30, "the API to answer")
-        yield agent
-    finally:
-        stop_process(proc, 30)
+    return config
