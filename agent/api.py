@@ -31,8 +31,9 @@ from viiwork.agent.admission import AdmissionError, ModelAdmission
 from viiwork.agent.backends import ModelRuntime
 
 if TYPE_CHECKING:
-    from viiwork.agent.mesh_link import MeshLink
+    from viiwork.agent.mesh_link import MeshLink, Waiter
 from viiwork.agent.errors import error_response
+from viiwork.agent.offers import OFFER_HEADER
 from viiwork.agent.proxy import REFUSED_HEADER, Refused, Upstream
 from viiwork.agent.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
 from viiwork.mesh.transport import peer_of
@@ -198,6 +199,7 @@ class ClientApi:
         """Route over the mesh (DESIGN §6) and accept forwards on its listener (call before
         ``mesh.start()``: routes are added to the mesh listener's app)."""
         self.mesh = mesh
+        mesh.admissions = self.admissions
         for path in _KIND_OF_PATH:
             mesh.node.app.router.add_post(path, self.handle_forwarded)
         for name, runtime in self.runtimes.items():
@@ -227,18 +229,24 @@ class ClientApi:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.queue_timeout_s
-        waiter: asyncio.Event | None = None
+        waiter: Waiter | None = None
         tried: set[Any] = set()
         refusals = 0
         if len(queue):  # never overtake a waiting request
             if len(queue) >= self.queue_max:
                 return self._queue_full(model)
-            waiter = queue.enter()
+            waiter = queue.enter(host)
         try:
             while True:
+                offer: tuple[Any, str] | None = None
                 if waiter is not None:
-                    waiter.clear()
-                decision: Decision = mesh.route(model, host=host, affinity=affinity, exclude=tried)
+                    waiter.event.clear()
+                    offer, waiter.offer = waiter.offer, None
+                decision: Decision
+                if offer is not None:  # a peer keeps a slot for this request (slot offers)
+                    decision = RunOnPeer(offer[0], mesh.peer_name(offer[0]), 1)
+                else:
+                    decision = mesh.route(model, host=host, affinity=affinity, exclude=tried)
                 if isinstance(decision, RunLocal):
                     backend = admission.try_acquire(decision.backend_id) if admission is not None else None
                     if backend is not None:
@@ -247,7 +255,7 @@ class ClientApi:
                             return await self.upstream.forward(request, backend, body, stream, headers, request_id)
                         finally:
                             admission.release(backend)  # type: ignore[union-attr]
-                            mesh.wake(model)
+                            mesh.slot_freed(model)
                     decision = Queue("local slot taken meanwhile")
                 elif isinstance(decision, RunOnPeer):
                     target = mesh.peer_target(decision.node_id)
@@ -257,11 +265,15 @@ class ClientApi:
                     else:
                         token = mesh.reservations.reserve(decision.node_id, model)
                         headers = self._where(decision.name, "", started, request_id)
-                        log.debug("request %s for %s: forwarding to %s", request_id, model, decision.name)
+                        log.debug("request %s for %s: forwarding to %s%s", request_id, model, decision.name,
+                                  " (offered slot)" if offer else "")
+                        extra = {"X-Viiwork-Origin": self.node_name}
+                        if offer is not None:
+                            extra[OFFER_HEADER] = offer[1]
                         try:
                             result = await self.upstream.forward(
                                 request, target, body, stream, headers, request_id, session=mesh.session,
-                                extra_headers={"X-Viiwork-Origin": self.node_name},
+                                extra_headers=extra,
                                 relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True)
                         finally:
                             mesh.reservations.release(token)
@@ -285,15 +297,18 @@ class ClientApi:
                 if waiter is None:
                     if len(queue) >= self.queue_max:
                         return self._queue_full(model)
-                    waiter = queue.enter()
+                    waiter = queue.enter(host)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return self._queue_timeout(model)
+                waiter.parked = True
                 try:
                     # Woken on capacity changes; re-routes at least twice a second regardless.
-                    await asyncio.wait_for(waiter.wait(), min(remaining, 0.5))
+                    await asyncio.wait_for(waiter.event.wait(), min(remaining, 0.5))
                 except TimeoutError:
                     pass
+                finally:
+                    waiter.parked = False
                 tried.clear()
                 refusals = 0
         finally:
@@ -350,7 +365,7 @@ class ClientApi:
         if runtime.config.kind is not wanted:
             return error_response(400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} "
                                   f"needs a {wanted.value} model", param="model")
-        backend = admission.try_acquire()
+        backend = mesh.claim(request.headers.get(OFFER_HEADER), origin_id, model) or admission.try_acquire()
         if backend is None:
             mesh.refusals_in += 1
             return self._refuse(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
@@ -363,7 +378,7 @@ class ClientApi:
                                                request_id)
         finally:
             admission.release(backend)
-            mesh.wake(model)
+            mesh.slot_freed(model)
 
     @staticmethod
     def _refuse(status: int, reason: str, message: str) -> web.Response:

@@ -8,7 +8,10 @@ supervisor's models and to the pure router (``viiwork.agent.router``):
 - forwarded requests travel over the mesh listener's mutual TLS (``session``), so the
   receiver knows the origin from its certificate;
 - ``MeshWaitQueue`` is the origin's per-model FIFO: woken when a local slot frees, a
-  forwarded request ends, or a fresher summary arrives (DESIGN §6).
+  forwarded request ends, or a fresher summary arrives (DESIGN §6);
+- slot offers (``viiwork.agent.offers``): the origin tells the peers serving a model when
+  its oldest waiter changes (``want``), and a node whose slot frees offers it to the origin
+  with the oldest waiter it knows of, keeping it until that origin's request claims it.
 """
 
 from __future__ import annotations
@@ -19,23 +22,33 @@ import logging
 import os
 import random
 import time
-from collections import deque
-from collections.abc import Callable
+import json
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.backends import ModelRuntime
 from viiwork.agent.config import Config
 from viiwork.agent.gpus import GpuInventory
+from viiwork.agent.offers import WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
 from viiwork.agent.router import Decision, LocalModel, PeerSnapshot, Reservations, Router, mesh_models
 from viiwork.mesh.identity import NodeId
+from viiwork.mesh.membership import Liveness
 from viiwork.mesh.node import MeshNode, MeshSettings
 from viiwork.mesh.summary import GpuCapacity, ModelCapacity, PublishedState
+from viiwork.mesh.transport import peer_of
 
 log = logging.getLogger(__name__)
+
+WANT_PATH = "/mesh/v1/want"
+OFFER_PATH = "/mesh/v1/offer"
+MESSAGE_MAX_BYTES = 4096  # a want or offer message larger than this is dropped
+MESSAGE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,34 +60,69 @@ class PeerTarget:
     node_id: NodeId
 
 
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """One request in a :class:`MeshWaitQueue`: ``event`` is set to make it route again;
+    ``arrived`` (monotonic s); ``host``: its pinned node (id or name) or None; ``offer``:
+    ``(peer, offer id)`` when a peer offered it a held slot; ``parked`` while it waits."""
+
+    event: asyncio.Event
+    arrived: float
+    host: str | None = None
+    offer: tuple[NodeId, str] | None = None
+    parked: bool = False
+
+
 class MeshWaitQueue:
     """The origin's FIFO of requests waiting for capacity anywhere, for one model.
 
     A waiter enters once and leaves when served, refused or timed out. ``wake`` lets every
     waiter route again; they resume in arrival order (the event loop runs woken tasks in
     the order they were woken), and a new arrival never overtakes a waiter.
+    ``on_head_change`` is called when the oldest waiter changes (to announce it).
     """
 
-    def __init__(self) -> None:
-        self._waiters: deque[asyncio.Event] = deque()
+    def __init__(self, on_head_change: Callable[[], None] | None = None) -> None:
+        self._waiters: deque[Waiter] = deque()
+        self.on_head_change = on_head_change
 
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def enter(self) -> asyncio.Event:
-        event = asyncio.Event()
-        self._waiters.append(event)
-        return event
+    def enter(self, host: str | None = None) -> Waiter:
+        waiter = Waiter(asyncio.Event(), time.monotonic(), host)
+        self._waiters.append(waiter)
+        if len(self._waiters) == 1 and self.on_head_change is not None:
+            self.on_head_change()
+        return waiter
 
-    def leave(self, event: asyncio.Event) -> None:
+    def leave(self, waiter: Waiter) -> None:
+        head = self._waiters[0] if self._waiters else None
         try:
-            self._waiters.remove(event)
+            self._waiters.remove(waiter)
         except ValueError:
-            pass
+            return
+        if waiter is head and self.on_head_change is not None:
+            self.on_head_change()
 
     def wake(self) -> None:
-        for event in self._waiters:
-            event.set()
+        for waiter in self._waiters:
+            waiter.event.set()
+
+    def oldest(self) -> float | None:
+        """When the oldest waiter arrived (monotonic s), or None."""
+        return self._waiters[0].arrived if self._waiters else None
+
+    def give_offer(self, peer: NodeId, peer_name: str, offer_id: str) -> bool:
+        """Hand a slot offered by ``peer`` to the oldest parked waiter that may run there
+        (not pinned to another node); False when none can take it."""
+        for waiter in self._waiters:
+            if waiter.parked and waiter.offer is None and waiter.host in (None, peer, peer_name):
+                waiter.offer = (peer, offer_id)
+                waiter.parked = False
+                waiter.event.set()
+                return True
+        return False
 
 
 def gpu_capacities(inventory: GpuInventory) -> list[GpuCapacity]:
@@ -120,6 +168,18 @@ class MeshLink:
         self.refusals_in = 0
         self.refusals_out = 0
         self._stopped = False
+        # Slot offers (viiwork.agent.offers). ``admissions``: the API's ModelAdmission by
+        # model (set by ClientApi.attach_mesh), used to keep a freed slot for an offer.
+        self.admissions: Mapping[str, Any] = {}
+        clock_ms = lambda: time.monotonic() * 1000.0  # noqa: E731
+        self.wants = WantBook(clock=clock_ms, ttl_ms=(config.routing.queue_timeout_s + 5.0) * 1000.0)
+        self.holds = Holds(clock=clock_ms)
+        self.offer_counters: Counter[str] = Counter()
+        self._announced: dict[str, float | None] = {}
+        self._announce_due: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.node.app.router.add_post(WANT_PATH, self.handle_want)
+        self.node.app.router.add_post(OFFER_PATH, self.handle_offer)
 
     async def start(self) -> None:
         """Start the mesh node (raises viiwork.mesh.node.MeshStartError naming the fix)."""
@@ -141,6 +201,10 @@ class MeshLink:
         if self._stopped:
             return
         self._stopped = True
+        for hold in self.holds.all():
+            self._free_hold(self.holds.drop(hold.offer_id), reoffer=False)
+        for task in list(self._tasks):
+            task.cancel()
         await self.node.stop()
         if self.session is not None:
             await self.session.close()
@@ -201,7 +265,7 @@ class MeshLink:
     def queue(self, model: str) -> MeshWaitQueue:
         q = self.queues.get(model)
         if q is None:
-            q = self.queues[model] = MeshWaitQueue()
+            q = self.queues[model] = MeshWaitQueue(on_head_change=lambda: self._announce_soon(model))
         return q
 
     def wake(self, model: str) -> None:
@@ -212,6 +276,178 @@ class MeshLink:
     def wake_all(self) -> None:
         for q in self.queues.values():
             q.wake()
+
+    # -- slot offers (viiwork.agent.offers) --------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post(self, target: PeerTarget, path: str, doc: dict[str, Any]) -> dict[str, Any] | None:
+        """POST a small JSON message to a peer's mesh listener; its JSON answer ({} for
+        204), or None when it failed (counted; a dead peer is routine)."""
+        if self.session is None:
+            return None
+        try:
+            async with self.session.post(target.base_url + path, json=doc,
+                                         timeout=aiohttp.ClientTimeout(total=MESSAGE_TIMEOUT_S)) as resp:
+                raw = await resp.read()
+                if resp.status == 204:
+                    return {}
+                if resp.status != 200:
+                    self.offer_counters["message_refused"] += 1
+                    log.debug("mesh %s to %s: answered %d %s", path, target.id, resp.status, raw[:200])
+                    return None
+                answer = json.loads(raw)
+                return answer if isinstance(answer, dict) else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            self.offer_counters["message_failed"] += 1
+            log.debug("mesh %s to %s failed: %s", path, target.id, exc)
+            return None
+
+    def _announce_soon(self, model: str) -> None:
+        """The oldest waiter for ``model`` changed: announce once this loop turn ends (a
+        burst of queue changes sends one message per peer)."""
+        if model in self._announce_due or self.session is None or self._stopped:
+            return
+        self._announce_due.add(model)
+        asyncio.get_running_loop().call_soon(self._announce, model)
+
+    def _announce(self, model: str) -> None:
+        self._announce_due.discard(model)
+        q = self.queues.get(model)
+        oldest = q.oldest() if q is not None else None
+        if oldest == self._announced.get(model) or self._stopped:
+            return
+        self._announced[model] = oldest
+        want = Want(model, len(q) if q is not None else 0,
+                    0.0 if oldest is None else (time.monotonic() - oldest) * 1000.0)
+        targets = []
+        assert self.router is not None
+        for view in self.node.peers():
+            snap = PeerSnapshot.from_view(view)
+            cap = snap.model(model)
+            if cap is not None and cap.slots > 0 and view.mesh and self.router.fresh(snap):
+                targets.append((cap.slots, view))
+        targets.sort(key=lambda t: -t[0])
+        for _, view in targets[:WANT_FANOUT]:
+            self.offer_counters["wants_out"] += 1
+            target = PeerTarget(id=view.name, base_url=f"https://{view.mesh}", node_id=view.node_id)
+            self._spawn(self._post(target, WANT_PATH, want.doc()))
+
+    async def _read_message(self, request: web.Request) -> Any:
+        if request.content_length is not None and request.content_length > MESSAGE_MAX_BYTES:
+            raise WantError(f"message is {request.content_length} bytes; the limit is {MESSAGE_MAX_BYTES}")
+        body = await request.content.read(MESSAGE_MAX_BYTES + 1)
+        if len(body) > MESSAGE_MAX_BYTES:
+            raise WantError(f"message exceeds {MESSAGE_MAX_BYTES} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise WantError(f"message is not valid JSON: {exc}") from None
+
+    def _bad_message(self, kind: str, peer: NodeId | None, exc: Exception) -> web.Response:
+        self.offer_counters[f"{kind}_dropped"] += 1
+        log.debug("mesh %s from %s dropped: %s", kind, peer, exc)
+        return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+
+    async def handle_want(self, request: web.Request) -> web.Response:
+        """POST /mesh/v1/want from a peer (mutual TLS): its oldest waiter for a model."""
+        peer = peer_of(request)
+        try:
+            if peer is None:
+                raise WantError("no verified peer certificate")
+            want = Want.parse(await self._read_message(request))
+        except WantError as exc:
+            return self._bad_message("want", peer, exc)
+        self.offer_counters["wants_in"] += 1
+        if want.model not in self.runtimes:
+            self.offer_counters["wants_not_served"] += 1
+            return web.Response(status=204)
+        self.wants.note(peer, want)
+        if want.waiting > 0:
+            self.slot_freed(want.model)  # a slot free here now goes to it at once
+        return web.Response(status=204)
+
+    async def handle_offer(self, request: web.Request) -> web.Response:
+        """POST /mesh/v1/offer from a peer (mutual TLS): it keeps a slot for our oldest
+        waiter; answers ``{"taking": bool}``."""
+        peer = peer_of(request)
+        try:
+            if peer is None:
+                raise WantError("no verified peer certificate")
+            model, offer_id = parse_offer(await self._read_message(request))
+        except WantError as exc:
+            return self._bad_message("offer", peer, exc)
+        q = self.queues.get(model)
+        taking = q is not None and not self._stopped and q.give_offer(peer, self.peer_name(peer), offer_id)
+        self.offer_counters["offers_in_taken" if taking else "offers_in_declined"] += 1
+        return web.json_response({"taking": taking})
+
+    def _offerable(self, peer: NodeId) -> bool:
+        for view in self.node.peers():
+            if view.node_id == peer:
+                return view.liveness is Liveness.ALIVE and bool(view.mesh)
+        return False
+
+    def slot_freed(self, model: str) -> None:
+        """A local slot of ``model`` freed (a request ended, an offer was declined, a want
+        arrived): offer it to the origin with the oldest waiter this node knows of when that
+        one is older than this node's own; else wake this node's own waiters."""
+        admission = self.admissions.get(model)
+        q = self.queues.get(model)
+        oldest = q.oldest() if q is not None else None
+        own_ms = None if oldest is None else (time.monotonic() - oldest) * 1000.0
+        peer = None if admission is None or self._stopped else self.wants.pick(model, own_ms, self._offerable)
+        if peer is None:
+            self.wake(model)
+            return
+        target = self.peer_target(peer)
+        backend = admission.try_acquire() if target is not None else None
+        if backend is None:
+            self.wake(model)
+            return
+        self.wants.offered(peer, model)
+        hold = self.holds.add(model, peer, backend)
+        self.offer_counters["offers_out"] += 1
+        self._spawn(self._offer(hold, target))
+
+    async def _offer(self, hold: Hold, target: PeerTarget) -> None:
+        answer = await self._post(target, OFFER_PATH, {"model": hold.model, "offer": hold.offer_id})
+        if answer is not None and answer.get("taking") is True:
+            self.offer_counters["offers_taken"] += 1
+            await asyncio.sleep(self.holds.hold_ms / 1000.0)
+            expired = self.holds.drop(hold.offer_id)  # None when claimed meanwhile
+            if expired is not None:
+                self.offer_counters["holds_expired"] += 1
+                self._free_hold(expired)
+            return
+        self.offer_counters["offers_declined" if answer is not None else "offers_failed"] += 1
+        self._free_hold(self.holds.drop(hold.offer_id))
+
+    def _free_hold(self, hold: Hold | None, reoffer: bool = True) -> None:
+        if hold is None:
+            return
+        admission = self.admissions.get(hold.model)
+        if admission is not None:
+            admission.release(hold.backend)
+        else:  # the model was removed by a reload meanwhile
+            hold.backend.in_flight -= 1
+        if reoffer:
+            self.slot_freed(hold.model)
+
+    def claim(self, offer_id: str | None, peer: NodeId | None, model: str) -> Any:
+        """The backend of the slot held for ``offer_id`` when this forward (from ``peer``)
+        claims it, else None (admit it like any other forward)."""
+        if not offer_id:
+            return None
+        hold = self.holds.claim(offer_id, peer, model)
+        if hold is None:
+            self.offer_counters["claims_unknown"] += 1
+            return None
+        self.offer_counters["claims"] += 1
+        return hold.backend
 
     def status(self) -> dict[str, Any]:
         """The ``mesh`` section of /v1/status: identity, peers by liveness, counters."""
@@ -225,5 +461,7 @@ class MeshLink:
             "forwards": {"out": self.forwards_out, "in": self.forwards_in, "refused_in": self.refusals_in,
                          "refused_out": self.refusals_out},
             "queued": {m: len(q) for m, q in self.queues.items() if len(q)},
+            "offers": {"held": len(self.holds), "waiting_elsewhere": self.wants.waiting(),
+                       **dict(sorted(self.offer_counters.items()))},
             "counters": view.get("counters", {}),
         }

@@ -18,22 +18,29 @@ Not a test. Discrete-event simulation in virtual time (fixed seeds, one model):
 - Origin queueing: a request that finds no free slot waits in its origin's FIFO queue; the
   queue is retried (head first) whenever that origin sees a slot free: a local release, the
   end of a request it forwarded, or a fresher picture of a peer.
+- Slot offers (viiwork.agent.offers, the production WantBook): an origin whose oldest
+  waiter changes sends a want to every peer (arrives RTT/2 later); a node whose slot frees
+  gives it to the oldest waiter it knows of: its own, or a peer's, by keeping the slot and
+  offering it (RTT/2); the origin sends its oldest waiter (RTT/2) or declines, and the
+  node then asks again. A want that reaches a node with a free slot gets an offer at once.
 
-Policies: ``viiwork`` (viiwork.agent.router.Router with Reservations and its defaults, the
-production code),
-``oracle`` (sees true load instantly; one global FIFO queue, the freed slot goes to the
-oldest waiter at once: the best any dispatcher can do), ``most-free`` (the peer with most
-free slots in the picture, local included, no reservations, no randomisation, ties to the
-lowest RTT: what polling systems do), ``random`` (uniformly among the nodes that appear to
-have a free slot), ``viiwork-no-probe`` (the router with ``probe=False``: it never asks a peer
-that appears full). Diagnostics (``--diagnostics``), the same
-router with better information than the model above allows: ``viiwork-250ms`` (pictures
-refreshed every 250 ms) and ``viiwork-instant`` (pictures always true, and a freed slot is
-announced at once to every origin with waiters, oldest waiter first).
+Policies: ``viiwork`` (viiwork.agent.router.Router with Reservations and its defaults, and
+slot offers: the production code), ``viiwork-no-offers`` (the router before slot offers:
+no offers, probing on, its best setting then), ``oracle`` (sees true load instantly; one
+global FIFO queue, the freed slot goes to the oldest waiter at once: the best any
+dispatcher can do), ``most-free`` (the peer with most free slots in the picture, local
+included, no reservations, no randomisation, ties to the lowest RTT: what polling systems
+do), ``random`` (uniformly among the nodes that appear to have a free slot). Diagnostics
+(``--diagnostics``): ``viiwork-probe`` (with offers and ``probe=True``: a peer that appears
+full is asked anyway), ``viiwork-no-offers-no-probe``, and the router without offers given
+better information than the model above allows: ``viiwork-no-offers-250ms`` (pictures
+refreshed every 250 ms) and ``viiwork-no-offers-instant`` (pictures always true, and a
+freed slot is announced at once to every origin with waiters, oldest waiter first).
 
 Queueing delay: arrival until the request starts on a slot, including forward RTTs and
 refusals. Utilisation: busy slot-time over all slot-time. The first 10% of requests are
 warm-up and not counted. ``refused/100``: forwards refused per 100 requests (herding).
+``offer msgs/req``: want, offer and answer messages per request.
 
 Usage: .venv/bin/python tests/bench/bench_routing_sim.py [--requests 40000] [--seeds 1,2]
        [--loads 0.5,0.8,0.95] [--sigma 0.8] [--diagnostics]
@@ -50,6 +57,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from viiwork.agent.offers import Want, WantBook
 from viiwork.agent.router import (
     LocalBackend,
     LocalModel,
@@ -73,13 +81,13 @@ MEAN_SERVICE_MS = 2000.0
 REFRESH_MS = 1000.0
 FORWARD_RETRY = 1
 MODEL = "m"
-POLICIES = ("viiwork", "viiwork-no-probe", "oracle", "most-free", "random")
-# Diagnostics (--diagnostics): the same router with better information than the model above
-# allows, to show where the remaining gap to the oracle comes from.
-DIAGNOSTICS = ("viiwork-250ms", "viiwork-instant")
+POLICIES = ("viiwork", "viiwork-no-offers", "oracle", "most-free", "random")
+# Diagnostics (--diagnostics): the router without probing, and without offers but with better
+# information than the model allows, to show where the gap to the oracle comes from.
+DIAGNOSTICS = ("viiwork-probe", "viiwork-no-offers-no-probe", "viiwork-no-offers-250ms", "viiwork-no-offers-instant")
 CAPACITY_PER_S = sum(SLOTS * s for s in SPEEDS) / (MEAN_SERVICE_MS / 1000.0)
 
-ARRIVAL, DONE, REFRESH = 0, 1, 2
+ARRIVAL, DONE, REFRESH, WANT, OFFER, REPLY = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(slots=True)
@@ -110,8 +118,12 @@ class Simulation:
     def __init__(self, policy: str, reqs: list[Req], seed: int) -> None:
         self.policy = policy
         self.routed = policy.startswith("viiwork")
-        self.refresh_ms = 250.0 if policy == "viiwork-250ms" else REFRESH_MS
-        self.instant = policy == "viiwork-instant"
+        self.refresh_ms = 250.0 if policy.endswith("-250ms") else REFRESH_MS
+        self.instant = policy.endswith("-instant")
+        self.offers = policy in ("viiwork", "viiwork-probe")
+        # Probing: off in production (with offers it only lets younger requests jump the
+        # queue); the router without offers was measured with it on, its best setting.
+        probe = policy == "viiwork-probe" or (policy.startswith("viiwork-no-offers") and "no-probe" not in policy)
         self.reqs = reqs
         setup = random.Random(seed * 7919 + 17)
         self.rng = random.Random(seed * 104729 + 3)
@@ -132,13 +144,17 @@ class Simulation:
         self.last_t = 0.0
         self.started: dict[int, float] = {}
         self.refused = 0
+        self.held = [0] * NODES  # slots kept for an offer in flight
+        self.wants = [WantBook(clock=lambda: self.now, ttl_ms=600_000.0) for _ in range(NODES)]
+        self.announced: list[float | None] = [None] * NODES  # the oldest arrival each origin last announced
+        self.messages = 0
         self.routers = []
         self.reservations = []
         for o in range(NODES):
             res = Reservations(clock=lambda: self.now)
             self.reservations.append(res)
             self.routers.append(Router(self.ids[o], f"node{o}", stale_after_ms=3000, reservations=res,
-                                       rng=random.Random(seed * 1000 + o), probe=policy != "viiwork-no-probe"))
+                                       rng=random.Random(seed * 1000 + o), probe=probe))
         for o in range(NODES):
             for p in range(NODES):
                 if o != p:
@@ -159,7 +175,7 @@ class Simulation:
 
     def forward(self, r: Req, o: int, p: int) -> bool:
         """Send r from origin o to peer p; the peer admits only into a free slot."""
-        if self.busy[p] < SLOTS:
+        if self.busy[p] + self.held[p] < SLOTS:
             r.extra_ms += self.rtt[o][p] / 2.0
             self.start(r, p)
             return True
@@ -191,7 +207,7 @@ class Simulation:
         return False
 
     def choose(self, o: int, tried: set[int]) -> int | None:
-        local_free = SLOTS - self.busy[o]
+        local_free = SLOTS - self.busy[o] - self.held[o]
         if self.routed:
             return self.choose_router(o, tried)
         seen = [(SLOTS - self.picture[o][p][0], p) for p in range(NODES) if p != o and p not in tried]
@@ -210,7 +226,8 @@ class Simulation:
         return self.rng.choice(cands) if cands else None
 
     def choose_router(self, o: int, tried: set[int]) -> int | None:
-        local = {MODEL: LocalModel(MODEL, "chat", (LocalBackend("b0", SLOTS - self.busy[o]),), SLOTS, True, 4096)}
+        free = SLOTS - self.busy[o] - self.held[o]
+        local = {MODEL: LocalModel(MODEL, "chat", (LocalBackend("b0", free),), SLOTS, True, 4096)}
         peers = []
         for p in range(NODES):
             if p == o:
@@ -236,6 +253,41 @@ class Simulation:
         q = self.queues[o]
         while q and self.try_place(q[0]):
             q.popleft()
+        self.announce(o)
+
+    # -- slot offers (viiwork.agent.offers) ----------------------------------------------
+
+    def announce(self, o: int) -> None:
+        """A want to every peer when o's oldest waiter changed (arrives RTT/2 later)."""
+        if not self.offers:
+            return
+        q = self.queues[o]
+        oldest = q[0].arrival if q else None
+        if oldest == self.announced[o]:
+            return
+        self.announced[o] = oldest
+        want = Want(MODEL, len(q), self.now - oldest if oldest is not None else 0.0)
+        for p in range(NODES):
+            if p != o:
+                self.messages += 1
+                self.push(self.now + self.rtt[o][p] / 2.0, WANT, (p, o, want))
+
+    def slot_freed(self, p: int) -> None:
+        """p's slot freed: the oldest waiter p knows of gets it, its own or a peer's."""
+        if not self.offers:
+            self.wake(p)
+            return
+        q = self.queues[p]
+        own = self.now - q[0].arrival if q else None
+        peer = self.wants[p].pick(MODEL, own)
+        if peer is None:
+            self.wake(p)
+            return
+        o = self.ids.index(peer)
+        self.wants[p].offered(peer, MODEL)
+        self.held[p] += 1
+        self.messages += 1
+        self.push(self.now + self.rtt[p][o] / 2.0, OFFER, (o, p))
 
     # -- oracle ------------------------------------------------------------------------
 
@@ -265,6 +317,7 @@ class Simulation:
                     self.oracle_arrival(r)
                 elif self.queues[r.origin] or not self.try_place(r):
                     self.queues[r.origin].append(r)
+                    self.announce(r.origin)
             elif kind == DONE:
                 r, node = data
                 self.busy[node] -= 1
@@ -275,16 +328,34 @@ class Simulation:
                 if r.token is not None:
                     self.reservations[r.origin].release(r.token)
                     r.token = None
-                self.wake(node)
+                self.slot_freed(node)
                 if r.origin != node:
                     self.wake(r.origin)
                 if self.instant:  # the freed slot is announced at once, oldest waiter first
                     for _, o in sorted((q[0].arrival, i) for i, q in enumerate(self.queues) if q):
                         self.wake(o)
+            elif kind == WANT:  # as MeshLink.handle_want: a slot free here now goes to it at once
+                p, o, want = data
+                self.wants[p].note(self.ids[o], want)
+                if want.waiting and self.busy[p] + self.held[p] < SLOTS:
+                    self.slot_freed(p)
+            elif kind == OFFER:  # o is offered a slot at p: it sends its oldest waiter, or declines
+                o, p = data
+                r = self.queues[o].popleft() if self.queues[o] else None
+                self.messages += 1
+                self.push(self.now + self.rtt[o][p] / 2.0, REPLY, (p, r))
+                self.announce(o)
+            elif kind == REPLY:
+                p, r = data
+                self.held[p] -= 1
+                if r is None:
+                    self.slot_freed(p)
+                else:
+                    self.start(r, p)
             else:
                 o, p = data
                 _, order, _ = self.picture[o][p]
-                self.picture[o][p] = (self.busy[p], order + 1, t)
+                self.picture[o][p] = (self.busy[p] + self.held[p], order + 1, t)
                 if t < last_arrival + 600_000:
                     self.push(t + self.refresh_ms, REFRESH, (o, p))
                 if not oracle:
@@ -299,7 +370,7 @@ def pct(values: list[float], q: float) -> float:
 def measure(policy: str, load: float, n: int, sigma: float, seeds: list[int]) -> dict[str, float]:
     waits: list[float] = []
     area = span = 0.0
-    refused = counted = 0
+    refused = counted = messages = 0
     for seed in seeds:
         reqs = workload(load, n, sigma, seed)
         sim = Simulation(policy, reqs, seed)
@@ -307,11 +378,12 @@ def measure(policy: str, load: float, n: int, sigma: float, seeds: list[int]) ->
         skip = n // 10
         waits += [sim.started[r.index] for r in reqs[skip:]]
         refused += sum(r.refused for r in reqs[skip:])
+        messages += sim.messages
         counted += n - skip
         area += sim.busy_area
         span += reqs[-1].arrival * NODES * SLOTS
     return {"mean": sum(waits) / len(waits), "p99": pct(waits, 0.99), "util": area / span,
-            "refused": 100.0 * refused / counted}
+            "refused": 100.0 * refused / counted, "messages": messages / (n * len(seeds))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,15 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"8 nodes x {SLOTS} slots, speeds {SPEEDS}, capacity {CAPACITY_PER_S:g} req/s, service lognormal "
           f"mean {MEAN_SERVICE_MS / 1000:g} s sigma {args.sigma:g}, pictures refreshed every {REFRESH_MS:g} ms, "
           f"{args.requests} requests x seeds {seeds}\n")
-    print("| load | policy | mean wait ms | p99 wait ms | utilisation | refused/100 |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| load | policy | mean wait ms | p99 wait ms | utilisation | refused/100 | offer msgs/req |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     results: dict[tuple[float, str], dict[str, float]] = {}
     for load in loads:
         for policy in policies:
             m = measure(policy, load, args.requests, args.sigma, seeds)
             results[(load, policy)] = m
             print(f"| {load:.0%} | {policy} | {m['mean']:.1f} | {m['p99']:.1f} | {m['util']:.1%} | "
-                  f"{m['refused']:.2f} |", flush=True)
+                  f"{m['refused']:.2f} | {m['messages']:.2f} |", flush=True)
     if (0.8, "viiwork") in results and (0.8, "oracle") in results:
         ours, best = results[(0.8, "viiwork")]["p99"], results[(0.8, "oracle")]["p99"]
         allowed = max(0.10 * best, 50.0)

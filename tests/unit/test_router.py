@@ -395,7 +395,8 @@ def test_host_wins_over_affinity():
 
 def test_probe_asks_the_peer_known_full_longest_ago_and_not_one_just_refused():
     clock = Clock()
-    r = Router(SELF, "self", stale_after_ms=3000, reservations=Reservations(clock), rng=random.Random(1))
+    r = Router(SELF, "self", stale_after_ms=3000, reservations=Reservations(clock), rng=random.Random(1),
+               probe=True)
     peers = [peer("young", cap(busy=4), age_ms=150.0), peer("old", cap(busy=4), age_ms=900.0),
              peer("fresh", cap(busy=4), age_ms=20.0)]
     d = r.route(M, local(0), peers)
@@ -415,6 +416,9 @@ def test_without_probe_a_peer_that_appears_full_is_never_asked():
     peers = [peer("a", cap(busy=4), age_ms=900.0)]
     assert isinstance(router(probe=False).route(M, local(0), peers), Queue)
     assert isinstance(router().route(M, local(0), peers), RunOnPeer)
+    # Off by default (slot offers bring freed slots to waiters instead).
+    default = Router(SELF, "self", stale_after_ms=3000, reservations=Reservations(Clock()), rng=random.Random(1))
+    assert isinstance(default.route(M, local(0), peers), Queue)
 
 
 def test_probe_never_asks_a_stale_suspect_or_excluded_peer():

@@ -1,0 +1,247 @@
+"""Slot offers, the pure core (viiwork.agent.offers): who gets a freed slot, holds, messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from viiwork.agent.offers import HOLD_MS, Holds, Want, WantBook, WantError, parse_offer
+from viiwork.mesh.identity import NodeId
+
+A, B, C = NodeId("a" * 16), NodeId("b" * 16), NodeId("c" * 16)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 10_000.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def book(clock: Clock) -> WantBook:
+    return WantBook(clock=clock, ttl_ms=15_000.0)
+
+
+# --- who gets the slot ------------------------------------------------------------------------
+
+
+def test_nobody_waiting_anywhere_keeps_the_slot_here(book: WantBook) -> None:
+    assert book.pick("m", None) is None
+    assert book.pick("m", 500.0) is None
+
+
+def test_the_oldest_remote_waiter_gets_the_slot(book: WantBook) -> None:
+    book.note(A, Want("m", 2, 300.0))
+    book.note(B, Want("m", 1, 900.0))
+    book.note(C, Want("m", 5, 100.0))
+    assert book.pick("m", None) == B
+
+
+def test_an_older_waiter_here_keeps_the_slot_here(book: WantBook) -> None:
+    book.note(A, Want("m", 1, 300.0))
+    assert book.pick("m", 301.0) is None
+    assert book.pick("m", 299.0) == A
+
+
+def test_a_tie_goes_to_this_node(book: WantBook) -> None:
+    book.note(A, Want("m", 1, 300.0))
+    assert book.pick("m", 300.0) is None
+
+
+def test_ages_grow_with_the_clock_from_when_the_want_was_heard(book: WantBook, clock: Clock) -> None:
+    book.note(A, Want("m", 1, 100.0))  # A's oldest arrived at 9900
+    clock.ms += 1000.0
+    # Here the oldest is 1050 ms old (arrived at 9950): A's, 1100 ms old, is older.
+    assert book.pick("m", 1050.0) == A
+    assert book.pick("m", 1150.0) is None
+
+
+def test_models_are_separate(book: WantBook) -> None:
+    book.note(A, Want("m", 1, 300.0))
+    assert book.pick("other", None) is None
+    assert book.waiting() == {"m": 1}
+
+
+def test_waiting_zero_removes_the_origin(book: WantBook) -> None:
+    book.note(A, Want("m", 3, 300.0))
+    book.note(A, Want("m", 0, 0.0))
+    assert book.pick("m", None) is None
+    assert book.waiting() == {}
+
+
+def test_a_newer_want_replaces_the_older(book: WantBook) -> None:
+    book.note(A, Want("m", 3, 900.0))
+    book.note(B, Want("m", 1, 500.0))
+    book.note(A, Want("m", 2, 100.0))  # A's oldest was served; its next is younger than B's
+    assert book.pick("m", None) == B
+    assert book.waiting() == {"m": 3}
+
+
+def test_offered_forgets_the_origin_until_it_announces_again(book: WantBook) -> None:
+    book.note(A, Want("m", 2, 900.0))
+    book.note(B, Want("m", 1, 500.0))
+    book.offered(A, "m")
+    assert book.pick("m", None) == B
+    book.offered(B, "m")
+    assert book.pick("m", None) is None
+    book.note(A, Want("m", 1, 100.0))
+    assert book.pick("m", None) == A
+
+
+def test_ineligible_peers_are_skipped_not_forgotten(book: WantBook) -> None:
+    book.note(A, Want("m", 1, 900.0))
+    book.note(B, Want("m", 1, 500.0))
+    assert book.pick("m", None, eligible=lambda p: p != A) == B
+    assert book.pick("m", None) == A
+
+
+def test_entries_expire_after_the_ttl(book: WantBook, clock: Clock) -> None:
+    book.note(A, Want("m", 1, 0.0))
+    clock.ms += 15_000.0
+    assert book.pick("m", None) == A
+    clock.ms += 1.0
+    assert book.pick("m", None) is None
+    assert book.waiting() == {}
+
+
+def test_forget_drops_a_peer_everywhere(book: WantBook) -> None:
+    book.note(A, Want("m", 1, 10.0))
+    book.note(A, Want("n", 1, 10.0))
+    book.forget(A)
+    assert book.pick("m", None) is None and book.pick("n", None) is None
+
+
+# --- holds ------------------------------------------------------------------------------------
+
+
+def test_a_hold_is_claimed_once_by_the_peer_it_was_offered_to(clock: Clock) -> None:
+    holds = Holds(clock)
+    hold = holds.add("m", A, backend="b0")
+    assert len(holds) == 1
+    assert holds.claim(hold.offer_id, B, "m") is None  # another peer: not its slot
+    assert holds.claim(hold.offer_id, A, "other") is None  # another model
+    assert holds.claim("nonsense", A, "m") is None
+    assert holds.claim(hold.offer_id, A, "m") is hold
+    assert holds.claim(hold.offer_id, A, "m") is None
+    assert len(holds) == 0
+
+
+def test_offer_ids_are_unique_and_unguessable(clock: Clock) -> None:
+    holds = Holds(clock)
+    ids = {holds.add("m", A, backend=i).offer_id for i in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 16 for i in ids)
+
+
+def test_holds_expire_after_hold_ms(clock: Clock) -> None:
+    holds = Holds(clock)
+    first = holds.add("m", A, backend="b0")
+    clock.ms += HOLD_MS / 2
+    second = holds.add("m", B, backend="b1")
+    assert holds.expired() == []
+    clock.ms += HOLD_MS / 2
+    assert holds.expired() == [first]
+    assert holds.claim(first.offer_id, A, "m") is None
+    assert holds.drop(second.offer_id) is second
+    assert holds.drop(second.offer_id) is None
+    assert len(holds) == 0
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+def test_want_round_trips() -> None:
+    want = Want("m", 3, 123.44)
+    assert Want.parse(want.doc()) == Want("m", 3, 123.4)
+    assert Want.parse({"model": "m", "waiting": 0}) == Want("m", 0, 0.0)
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    ([], "want must be a JSON object"),
+    ("m", "want must be a JSON object"),
+    ({}, "want.model"),
+    ({"model": "", "waiting": 1}, "want.model"),
+    ({"model": 5, "waiting": 1}, "want.model"),
+    ({"model": "x" * 257, "waiting": 1}, "want.model"),
+    ({"model": "m"}, "want.waiting"),
+    ({"model": "m", "waiting": -1}, "want.waiting"),
+    ({"model": "m", "waiting": True}, "want.waiting"),
+    ({"model": "m", "waiting": 1.5}, "want.waiting"),
+    ({"model": "m", "waiting": 10**7}, "want.waiting"),
+    ({"model": "m", "waiting": 1, "oldest_ms": -1}, "want.oldest_ms"),
+    ({"model": "m", "waiting": 1, "oldest_ms": "1"}, "want.oldest_ms"),
+    ({"model": "m", "waiting": 1, "oldest_ms": False}, "want.oldest_ms"),
+    ({"model": "m", "waiting": 1, "oldest_ms": float("nan")}, "want.oldest_ms"),
+    ({"model": "m", "waiting": 1, "oldest_ms": 1e12}, "want.oldest_ms"),
+])
+def test_malformed_wants_name_the_field(doc: object, field: str) -> None:
+    with pytest.raises(WantError, match=field):
+        Want.parse(doc)
+
+
+def test_offer_parses() -> None:
+    assert parse_offer({"model": "m", "offer": "0123abcd"}) == ("m", "0123abcd")
+
+
+@pytest.mark.parametrize(("doc", "field"), [
+    (None, "offer must be a JSON object"),
+    ({"offer": "x"}, "offer.model"),
+    ({"model": "m"}, "offer.offer"),
+    ({"model": "m", "offer": ""}, "offer.offer"),
+    ({"model": "m", "offer": "x" * 65}, "offer.offer"),
+    ({"model": "m", "offer": 7}, "offer.offer"),
+])
+def test_malformed_offers_name_the_field(doc: object, field: str) -> None:
+    with pytest.raises(WantError, match=field):
+        parse_offer(doc)
+
+
+# --- the origin's queue: announcing and handing out offers ------------------------------------
+
+
+def test_queue_reports_a_new_oldest_waiter_only() -> None:
+    from viiwork.agent.mesh_link import MeshWaitQueue
+
+    changes: list[int] = []
+    q = MeshWaitQueue(on_head_change=lambda: changes.append(len(q)))
+    first = q.enter()
+    second = q.enter()
+    assert changes == [1]  # the second is not the oldest
+    q.leave(second)
+    assert changes == [1]
+    third = q.enter()
+    q.leave(first)  # the oldest leaves: third is the oldest now
+    assert changes == [1, 1]
+    assert q.oldest() == third.arrived
+    q.leave(third)
+    assert changes == [1, 1, 0] and q.oldest() is None
+    q.leave(third)  # leaving twice changes nothing
+    assert changes == [1, 1, 0]
+
+
+def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
+    from viiwork.agent.mesh_link import MeshWaitQueue
+
+    q = MeshWaitQueue()
+    busy = q.enter()  # routing right now (not parked): cannot take it
+    pinned = q.enter(host="elsewhere")
+    pinned.parked = True
+    free = q.enter()
+    free.parked = True
+    later = q.enter(host="node-a")
+    later.parked = True
+    assert q.give_offer(A, "node-a", "o1")
+    assert free.offer == (A, "o1") and free.event.is_set() and not free.parked
+    assert busy.offer is None and pinned.offer is None
+    assert q.give_offer(A, "node-a", "o2")  # pinned to this very node by name
+    assert later.offer == (A, "o2")
+    assert not q.give_offer(B, "node-b", "o3")  # only the one pinned elsewhere is parked
+    assert pinned.offer is None
+    assert q.give_offer(NodeId("e" * 16), "elsewhere", "o4")
+    assert pinned.offer == (NodeId("e" * 16), "o4")
