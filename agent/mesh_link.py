@@ -339,7 +339,12 @@ class MeshLink:
     async def _read_message(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > MESSAGE_MAX_BYTES:
             raise WantError(f"message is {request.content_length} bytes; the limit is {MESSAGE_MAX_BYTES}")
-        body = await request.content.read(MESSAGE_MAX_BYTES + 1)
+        body = b""  # read() returns what has arrived so far: read until the end or the limit
+        while len(body) <= MESSAGE_MAX_BYTES:
+            chunk = await request.content.read(MESSAGE_MAX_BYTES + 1 - len(body))
+            if not chunk:
+                break
+            body += chunk
         if len(body) > MESSAGE_MAX_BYTES:
             raise WantError(f"message exceeds {MESSAGE_MAX_BYTES} bytes")
         try:
