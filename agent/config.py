@@ -120,6 +120,7 @@ class RoutingConfig(_Strict):
     queue_timeout_s: float = Field(default=20.0, gt=0)
     forward_retry: int = Field(default=1, ge=0)
     stale_after_ms: int = Field(default=3000, ge=1)
+    slot_offers: bool = True
 
 
 class MeshConfig(_Strict):

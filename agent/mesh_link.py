@@ -309,7 +309,8 @@ class MeshLink:
     def _announce_soon(self, model: str) -> None:
         """The oldest waiter for ``model`` changed: announce once this loop turn ends (a
         burst of queue changes sends one message per peer)."""
-        if model in self._announce_due or self.session is None or self._stopped:
+        if (model in self._announce_due or self.session is None or self._stopped
+                or not self.config.routing.slot_offers):
             return
         self._announce_due.add(model)
         asyncio.get_running_loop().call_soon(self._announce, model)
@@ -404,7 +405,9 @@ class MeshLink:
         q = self.queues.get(model)
         oldest = q.oldest() if q is not None else None
         own_ms = None if oldest is None else (time.monotonic() - oldest) * 1000.0
-        peer = None if admission is None or self._stopped else self.wants.pick(model, own_ms, self._offerable)
+        peer = None
+        if admission is not None and not self._stopped and self.config.routing.slot_offers:
+            peer = self.wants.pick(model, own_ms, self._offerable)
         if peer is None:
             self.wake(model)
             return

@@ -361,6 +361,19 @@ async def test_messages_arriving_in_pieces_are_read_whole(one_agent: Agent, tmp_
     assert "4096" in message, message
 
 
+async def start_probe(tmp_path: Path, agent: Agent, handle_offer: Any) -> MeshNode:
+    """An in-process mesh node named "probe" (a real member, serving nothing) seeded with
+    ``agent``; ``handle_offer`` answers the offers sent to it."""
+    probe = MeshNode(loopback_settings(tmp_path / "probe", "probe", trust="open", mesh_id=MESH_ID,
+                                       seeds=(mesh_address(agent),),
+                                       gossip=GossipSettings(gossip_interval_ms=100, suspect_after_ms=2000,
+                                                             dead_after_ms=4000, scale_with_size=False)))
+    probe.set_local_summary([])
+    probe.app.router.add_post("/mesh/v1/offer", handle_offer)
+    await probe.start()
+    return probe
+
+
 async def test_forward_claims_only_its_own_offer(one_agent: Agent, tmp_path: Path) -> None:
     """An in-process mesh node ("probe", a real member) tells B it has a request waiting; B
     keeps its only slot and offers it to the probe. While B holds it, forwards carrying the
@@ -373,13 +386,7 @@ async def test_forward_claims_only_its_own_offer(one_agent: Agent, tmp_path: Pat
         await offered.put(await request.json())
         return web.json_response({"taking": True})
 
-    probe = MeshNode(loopback_settings(tmp_path / "probe", "probe", trust="open", mesh_id=MESH_ID,
-                                       seeds=(mesh_address(b),),
-                                       gossip=GossipSettings(gossip_interval_ms=100, suspect_after_ms=2000,
-                                                             dead_after_ms=4000, scale_with_size=False)))
-    probe.set_local_summary([])
-    probe.app.router.add_post("/mesh/v1/offer", handle_offer)
-    await probe.start()
+    probe = await start_probe(tmp_path, b, handle_offer)
     intruder_ctx, intruder_id = mesh_client_context(tmp_path / "intruder", "intruder")
     base = f"https://{mesh_address(b)}"
     try:
@@ -420,3 +427,46 @@ async def test_forward_claims_only_its_own_offer(one_agent: Agent, tmp_path: Pat
     finally:
         await probe.stop(leave=False)
     assert intruder_id != probe.node_id
+
+
+def test_slot_offers_off_makes_no_offers(tmp_path: Path) -> None:
+    """``routing.slot_offers = false``: a want from a member arriving while the slot is free
+    is noted (the node still answers) but gets no offer; a request that queues here sends
+    no want. The same want with offers on gets an offer within a second (see above)."""
+    binary = fake_engine_binary(tmp_path / "bin")
+    with run_agent(tmp_path, [shared_model(binary)], name="node-b",
+                   extra={"mesh": mesh_section([], 100),
+                          "routing": {"queue_max": 4, "queue_timeout_s": 10, "slot_offers": False}}) as b:
+        b.wait_healthy("shared", timeout_s=30)
+
+        async def run() -> None:
+            offered: asyncio.Queue[dict] = asyncio.Queue()
+
+            async def handle_offer(request: web.Request) -> web.Response:
+                await offered.put(await request.json())
+                return web.json_response({"taking": True})
+
+            probe = await start_probe(tmp_path, b, handle_offer)
+            try:
+                await wait(b, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 15, "the probe alive at B")
+                async with aiohttp.ClientSession(
+                        connector=aiohttp.TCPConnector(ssl=probe.client_ssl_context)) as as_probe:
+                    async with as_probe.post(f"https://{mesh_address(b)}/mesh/v1/want",
+                                             json={"model": "shared", "waiting": 1, "oldest_ms": 50}) as r:
+                        assert r.status == 204
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(offered.get(), 1.5)
+                async with aiohttp.ClientSession() as http:
+                    first = asyncio.create_task(http.post(f"{b.url}/v1/chat/completions", json=chat(seconds=1.0)))
+                    await wait(b, lambda d: busy_local(d) == 1, 5, "B's slot busy")
+                    second = await http.post(f"{b.url}/v1/chat/completions", json=chat(seconds=0.1))
+                    assert second.status == 200
+                    assert float(second.headers["X-Viiwork-Queued-Ms"]) > 300  # it did queue
+                    assert (await first).status == 200
+                o = offers(b.status())
+                assert o["waiting_elsewhere"] == {"shared": 1} and o["wants_in"] == 1, o
+                assert o.get("offers_out", 0) == 0 and o.get("wants_out", 0) == 0 and o["held"] == 0, o
+            finally:
+                await probe.stop(leave=False)
+
+        asyncio.run(run())
