@@ -457,6 +457,13 @@ class ClientApi:
             for b in rt.backends:
                 lines.append(f'viiwork_backend_respawns_total{{model="{_esc(rt.name)}",backend="{_esc(b.id)}"}} '
                              f'{b.respawns}')
+        if self.mesh is not None:
+            lines += ["# HELP viiwork_mesh_offers_total Slot offer events by kind (docs/routing.md, Slot offers).",
+                      "# TYPE viiwork_mesh_offers_total counter"]
+            lines += [f'viiwork_mesh_offers_total{{event="{_esc(event)}"}} {n}'
+                      for event, n in sorted(self.mesh.offer_counters.items())]
+            lines += ["# HELP viiwork_mesh_slots_held Local slots kept for an offer now.",
+                      "# TYPE viiwork_mesh_slots_held gauge", f"viiwork_mesh_slots_held {len(self.mesh.holds)}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
