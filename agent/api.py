@@ -250,6 +250,9 @@ class ClientApi:
                 if isinstance(decision, RunLocal):
                     backend = admission.try_acquire(decision.backend_id) if admission is not None else None
                     if backend is not None:
+                        if waiter is not None:  # it runs now: it waits no more
+                            queue.leave(waiter)
+                            waiter = None
                         headers = self._where(self.node_name, backend.id, started, request_id)
                         try:
                             return await self.upstream.forward(request, backend, body, stream, headers, request_id)
@@ -270,6 +273,8 @@ class ClientApi:
                         extra = {"X-Viiwork-Origin": self.node_name}
                         if offer is not None:
                             extra[OFFER_HEADER] = offer[1]
+                        if waiter is not None:  # not waiting while the forward is in flight
+                            queue.dispatch(waiter)
                         try:
                             result = await self.upstream.forward(
                                 request, target, body, stream, headers, request_id, session=mesh.session,
@@ -281,6 +286,8 @@ class ClientApi:
                     if not isinstance(result, Refused):
                         mesh.forwards_out += 1
                         return result
+                    if waiter is not None:  # back in its place in the queue
+                        queue.dispatch(waiter, False)
                     mesh.refusals_out += 1
                     log.debug("request %s: %s refused (%d %s)", request_id, decision.name, result.status,
                               result.reason)

@@ -64,22 +64,26 @@ class PeerTarget:
 class Waiter:
     """One request in a :class:`MeshWaitQueue`: ``event`` is set to make it route again;
     ``arrived`` (monotonic s); ``host``: its pinned node (id or name) or None; ``offer``:
-    ``(peer, offer id)`` when a peer offered it a held slot; ``parked`` while it waits."""
+    ``(peer, offer id)`` when a peer offered it a held slot; ``parked`` while it waits;
+    ``dispatched`` while it is being forwarded (it waits no more unless the peer refuses)."""
 
     event: asyncio.Event
     arrived: float
     host: str | None = None
     offer: tuple[NodeId, str] | None = None
     parked: bool = False
+    dispatched: bool = False
 
 
 class MeshWaitQueue:
     """The origin's FIFO of requests waiting for capacity anywhere, for one model.
 
-    A waiter enters once and leaves when served, refused or timed out. ``wake`` lets every
-    waiter route again; they resume in arrival order (the event loop runs woken tasks in
-    the order they were woken), and a new arrival never overtakes a waiter.
-    ``on_head_change`` is called when the oldest waiter changes (to announce it).
+    A waiter enters once and leaves when it starts running (locally), is served (on a peer),
+    refused or timed out; while its forward to a peer is in flight it is ``dispatched`` and
+    does not count as waiting (it is back in its place if the peer refuses). ``wake`` lets
+    every waiter route again; they resume in arrival order (the event loop runs woken tasks
+    in the order they were woken), and a new arrival never overtakes a waiter.
+    ``on_head_change`` is called when the oldest waiting request changes (to announce it).
     """
 
     def __init__(self, on_head_change: Callable[[], None] | None = None) -> None:
@@ -87,37 +91,53 @@ class MeshWaitQueue:
         self.on_head_change = on_head_change
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        """Requests waiting (dispatched ones do not count)."""
+        return sum(1 for w in self._waiters if not w.dispatched)
+
+    def _head(self) -> Waiter | None:
+        return next((w for w in self._waiters if not w.dispatched), None)
+
+    def _changed(self, head: Waiter | None) -> None:
+        if self._head() is not head and self.on_head_change is not None:
+            self.on_head_change()
 
     def enter(self, host: str | None = None) -> Waiter:
+        head = self._head()
         waiter = Waiter(asyncio.Event(), time.monotonic(), host)
         self._waiters.append(waiter)
-        if len(self._waiters) == 1 and self.on_head_change is not None:
-            self.on_head_change()
+        self._changed(head)
         return waiter
 
     def leave(self, waiter: Waiter) -> None:
-        head = self._waiters[0] if self._waiters else None
+        head = self._head()
         try:
             self._waiters.remove(waiter)
         except ValueError:
             return
-        if waiter is head and self.on_head_change is not None:
-            self.on_head_change()
+        self._changed(head)
+
+    def dispatch(self, waiter: Waiter, dispatched: bool = True) -> None:
+        """``waiter`` is being forwarded (True) or was refused and waits again (False)."""
+        head = self._head()
+        waiter.dispatched = dispatched
+        self._changed(head)
 
     def wake(self) -> None:
         for waiter in self._waiters:
-            waiter.event.set()
+            if not waiter.dispatched:
+                waiter.event.set()
 
     def oldest(self) -> float | None:
-        """When the oldest waiter arrived (monotonic s), or None."""
-        return self._waiters[0].arrived if self._waiters else None
+        """When the oldest waiting request arrived (monotonic s), or None."""
+        head = self._head()
+        return None if head is None else head.arrived
 
     def give_offer(self, peer: NodeId, peer_name: str, offer_id: str) -> bool:
         """Hand a slot offered by ``peer`` to the oldest parked waiter that may run there
         (not pinned to another node); False when none can take it."""
         for waiter in self._waiters:
-            if waiter.parked and waiter.offer is None and waiter.host in (None, peer, peer_name):
+            if (waiter.parked and not waiter.dispatched and waiter.offer is None
+                    and waiter.host in (None, peer, peer_name)):
                 waiter.offer = (peer, offer_id)
                 waiter.parked = False
                 waiter.event.set()

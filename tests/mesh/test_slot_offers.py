@@ -475,3 +475,35 @@ def test_slot_offers_off_makes_no_offers(tmp_path: Path) -> None:
                 await probe.stop(leave=False)
 
         asyncio.run(run())
+
+
+async def test_a_request_that_runs_no_longer_counts_as_waiting(tmp_path: Path) -> None:
+    """A request that queued and then started running leaves the origin queue at once: it
+    neither fills ``queue_max`` (a new request finds the free slot) nor stays the "oldest
+    waiter" that would keep freed slots from peers' waiters."""
+    binary = fake_engine_binary(tmp_path / "bin")
+    model = shared_model(binary) | {"parallel": 2}
+    with run_agent(tmp_path, [model], name="node-a",
+                   extra={"mesh": mesh_section([], 100),
+                          "routing": {"queue_max": 1, "queue_timeout_s": 10}}) as a:
+        await asyncio.to_thread(lambda: a.wait_healthy("shared", timeout_s=30))
+        async with aiohttp.ClientSession() as http:
+            async def post(seconds: float) -> tuple[int, float]:
+                async with http.post(f"{a.url}/v1/chat/completions", json=chat(seconds=seconds)) as r:
+                    await r.read()
+                    return r.status, float(r.headers.get("X-Viiwork-Queued-Ms", "nan"))
+
+            first = asyncio.create_task(post(1.0))
+            second = asyncio.create_task(post(2.0))
+            await wait(a, lambda d: busy_local(d) == 2, 5, "both slots busy")
+            third = asyncio.create_task(post(4.0))
+            await wait(a, lambda d: d["mesh"]["queued"].get("shared") == 1, 5, "the third request queued")
+            assert (await first)[0] == 200
+            # the third runs now (on the slot the first freed): nothing waits any more
+            await wait(a, lambda d: busy_local(d) == 2 and not d["mesh"]["queued"], 5, "the third running")
+            assert (await second)[0] == 200  # a slot is free again; the third still runs
+            status, queued_ms = await post(0.1)
+            assert status == 200, "a running request still counted against queue_max"
+            assert queued_ms < 500, queued_ms
+            status, queued_ms = await third
+            assert status == 200 and queued_ms > 500, queued_ms

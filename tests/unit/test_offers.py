@@ -245,3 +245,25 @@ def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
     assert pinned.offer is None
     assert q.give_offer(NodeId("e" * 16), "elsewhere", "o4")
     assert pinned.offer == (NodeId("e" * 16), "o4")
+
+
+def test_a_dispatched_waiter_does_not_wait_unless_refused() -> None:
+    from viiwork.agent.mesh_link import MeshWaitQueue
+
+    changes: list[int] = []
+    q = MeshWaitQueue(on_head_change=lambda: changes.append(len(q)))
+    first, second = q.enter(), q.enter()
+    first.parked = second.parked = True
+    assert changes == [1] and len(q) == 2
+    q.dispatch(first)  # forwarded: the oldest waiting request is now the second
+    assert len(q) == 1 and q.oldest() == second.arrived and changes == [1, 1]
+    q.wake()
+    assert not first.event.is_set() and second.event.is_set()
+    assert q.give_offer(A, "node-a", "o1") and second.offer == (A, "o1") and first.offer is None
+    q.dispatch(first, False)  # refused: back in its place, the oldest again
+    assert len(q) == 2 and q.oldest() == first.arrived and changes == [1, 1, 2]
+    q.dispatch(second)  # not the oldest: no new announcement
+    assert changes == [1, 1, 2]
+    q.leave(second)
+    q.dispatch(first)
+    assert len(q) == 0 and q.oldest() is None and changes == [1, 1, 2, 0]
