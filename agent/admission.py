@@ -139,7 +139,7 @@ class ModelAdmission:
 
     def release(self, backend: Backend) -> None:
         """Give back a slot taken by ``acquire``; dispatches the next waiter."""
-        backend.in_flight -= 1
+        backend.end_request()
         if self._waiters:
             self._dispatch()
 

@@ -62,6 +62,7 @@ class Backend:
     load_at: float | None = None
     load_stale: bool = False
     in_flight: int = 0
+    released_at: float | None = None  # when routing last finished a request here
     started_at: float | None = None
     healthy_since: float | None = None
     parallel: int = 1
@@ -87,10 +88,20 @@ class Backend:
             return 0
         return max(0, self.slots - self.in_flight)
 
+    def end_request(self) -> None:
+        """A request routing sent here ended (or a slot kept for an offer was freed)."""
+        self.in_flight -= 1
+        self.released_at = time.monotonic()
+
     @property
     def busy(self) -> int:
-        """Busy sequences: the larger of the engine's count and our own in-flight count."""
+        """Busy sequences: the larger of the engine's count and our own in-flight count, but
+        only our own once a request ended after the engine's count was read: that figure
+        (read every ``supervisor.load_poll_interval_s``) still counts the ended request, and
+        published as is it would show the freed slot busy to every peer until the next read."""
         if self.load is not None and not self.load_stale:
+            if self.released_at is not None and self.load_at is not None and self.released_at > self.load_at:
+                return self.in_flight
             return max(self.load.busy, self.in_flight)
         return self.in_flight
 

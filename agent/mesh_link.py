@@ -461,7 +461,7 @@ class MeshLink:
         if admission is not None:
             admission.release(hold.backend)
         else:  # the model was removed by a reload meanwhile
-            hold.backend.in_flight -= 1
+            hold.backend.end_request()
         if reoffer:
             self.slot_freed(hold.model)
 
