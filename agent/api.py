@@ -367,6 +367,10 @@ class ClientApi:
         if runtime is None or admission is None:
             return self._refuse(503, "not-served", f"node {self.node_name!r} does not serve model {model!r}")
         if self.draining:
+            held = mesh.claim(request.headers.get(OFFER_HEADER), origin_id, model)
+            if held is not None:  # offered just before the drain began: free the slot now
+                admission.release(held)
+                mesh.slot_freed(model)
             return self._refuse(503, "draining", f"node {self.node_name!r} is draining")
         wanted = _KIND_OF_PATH[request.path]
         if runtime.config.kind is not wanted:
@@ -425,9 +429,7 @@ class ClientApi:
     async def handle_status(self, request: web.Request) -> web.Response:
         models = self.status_source()
         for entry in models:
-            admission = self.admissions.get(entry.get("name"))
-            if admission is not None:
-                entry["queued"] = admission.queued
+            entry["queued"] = self._queued(entry.get("name"))
         doc: dict[str, Any] = {
             "node": {"name": self.node_name, "version": __version__, "draining": self.draining,
                      "uptime_s": round(time.monotonic() - self.started, 1)},
@@ -440,6 +442,15 @@ class ClientApi:
                 log.warning("status section %s failed: %s", key, exc)
                 doc[key] = {"error": str(exc)}
         return web.json_response(doc)
+
+    def _queued(self, model: Any) -> int:
+        """Requests waiting for ``model`` here: in the mesh's origin queue with a [mesh],
+        else in the standalone admission queue."""
+        if self.mesh is not None:
+            q = self.mesh.queues.get(model)
+            return 0 if q is None else len(q)
+        admission = self.admissions.get(model)
+        return 0 if admission is None else admission.queued
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         lines = [
@@ -457,7 +468,7 @@ class ClientApi:
                   for n, rt in sorted(self.runtimes.items())]
         lines += ["# HELP viiwork_model_queued Requests waiting in this node's queue.",
                   "# TYPE viiwork_model_queued gauge"]
-        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {a.queued}' for n, a in sorted(self.admissions.items())]
+        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {self._queued(n)}' for n in sorted(self.admissions)]
         lines += ["# HELP viiwork_backend_respawns_total Respawns per backend.",
                   "# TYPE viiwork_backend_respawns_total counter"]
         for rt in self.runtimes.values():

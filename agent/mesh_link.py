@@ -145,6 +145,18 @@ class MeshWaitQueue:
         return False
 
 
+async def _read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """A body up to ``limit`` bytes, or ``limit + 1`` bytes when it is longer (the caller
+    refuses it). One ``read(n)`` returns only what has arrived: read until the end."""
+    body = b""
+    while len(body) <= limit:
+        chunk = await stream.read(limit + 1 - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return body
+
+
 def gpu_capacities(inventory: GpuInventory) -> list[GpuCapacity]:
     """The GPUs to publish: index, name and memory in MiB (rounded down to 64 MiB so small
     fluctuations do not force a new summary); unknown stays None, never 0."""
@@ -312,16 +324,18 @@ class MeshLink:
         try:
             async with self.session.post(target.base_url + path, json=doc,
                                          timeout=aiohttp.ClientTimeout(total=MESSAGE_TIMEOUT_S)) as resp:
-                raw = await resp.read()
+                raw = await _read_bounded(resp.content, MESSAGE_MAX_BYTES)
                 if resp.status == 204:
                     return {}
                 if resp.status != 200:
                     self.offer_counters["message_refused"] += 1
                     log.debug("mesh %s to %s: answered %d %s", path, target.id, resp.status, raw[:200])
                     return None
+                if len(raw) > MESSAGE_MAX_BYTES:
+                    raise ValueError(f"answer exceeds {MESSAGE_MAX_BYTES} bytes")
                 answer = json.loads(raw)
                 return answer if isinstance(answer, dict) else None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RecursionError) as exc:
             self.offer_counters["message_failed"] += 1
             log.debug("mesh %s to %s failed: %s", path, target.id, exc)
             return None
@@ -360,17 +374,12 @@ class MeshLink:
     async def _read_message(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > MESSAGE_MAX_BYTES:
             raise WantError(f"message is {request.content_length} bytes; the limit is {MESSAGE_MAX_BYTES}")
-        body = b""  # read() returns what has arrived so far: read until the end or the limit
-        while len(body) <= MESSAGE_MAX_BYTES:
-            chunk = await request.content.read(MESSAGE_MAX_BYTES + 1 - len(body))
-            if not chunk:
-                break
-            body += chunk
+        body = await _read_bounded(request.content, MESSAGE_MAX_BYTES)
         if len(body) > MESSAGE_MAX_BYTES:
             raise WantError(f"message exceeds {MESSAGE_MAX_BYTES} bytes")
         try:
             return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise WantError(f"message is not valid JSON: {exc}") from None
 
     def _bad_message(self, kind: str, peer: NodeId | None, exc: Exception) -> web.Response:
@@ -426,7 +435,7 @@ class MeshLink:
         oldest = q.oldest() if q is not None else None
         own_ms = None if oldest is None else (time.monotonic() - oldest) * 1000.0
         peer = None
-        if admission is not None and not self._stopped and self.config.routing.slot_offers:
+        if admission is not None and not self._stopped and not self.draining() and self.config.routing.slot_offers:
             peer = self.wants.pick(model, own_ms, self._offerable)
         if peer is None:
             self.wake(model)
@@ -442,17 +451,23 @@ class MeshLink:
         self._spawn(self._offer(hold, target))
 
     async def _offer(self, hold: Hold, target: PeerTarget) -> None:
-        answer = await self._post(target, OFFER_PATH, {"model": hold.model, "offer": hold.offer_id})
-        if answer is not None and answer.get("taking") is True:
-            self.offer_counters["offers_taken"] += 1
-            await asyncio.sleep(self.holds.hold_ms / 1000.0)
-            expired = self.holds.drop(hold.offer_id)  # None when claimed meanwhile
-            if expired is not None:
-                self.offer_counters["holds_expired"] += 1
-                self._free_hold(expired)
-            return
-        self.offer_counters["offers_declined" if answer is not None else "offers_failed"] += 1
-        self._free_hold(self.holds.drop(hold.offer_id))
+        """Offer the held slot; free it when declined, failed, or not claimed within
+        ``hold_ms`` of a "taking" answer. Whatever happens here (even an error this code
+        does not foresee), the hold ends with this task; ``stop`` frees holds itself."""
+        try:
+            answer = await self._post(target, OFFER_PATH, {"model": hold.model, "offer": hold.offer_id})
+            if answer is not None and answer.get("taking") is True:
+                self.offer_counters["offers_taken"] += 1
+                await asyncio.sleep(self.holds.hold_ms / 1000.0)
+                if self.holds.drop(hold.offer_id) is not None:  # not claimed meanwhile
+                    self.offer_counters["holds_expired"] += 1
+                    self._free_hold(hold, reoffer=not self._stopped)
+                return
+            self.offer_counters["offers_declined" if answer is not None else "offers_failed"] += 1
+        finally:
+            left = self.holds.drop(hold.offer_id)
+            if left is not None:
+                self._free_hold(left, reoffer=not self._stopped)
 
     def _free_hold(self, hold: Hold | None, reoffer: bool = True) -> None:
         if hold is None:

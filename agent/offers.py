@@ -24,7 +24,9 @@ The exchange, for model ``M``:
    from the peer the offer went to). An origin with nothing waiting any more answers
    ``not taking``; the holder frees the slot and asks :meth:`WantBook.pick` again (the
    origin that declined is forgotten until it announces again).
-4. A hold that is not claimed within :data:`HOLD_MS` is freed (:meth:`Holds.expired`).
+4. A hold that is not claimed within :data:`HOLD_MS` of the origin's answer (the answer
+   itself may take up to the message timeout, 2 s) is freed by the glue, which also frees
+   it whatever else ends the offer (a failed answer, a stopping agent).
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class Hold:
 
 
 class Holds:
-    """Slots kept for offers in flight (see the module doc). ``clock``: monotonic ms."""
+    """Slots kept for offers in flight (see the module doc). ``clock``: monotonic ms;
+    ``hold_ms``: how long the glue keeps a slot an origin said it is taking."""
 
     def __init__(self, clock: Callable[[], float], hold_ms: float = HOLD_MS) -> None:
         self.clock = clock
@@ -196,14 +199,6 @@ class Holds:
     def drop(self, offer_id: str) -> Hold | None:
         """End the hold (declined or the offer failed); the caller frees its slot."""
         return self._holds.pop(offer_id, None)
-
-    def expired(self) -> list[Hold]:
-        """Holds older than ``hold_ms``, removed; the caller frees their slots."""
-        now = self.clock()
-        old = [h for h in self._holds.values() if now - h.made_at_ms >= self.hold_ms]
-        for h in old:
-            del self._holds[h.offer_id]
-        return old
 
     def all(self) -> list[Hold]:
         return list(self._holds.values())

@@ -507,3 +507,116 @@ async def test_a_request_that_runs_no_longer_counts_as_waiting(tmp_path: Path) -
             assert queued_ms < 500, queued_ms
             status, queued_ms = await third
             assert status == 200 and queued_ms > 500, queued_ms
+
+
+# --- found by review: holds never honoured or never freed; queue counts -----------------------------
+
+
+async def test_a_draining_node_makes_no_offer_it_would_refuse(one_agent: Agent, tmp_path: Path) -> None:
+    """B drains (`viiworkctl drain`: it admits no new request, forwards included). A member
+    then tells B it has a request waiting while B's slot is free. B must not keep its slot
+    for that request only to refuse the claim: it makes no offer."""
+    import subprocess
+    import sys
+
+    b = one_agent
+    offered: asyncio.Queue[dict] = asyncio.Queue()
+
+    async def handle_offer(request: web.Request) -> web.Response:
+        await offered.put(await request.json())
+        return web.json_response({"taking": True})
+
+    probe = await start_probe(tmp_path, b, handle_offer)
+    base = f"https://{mesh_address(b)}"
+    try:
+        await wait(b, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 15, "the probe alive at B")
+        ctl = Path(sys.executable).parent / "viiworkctl"
+        sock = tmp_path / "node-b" / "admin.sock"
+        await asyncio.to_thread(subprocess.run, [str(ctl), "drain", "--socket", str(sock)],
+                                check=True, capture_output=True, timeout=30)
+        assert b.status()["node"]["draining"] is True
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe.client_ssl_context)) as as_probe:
+            async with as_probe.post(base + "/mesh/v1/want",
+                                     json={"model": "shared", "waiting": 1, "oldest_ms": 50}) as r:
+                assert r.status == 204
+            try:
+                offer = await asyncio.wait_for(offered.get(), 1.5)
+            except TimeoutError:
+                offer = None
+            assert offer is None, f"B offered its slot while draining; B's offers: {offers(b.status())}"
+            o = offers(b.status())
+            assert o["wants_in"] == 1 and o.get("offers_out", 0) == 0 and o["held"] == 0, o
+    finally:
+        await probe.stop(leave=False)
+
+
+async def test_a_hold_is_freed_whatever_the_offer_answer(one_agent: Agent, tmp_path: Path) -> None:
+    """A member answers B's offer with a body B cannot parse (deeply nested JSON: json.loads
+    raises RecursionError, not ValueError). The hold must still end within about HOLD_MS:
+    B's slot must not stay held (busy to every peer and to B's own requests) for ever."""
+    b = one_agent
+
+    async def handle_offer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"[" * 100_000, content_type="application/json")
+
+    probe = await start_probe(tmp_path, b, handle_offer)
+    try:
+        await wait(b, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 15, "the probe alive at B")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe.client_ssl_context)) as as_probe:
+            async with as_probe.post(f"https://{mesh_address(b)}/mesh/v1/want",
+                                     json={"model": "shared", "waiting": 1, "oldest_ms": 50}) as r:
+                assert r.status == 204
+        await wait(b, lambda d: offers(d).get("offers_out", 0) == 1, 5, "B's offer")
+        doc = await wait(b, lambda d: offers(d)["held"] == 0 and busy_local(d) == 0, 6,
+                         "B's hold freed (HOLD_MS is 1 s, the message timeout 2 s)")
+        assert doc
+    finally:
+        await probe.stop(leave=False)
+
+
+async def test_queued_requests_are_reported_where_they_wait(tmp_path: Path) -> None:
+    """Two agents, one slot each, both busy. Two requests queue at A one after the other
+    (not in one event-loop turn). A reports them per model in /v1/status and /metrics (the
+    mesh's origin queue, not the unused standalone one); B knows A has at least one waiting
+    (`waiting_elsewhere` is the count A sent when its oldest waiter last changed)."""
+    binary = fake_engine_binary(tmp_path / "bin")
+    seeds: list[str] = []
+    agents: dict[str, Agent] = {}
+    with ExitStack() as stack:
+        for name in "ab":
+            agents[name] = stack.enter_context(run_agent(
+                tmp_path, [shared_model(binary)], name=f"node-{name}",
+                extra={"mesh": mesh_section(seeds, 200), "routing": {"queue_max": 4, "queue_timeout_s": 30}}))
+            if not seeds:
+                seeds = [mesh_address(agents[name])]
+        a, b = agents["a"], agents["b"]
+        for agent in (a, b):
+            await asyncio.to_thread(agent.wait_healthy, "shared", None, 30)
+            await wait(agent, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 30, "one alive peer")
+        async with aiohttp.ClientSession() as http:
+            async def post(url: str, seconds: float) -> int:
+                async with http.post(url, json=chat(seconds=seconds)) as r:
+                    await r.read()
+                    return r.status
+
+            await wait_view(http, a, lambda d: (view_of(d, "node-b") or {}).get("slots") == 1, 20, "B in A's view")
+            longs = [asyncio.create_task(post(f"{agents[n].url}/v1/chat/completions?host=node-{n}", 6.0)) for n in "ab"]
+            for agent in (a, b):
+                await wait(agent, lambda d: busy_local(d) == 1, 10, "busy")
+            await wait_view(http, a, lambda d: (view_of(d, "node-b") or {}).get("busy") == 1, 5, "B busy in A's view")
+            queued = [asyncio.create_task(post(f"{a.url}/v1/chat/completions", 0.1))]
+            await wait(a, lambda d: d["mesh"]["queued"].get("shared") == 1, 5, "the first request queued at A")
+            await wait(b, lambda d: offers(d)["waiting_elsewhere"] == {"shared": 1}, 5, "A's first want at B")
+            queued.append(asyncio.create_task(post(f"{a.url}/v1/chat/completions", 0.1)))
+            await wait(a, lambda d: d["mesh"]["queued"].get("shared") == 2, 5, "the second request queued at A")
+            await asyncio.sleep(0.5)
+            seen = offers(b.status())["waiting_elsewhere"]
+            models = a.status()["models"]
+            async with http.get(f"{a.url}/metrics") as r:
+                metrics = (await r.text()).splitlines()
+            for task in longs + queued:
+                assert await task == 200
+            assert [m["queued"] for m in models if m["name"] == "shared"] == [2], models
+            assert 'viiwork_model_queued{model="shared"} 2' in metrics
+            assert seen.get("shared", 0) >= 1, f"A has 2 requests queued; B's waiting_elsewhere: {seen}"
