@@ -374,19 +374,24 @@ async def start_probe(tmp_path: Path, agent: Agent, handle_offer: Any) -> MeshNo
     return probe
 
 
-async def test_forward_claims_only_its_own_offer(one_agent: Agent, tmp_path: Path) -> None:
-    """An in-process mesh node ("probe", a real member) tells B it has a request waiting; B
-    keeps its only slot and offers it to the probe. While B holds it, forwards carrying the
-    offer's id from another certificate, or a bogus id from the probe, are refused 429 (the
-    held slot is not theirs and no other is free); the probe's forward with the id gets it."""
-    b = one_agent
+async def start_taking_probe(tmp_path: Path, agent: Agent) -> tuple[MeshNode, asyncio.Queue[dict]]:
+    """A probe (see :func:`start_probe`) that takes every offer; the offers it got, in order."""
     offered: asyncio.Queue[dict] = asyncio.Queue()
 
     async def handle_offer(request: web.Request) -> web.Response:
         await offered.put(await request.json())
         return web.json_response({"taking": True})
 
-    probe = await start_probe(tmp_path, b, handle_offer)
+    return await start_probe(tmp_path, agent, handle_offer), offered
+
+
+async def test_forward_claims_only_its_own_offer(one_agent: Agent, tmp_path: Path) -> None:
+    """An in-process mesh node ("probe", a real member) tells B it has a request waiting; B
+    keeps its only slot and offers it to the probe. While B holds it, forwards carrying the
+    offer's id from another certificate, or a bogus id from the probe, are refused 429 (the
+    held slot is not theirs and no other is free); the probe's forward with the id gets it."""
+    b = one_agent
+    probe, offered = await start_taking_probe(tmp_path, b)
     intruder_ctx, intruder_id = mesh_client_context(tmp_path / "intruder", "intruder")
     base = f"https://{mesh_address(b)}"
     try:
@@ -445,13 +450,7 @@ def test_slot_offers_off_makes_no_offers(tmp_path: Path) -> None:
         b.wait_healthy("shared", timeout_s=30)
 
         async def run() -> None:
-            offered: asyncio.Queue[dict] = asyncio.Queue()
-
-            async def handle_offer(request: web.Request) -> web.Response:
-                await offered.put(await request.json())
-                return web.json_response({"taking": True})
-
-            probe = await start_probe(tmp_path, b, handle_offer)
+            probe, offered = await start_taking_probe(tmp_path, b)
             try:
                 await wait(b, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 15, "the probe alive at B")
                 async with aiohttp.ClientSession(
@@ -520,13 +519,7 @@ async def test_a_draining_node_makes_no_offer_it_would_refuse(one_agent: Agent, 
     import sys
 
     b = one_agent
-    offered: asyncio.Queue[dict] = asyncio.Queue()
-
-    async def handle_offer(request: web.Request) -> web.Response:
-        await offered.put(await request.json())
-        return web.json_response({"taking": True})
-
-    probe = await start_probe(tmp_path, b, handle_offer)
+    probe, offered = await start_taking_probe(tmp_path, b)
     base = f"https://{mesh_address(b)}"
     try:
         await wait(b, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 15, "the probe alive at B")
