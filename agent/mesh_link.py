@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import random
 import time
-import json
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,7 +38,7 @@ from viiwork.agent.gpus import GpuInventory
 from viiwork.agent.offers import WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
 from viiwork.agent.router import Decision, LocalModel, PeerSnapshot, Reservations, Router, mesh_models
 from viiwork.mesh.identity import NodeId
-from viiwork.mesh.membership import Liveness
+from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
 from viiwork.mesh.summary import GpuCapacity, ModelCapacity, PublishedState
 from viiwork.mesh.transport import peer_of
@@ -58,6 +58,11 @@ class PeerTarget:
     id: str
     base_url: str
     node_id: NodeId
+
+    @classmethod
+    def of(cls, view: PeerView) -> PeerTarget:
+        """The target of a peer in the mesh table (its ``mesh`` address must be set)."""
+        return cls(id=view.name, base_url=f"https://{view.mesh}", node_id=view.node_id)
 
 
 @dataclass(slots=True, eq=False)
@@ -283,7 +288,7 @@ class MeshLink:
     def peer_target(self, node_id: NodeId) -> PeerTarget | None:
         for view in self.node.peers():
             if view.node_id == node_id and view.mesh:
-                return PeerTarget(id=view.name, base_url=f"https://{view.mesh}", node_id=view.node_id)
+                return PeerTarget.of(view)
         return None
 
     def peer_name(self, node_id: NodeId | None) -> str:
@@ -368,8 +373,7 @@ class MeshLink:
         targets.sort(key=lambda t: -t[0])
         for _, view in targets[:WANT_FANOUT]:
             self.offer_counters["wants_out"] += 1
-            target = PeerTarget(id=view.name, base_url=f"https://{view.mesh}", node_id=view.node_id)
-            self._spawn(self._post(target, WANT_PATH, want.doc()))
+            self._spawn(self._post(PeerTarget.of(view), WANT_PATH, want.doc()))
 
     async def _read_message(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > MESSAGE_MAX_BYTES:
