@@ -3,9 +3,13 @@
 #   make venv       create .venv and install viiwork with its test and demo extras
 #                   (idempotent: redone only when pyproject.toml changes)
 #   make demo       run the agent on its embedded demo config (SmolLM2 on the CPU)
-#   make test       every test tier this machine can run (CI=true: a skip is a failure)
+#   make test       every test tier this machine can run (CI=true: a skip not listed in
+#                   tests/skip-allowlist.toml is a failure; a checkout under /tmp, /var/tmp or
+#                   /dev/shm, which systemd units cannot see, is then copied out and tested there)
 #   make test-fast  unit and engine tiers only, for iteration
 #   make bench      the benchmarks under tests/bench/
+#   make mutants    apply each tests/mutants/*.patch to a scratch copy and check that the tests
+#                   it names fail (not part of `make test`; MUTANTS=name,... for some of them)
 #   make clean      build outputs and caches;  make distclean  also removes .venv
 #
 # Variables: PYTHON (interpreter that creates the venv, default python3 on PATH),
@@ -33,10 +37,10 @@ PYTEST := $(BIN)/pytest
 PYTEST_ARGS ?=
 PYTEST_FLAGS := -q -ra --no-header $(PYTEST_ARGS)
 
-.PHONY: help venv demo test test-fast bench clean distclean
+.PHONY: help venv demo test test-fast bench mutants clean distclean
 
 help:
-	@sed -n '3,9s/^# \{0,1\}//p' Makefile
+	@sed -n '3,14s/^# \{0,1\}//p' Makefile
 
 venv: $(STAMP)
 
@@ -89,8 +93,27 @@ define run_pytest
 	exit $$rc
 endef
 
+# Under CI=true every systemd test must run, and units with PrivateTmp=yes (and the PID-1
+# container) cannot see a checkout under a private-tmp path: such a checkout is copied
+# (without its .venv, whose paths are absolute) to CI_CHECKOUT and tested there, as .ci/run does.
+CI_CHECKOUT ?= /var/lib/viiwork-ci/checkout
+IN_CI := $(filter 1 true yes,$(shell echo '$(CI)' | tr A-Z a-z))
+HIDDEN_CHECKOUT := $(if $(IN_CI),$(filter /tmp/% /var/tmp/% /dev/shm/%,$(CURDIR)/))
+
+ifneq ($(HIDDEN_CHECKOUT),)
+test:
+	@echo "==> CI=true and the checkout is under $(CURDIR), invisible to units with PrivateTmp:" \
+	     "testing a copy at $(CI_CHECKOUT)"
+	rm -rf "$(CI_CHECKOUT)" && mkdir -p "$(CI_CHECKOUT)"
+	tar -C "$(CURDIR)" --exclude=./$(VENV) -cf - . | tar -C "$(CI_CHECKOUT)" -xf -
+	$(MAKE) --no-print-directory -C "$(CI_CHECKOUT)" test HIDDEN_CHECKOUT=
+else
 test: venv
 	$(call run_pytest,tests)
+endif
+
+mutants: venv
+	$(BIN)/python tests/mutants/run.py $(if $(MUTANTS),--only $(MUTANTS))
 
 test-fast: venv
 	$(call run_pytest,tests/unit tests/engines tests/test_layout.py)

@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from viiwork.agent.control import COMMANDS
-from viiwork.agent.errors import error_response
+from viiwork.agent.errors import ErrorCode, error_response
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +26,13 @@ ADMIN_GROUP = "viiwork-admin"
 
 
 class ActionError(Exception):
-    """A control command cannot be done; ``status`` is the HTTP status to answer."""
+    """A control command cannot be done; ``status`` is the HTTP status to answer, ``code``
+    the error's code (agent/errors.py)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass
@@ -45,8 +47,13 @@ class AdminActions:
     models: Callable[[], Awaitable[dict[str, Any]]]
 
 
+# Control commands take no body: anything larger than this is refused by aiohttp (413)
+# before a handler runs, if a future command ever reads one (agent/body.py otherwise).
+ADMIN_MAX_BODY_BYTES = 64 * 1024
+
+
 def build_admin_app(actions: AdminActions) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES)
     for command in COMMANDS:
         handler = _handler(command.name, command.takes_model, actions)
         app.router.add_route(command.method, command.path, handler)
@@ -63,10 +70,10 @@ def _handler(name: str, takes_model: bool, actions: AdminActions) -> Callable[[w
             else:
                 result = await action()
         except ActionError as exc:
-            return error_response(exc.status, str(exc))
+            return error_response(exc.status, str(exc), code=exc.code)
         except Exception as exc:  # the admin socket must answer, and the agent keep running
             log.exception("admin command %s failed", name)
-            return error_response(500, f"{name} failed: {exc}")
+            return error_response(500, f"{name} failed: {exc}", code=ErrorCode.INTERNAL_ERROR)
         log.info("admin command %s done", name)
         return web.json_response({"ok": True, "command": name, **result})
 
@@ -105,11 +112,13 @@ def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
 
     async def reload() -> dict[str, Any]:
         if config_path is None:
-            raise ActionError(409, "this agent runs the embedded demo config, which has no file to re-read")
+            raise ActionError(409, "this agent runs the embedded demo config, which has no file to re-read",
+                              ErrorCode.NOT_RELOADABLE)
         try:
             new = load_config(config_path)
         except ConfigError as exc:
-            raise ActionError(400, f"config not reloaded, the running one stays:\n{exc}") from None
+            raise ActionError(400, f"config not reloaded, the running one stays:\n{exc}",
+                              ErrorCode.INVALID_CONFIG) from None
         old = supervisor.config
         restart_needed = [s for s in ("node", "api", "mesh", "routing", "supervisor")
                           if getattr(old, s) != getattr(new, s)]
@@ -122,10 +131,16 @@ def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
         return {**result, "restart_needed": restart_needed}
 
     async def drain() -> dict[str, Any]:
+        # New requests and forwards get 503, /health 503; the mesh publishes `draining` from
+        # the next gossip round, so peers send no new forward here (docs/routing.md).
         api.draining = True
-        return {"message": "draining: new requests get 503; requests in flight finish (undo: viiworkctl undrain)"}
+        in_flight = len(api.in_flight)
+        return {"message": f"draining: new requests get 503; the {in_flight} request(s) in flight finish "
+                           "(undo: viiworkctl undrain)", "in_flight": in_flight}
 
     async def undrain() -> dict[str, Any]:
+        if getattr(api, "stopping", False):
+            raise ActionError(409, "the agent is stopping: it admits no new request until it has restarted")
         api.draining = False
         return {"message": "admitting requests again"}
 
@@ -133,14 +148,14 @@ def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
         try:
             await supervisor.down(model)
         except UnknownModel as exc:
-            raise ActionError(404, str(exc)) from None
+            raise ActionError(404, str(exc), ErrorCode.MODEL_NOT_FOUND) from None
         return {"message": f"model {model!r} is down: backends stopped, out of routing (undo: viiworkctl up {model})"}
 
     async def up(model: str) -> dict[str, Any]:
         try:
             await supervisor.up(model)
         except UnknownModel as exc:
-            raise ActionError(404, str(exc)) from None
+            raise ActionError(404, str(exc), ErrorCode.MODEL_NOT_FOUND) from None
         return {"message": f"model {model!r} is starting"}
 
     async def models() -> dict[str, Any]:

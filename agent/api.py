@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import json
 import logging
 import os
 import time
@@ -27,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from viiwork import __version__
-from viiwork.agent.admission import AdmissionError, ModelAdmission
+from viiwork.agent.admission import AdmissionError, ModelAdmission, NoCapacity
 from viiwork.agent.backends import ModelRuntime
+from viiwork.agent.drain import InFlight
 
 if TYPE_CHECKING:
     from viiwork.agent.mesh_link import MeshLink, Waiter
-from viiwork.agent.errors import error_response
+from viiwork.agent.body import BodyError, parse_json_object, read_body
+from viiwork.agent.errors import ErrorCode, error_response
 from viiwork.agent.offers import OFFER_HEADER
 from viiwork.agent.proxy import REFUSED_HEADER, Refused, Upstream
 from viiwork.agent.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
@@ -74,6 +75,8 @@ class ClientApi:
         self.mesh: MeshLink | None = None
         self.runtimes = runtimes
         self.upstream = upstream
+        # Engine errors are classified by the backend's engine adapter (agent/errors.py).
+        upstream.engine_of = lambda backend: getattr(self.runtimes.get(backend.model), "engine", None)
         self.max_body_bytes = max_body_bytes
         self.admissions = {name: ModelAdmission(rt, queue_max, queue_timeout_s) for name, rt in runtimes.items()}
         self.status_source = status_source
@@ -86,8 +89,13 @@ class ClientApi:
         # prefix and a counter (unique for the process' life; uuid4 per request costs a syscall).
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = itertools.count(1)
-        # Set by `viiworkctl drain`: new requests get 503; those admitted or queued finish.
+        # Set by `viiworkctl drain` and by the stop path: new requests get 503; those
+        # admitted or queued finish. ``stopping``: the agent is on its way out (SIGTERM).
         self.draining = False
+        self.stopping = False
+        # Inference requests in flight here, on this API and the mesh listener (the stop
+        # path waits for them: viiwork.agent.drain).
+        self.in_flight = InFlight()
 
     def sync_models(self) -> None:
         """Follow ``runtimes`` after a reload: admission for new models, none for removed ones."""
@@ -120,66 +128,59 @@ class ClientApi:
             resource.add_route("*", self._method_not_allowed("GET"))
         app.router.add_route("*", "/{tail:.*}", self.handle_not_found)
         app.on_startup.append(_freeze_heap)
+        self.in_flight.attach(app)
         return app
 
     @staticmethod
     def _method_not_allowed(allowed: str) -> Callable[[web.Request], Any]:
         async def handler(request: web.Request) -> web.Response:
             return error_response(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
-                                  headers={"Allow": allowed})
+                                  code=ErrorCode.METHOD_NOT_ALLOWED, headers={"Allow": allowed})
         return handler
 
     async def handle_not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"no such endpoint: {request.method} {request.path}; see /v1/models, "
-                              "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status")
+                              "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status",
+                              code=ErrorCode.NOT_FOUND)
 
     # -- inference -----------------------------------------------------------------------
 
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
-        length = request.content_length
-        if length is not None and length > self.max_body_bytes:
-            return self._count("-", error_response(
-                413, f"request body is {length} bytes; the limit is {self.max_body_bytes} (api.max_body_bytes)"))
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._count("-", error_response(
-                413, f"request body exceeds {self.max_body_bytes} bytes (api.max_body_bytes)"))
-        if len(body) > self.max_body_bytes:
-            return self._count("-", error_response(
-                413, f"request body exceeds {self.max_body_bytes} bytes (api.max_body_bytes)"))
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._count("-", error_response(400, f"request body is not valid JSON: {exc}"))
-        if not isinstance(payload, dict):
-            return self._count("-", error_response(400, "request body must be a JSON object"))
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes")
+            payload = parse_json_object(body)
+        except BodyError as exc:
+            return self._count("-", error_response(exc.status, str(exc), code=exc.code))
         model = payload.get("model")
         if not isinstance(model, str) or not model:
-            return self._count("-", error_response(400, "'model' is required and must be a string", param="model"))
+            return self._count("-", error_response(400, "'model' is required and must be a string", param="model",
+                                                   code=ErrorCode.MISSING_MODEL))
         runtime = self.runtimes.get(model)
         if self.mesh is not None:
-            return self._count(model, await self._mesh_inference(request, body, payload, model, runtime, request_id))
+            response = await self._mesh_inference(request, body, payload, model, runtime, request_id)
+            # A model no node serves is counted as "-": a client cannot grow /metrics at will.
+            return self._count(model if response.status != 404 else "-", response)
         if runtime is None:
             known = ", ".join(sorted(self.runtimes)) or "none"
             return self._count("-", error_response(
                 404, f"model {model!r} is not served here; known models: {known}", param="model",
-                code="model_not_found"))
+                code=ErrorCode.MODEL_NOT_FOUND))
         wanted = _KIND_OF_PATH[request.path]
         if runtime.config.kind is not wanted:
             return self._count(model, error_response(
                 400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} needs a "
-                f"{wanted.value} model", param="model"))
+                f"{wanted.value} model", param="model", code=ErrorCode.WRONG_MODEL_KIND))
         if self.draining:
             return self._count(model, error_response(
                 503, f"node {self.node_name!r} is draining for maintenance and admits no new requests",
-                retry_after_s=5))
+                code=ErrorCode.DRAINING, retry_after_s=5))
         admission = self.admissions[model]
         try:
             lease = await admission.acquire()
         except AdmissionError as exc:
-            return self._count(model, error_response(exc.status, str(exc), retry_after_s=exc.retry_after_s))
+            return self._count(model, error_response(exc.status, str(exc), code=_admission_code(exc),
+                                                     retry_after_s=exc.retry_after_s))
         try:
             headers = {
                 "X-Viiwork-Node": self.node_name,
@@ -200,6 +201,7 @@ class ClientApi:
         ``mesh.start()``: routes are added to the mesh listener's app)."""
         self.mesh = mesh
         mesh.admissions = self.admissions
+        self.in_flight.attach(mesh.node.app)  # forwards from peers count as in flight
         for path in _KIND_OF_PATH:
             mesh.node.app.router.add_post(path, self.handle_forwarded)
         for name, runtime in self.runtimes.items():
@@ -217,10 +219,10 @@ class ClientApi:
             (m.get("kind") for m in mesh.models() if m.get("id") == model), None)
         if kind is not None and kind != wanted.value:
             return error_response(400, f"model {model!r} is a {kind} model; {request.path} needs a "
-                                  f"{wanted.value} model", param="model")
+                                  f"{wanted.value} model", param="model", code=ErrorCode.WRONG_MODEL_KIND)
         if self.draining:
             return error_response(503, f"node {self.node_name!r} is draining for maintenance and admits no new "
-                                  "requests", retry_after_s=5)
+                                  "requests", code=ErrorCode.DRAINING, retry_after_s=5)
         host = request.query.get("host") or request.headers.get("X-Viiwork-Host")
         affinity = request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity")
         stream = payload.get("stream") is True
@@ -276,10 +278,14 @@ class ClientApi:
                         if waiter is not None:  # not waiting while the forward is in flight
                             queue.dispatch(waiter)
                         try:
-                            result = await self.upstream.forward(
-                                request, target, body, stream, headers, request_id, session=mesh.session,
-                                extra_headers=extra,
-                                relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True)
+                            # A peer that turns suspect or dead while this forward waits for its
+                            # first byte is abandoned and the request routed again.
+                            with mesh.watch_peer(decision.node_id) as lost:
+                                result = await self.upstream.forward(
+                                    request, target, body, stream, headers, request_id, session=mesh.session,
+                                    extra_headers=extra,
+                                    relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
+                                    lost=lost)
                         finally:
                             mesh.reservations.release(token)
                             mesh.wake(model)
@@ -336,11 +342,11 @@ class ClientApi:
 
     def _queue_full(self, model: str) -> web.Response:
         return error_response(429, f"model {model!r}: no free slot in the mesh and the queue is full "
-                              f"({self.queue_max} waiting)", retry_after_s=1)
+                              f"({self.queue_max} waiting)", code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=1)
 
     def _queue_timeout(self, model: str) -> web.Response:
         return error_response(429, f"model {model!r}: no slot freed in the mesh within "
-                              f"{self.queue_timeout_s:g} s", retry_after_s=2)
+                              f"{self.queue_timeout_s:g} s", code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=2)
 
     async def handle_forwarded(self, request: web.Request) -> web.StreamResponse:
         """A request forwarded by a peer, on the mesh listener (mutual TLS).
@@ -354,14 +360,17 @@ class ClientApi:
         origin_id = peer_of(request)
         origin = mesh.peer_name(origin_id)
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
+        # listener's client_max_size, which bounds gossip's request.read()).
         try:
-            body = await request.read()
-            payload = json.loads(body)
-            model = payload["model"]
-            if not isinstance(model, str):
-                raise TypeError("model is not a string")
-        except (ValueError, KeyError, TypeError, web.HTTPRequestEntityTooLarge) as exc:
-            return error_response(400, f"forwarded request is malformed: {exc}")
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes")
+            payload = parse_json_object(body)
+        except BodyError as exc:
+            return error_response(exc.status, f"forwarded request is malformed: {exc}", code=exc.code)
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
+                                  param="model", code=ErrorCode.MISSING_MODEL)
         runtime = self.runtimes.get(model)
         admission = self.admissions.get(model)
         if runtime is None or admission is None:
@@ -375,7 +384,7 @@ class ClientApi:
         wanted = _KIND_OF_PATH[request.path]
         if runtime.config.kind is not wanted:
             return error_response(400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} "
-                                  f"needs a {wanted.value} model", param="model")
+                                  f"needs a {wanted.value} model", param="model", code=ErrorCode.WRONG_MODEL_KIND)
         backend = mesh.claim(request.headers.get(OFFER_HEADER), origin_id, model) or admission.try_acquire()
         if backend is None:
             mesh.refusals_in += 1
@@ -393,7 +402,8 @@ class ClientApi:
 
     @staticmethod
     def _refuse(status: int, reason: str, message: str) -> web.Response:
-        return error_response(status, message, retry_after_s=1, headers={REFUSED_HEADER: reason})
+        return error_response(status, message, code=_REFUSAL_CODES.get(reason), retry_after_s=1,
+                              headers={REFUSED_HEADER: reason})
 
     def _count(self, model: str, response: web.StreamResponse) -> web.StreamResponse:
         self.responses[(model, response.status)] += 1
@@ -417,11 +427,19 @@ class ClientApi:
     async def handle_mesh(self, request: web.Request) -> web.Response:
         """GET /v1/mesh: every node this node knows, with liveness, age and models."""
         if self.mesh is None:
-            return error_response(404, f"node {self.node_name!r} is standalone: its config has no [mesh] section")
+            return error_response(404, f"node {self.node_name!r} is standalone: its config has no [mesh] section",
+                                  code=ErrorCode.NOT_FOUND)
         return web.json_response(self.mesh.node.view())
 
     async def handle_health(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "ok"}``; 503 with ``Retry-After`` when no backend is healthy, or
+        at once when the node drains or stops (``"status": "draining"|"stopping"``, with the
+        requests still ``in_flight``): load balancers stop sending here (docs/architecture.md)."""
         healthy = sum(len(rt.healthy_backends) for rt in self.runtimes.values())
+        if self.stopping or self.draining:
+            return web.json_response({"status": "stopping" if self.stopping else "draining",
+                                      "healthy_backends": healthy, "in_flight": len(self.in_flight)},
+                                     status=503, headers={"Retry-After": "5"})
         if self.runtimes and healthy == 0:
             return web.json_response({"status": "unavailable", "healthy_backends": 0}, status=503)
         return web.json_response({"status": "ok", "healthy_backends": healthy})
@@ -432,6 +450,7 @@ class ClientApi:
             entry["queued"] = self._queued(entry.get("name"))
         doc: dict[str, Any] = {
             "node": {"name": self.node_name, "version": __version__, "draining": self.draining,
+                     "stopping": self.stopping, "in_flight": len(self.in_flight),
                      "uptime_s": round(time.monotonic() - self.started, 1)},
             "models": models,
         }
@@ -483,6 +502,16 @@ class ClientApi:
             lines += ["# HELP viiwork_mesh_slots_held Local slots kept for an offer now.",
                       "# TYPE viiwork_mesh_slots_held gauge", f"viiwork_mesh_slots_held {len(self.mesh.holds)}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+# The code of a peer's refusal (X-Viiwork-Refused reason) for the origin's logs and relays.
+_REFUSAL_CODES = {"no-slot": ErrorCode.RATE_LIMIT_EXCEEDED, "not-served": ErrorCode.MODEL_NOT_FOUND,
+                  "draining": ErrorCode.DRAINING}
+
+
+def _admission_code(exc: AdmissionError) -> ErrorCode:
+    """429 queue full / timed out: rate_limit_exceeded; 503 nothing can serve: no_capacity."""
+    return ErrorCode.NO_CAPACITY if isinstance(exc, NoCapacity) else ErrorCode.RATE_LIMIT_EXCEEDED
 
 
 async def _freeze_heap(app: web.Application) -> None:

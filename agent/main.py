@@ -1,7 +1,9 @@
 """``viiwork-agent``: the daemon. ``--config FILE`` runs a config; ``--demo`` the embedded one.
 
 Lifecycle: load config -> start the runner and supervisor (backends begin loading) -> bind
-the client API -> serve until SIGTERM/SIGINT -> stop admitting, drain, stop backends.
+the client API -> serve until SIGTERM/SIGINT -> stop admitting, tell peers, let requests in
+flight end (at most ``health.drain_timeout_s``), close the mesh listener, stop (or hand
+over) the engines: docs/architecture.md, "Stopping".
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +27,15 @@ from viiwork.agent.admin import ActionError, build_admin_app, node_actions, star
 from viiwork.agent.api import ClientApi
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
 from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
-from viiwork.agent.notify import Notifier, finish_supervision, run_status, status_line
+from viiwork.agent.notify import (
+    Notifier,
+    StopDecision,
+    StopIntent,
+    finish_supervision,
+    run_status,
+    runner_stop_intent,
+    status_line,
+)
 from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.proxy import Upstream
 from viiwork.mesh.node import MeshStartError
@@ -172,7 +183,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         await supervisor.start()
         # On the way out: drain and stop the engines, or leave them running when systemd is
         # restarting the agent (the next one adopts them): viiwork.agent.notify.
-        stack.push_async_callback(finish_supervision, supervisor, runner, notifier)
+        stopping: dict[str, StopDecision] = {}  # the stop intent, once asked (below)
+        stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
         stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         site = web.TCPSite(app_runner, host, port, reuse_address=True)
         try:
@@ -188,13 +200,43 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         stack.push_async_callback(_cancel, asyncio.create_task(
             run_status(notifier, lambda: status_line(supervisor.models)), name="status"))
         await stop.wait()
-        log.info("stopping")
-        # Admit nothing new, and tell peers first (they stop routing here at once), then
-        # the exit stack drains and stops (or hands over) the engines.
-        api.draining = True
-        if api.mesh is not None:
-            await api.mesh.stop()
+        await _stop_serving(api, runner, notifier, config, stopping)
     return 0
+
+
+async def _stop_serving(api: ClientApi, runner: Runner, notifier: Notifier, config: Config,
+                        stopping: dict[str, StopDecision]) -> None:
+    """The first half of the way out (docs/architecture.md, "Stopping"); the exit stack then
+    stops (or hands over) the engines and closes the listeners.
+
+    At once: new requests get 503 + Retry-After and ``/health`` 503. Peers learn
+    ``leaving`` (a stop) or ``restarting`` (systemd starts the agent again) from the next
+    gossip round and send no new forward here. Every request in flight, local or relayed in
+    either direction, runs to its end within ``health.drain_timeout_s`` (the intent question
+    to systemd included); what still runs then ends with an SSE error event or a 503
+    (viiwork.agent.drain). Only then does the mesh listener close (and push the final
+    summary to a few peers), so no hop through it is cut.
+    """
+    began = time.monotonic()
+    api.draining = True
+    api.stopping = True
+    log.info("stopping: %d request(s) in flight", len(api.in_flight))
+    decision = stopping["decision"] = await runner_stop_intent(runner)
+    restart = decision.intent is StopIntent.RESTART
+    what = "restarting" if restart else "stopping"
+    notifier.stopping(f"{what}: draining {len(api.in_flight)} request(s) in flight")
+    if api.mesh is not None:
+        api.mesh.begin_stop(restart=restart)
+    budget = config.health.drain_timeout_s
+    outcome = await api.in_flight.drain(
+        budget - (time.monotonic() - began),
+        f"node {config.node.name!r} is {what} and ended this request: it ran past "
+        f"health.drain_timeout_s ({budget:g} s)")
+    log.info("drained in %.1f s: %d request(s) were in flight, %d stream(s) ended with an error event, "
+             "%d request(s) answered 503", outcome.seconds, outcome.waited_for, outcome.cut_streams,
+             outcome.cut_unstarted)
+    if api.mesh is not None:
+        await api.mesh.stop()
 
 
 def _vendor_lookup(inventory: GpuInventory) -> Callable[[str], str]:

@@ -17,6 +17,7 @@ supervisor's models and to the pure router (``viiwork.agent.router``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,7 +25,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,9 @@ from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.backends import ModelRuntime
+from viiwork.agent.body import BodyError, parse_json, read_body
 from viiwork.agent.config import Config
+from viiwork.agent.errors import ErrorCode, error_response
 from viiwork.agent.gpus import GpuInventory
 from viiwork.agent.offers import WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
 from viiwork.agent.router import Decision, LocalModel, PeerSnapshot, Reservations, Router, mesh_models
@@ -49,6 +52,10 @@ WANT_PATH = "/mesh/v1/want"
 OFFER_PATH = "/mesh/v1/offer"
 MESSAGE_MAX_BYTES = 4096  # a want or offer message larger than this is dropped
 MESSAGE_TIMEOUT_S = 2.0
+# Liveness a peer reaches when it stops answering (frozen, partitioned, crashed): forwards in
+# flight to it end (docs/routing.md, "Forwarding and retries before the first byte"). A peer
+# that left, drains or restarts stays alive or is `left`: its streams finish.
+LOST_LIVENESS = (Liveness.SUSPECT, Liveness.DEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +212,8 @@ class MeshLink:
         self.refusals_in = 0
         self.refusals_out = 0
         self._stopped = False
+        # Set by begin_stop: the state published while the agent stops (leaving/restarting).
+        self.leaving: PublishedState | None = None
         # Slot offers (viiwork.agent.offers). ``admissions``: the API's ModelAdmission by
         # model (set by ClientApi.attach_mesh), used to keep a freed slot for an offer.
         self.admissions: Mapping[str, Any] = {}
@@ -215,6 +224,8 @@ class MeshLink:
         self._announced: dict[str, float | None] = {}
         self._announce_due: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Forwards in flight by peer: the events `watch_peer` handed out.
+        self._watches: dict[NodeId, set[asyncio.Event]] = {}
         self.node.app.router.add_post(WANT_PATH, self.handle_want)
         self.node.app.router.add_post(OFFER_PATH, self.handle_offer)
 
@@ -232,9 +243,20 @@ class MeshLink:
                                           sock_read=self.config.api.stream_idle_timeout_s),
         )
         self.node.subscribe(lambda _peer: self.wake_all())
+        assert self.node.membership is not None
+        self.node.membership.on_liveness.append(self._on_liveness)
+
+    def begin_stop(self, restart: bool) -> None:
+        """The agent is stopping: publish ``restarting`` (``restart``: systemd starts it again,
+        viiwork.agent.notify) or ``leaving`` from the next gossip round on, so peers send no
+        new forward here; the listener, the gossip and forwards in flight go on until
+        :meth:`stop` (docs/architecture.md, "Stopping")."""
+        self.leaving = PublishedState.RESTARTING if restart else PublishedState.LEAVING
 
     async def stop(self) -> None:
-        """Publish ``leaving`` and stop; peers stop routing here at once. Idempotent."""
+        """Publish ``leaving`` (or ``restarting`` after ``begin_stop(restart=True)``), push it
+        to a few peers and close the mesh listener and the forwarding session: call it once
+        the requests in flight have ended. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -242,7 +264,7 @@ class MeshLink:
             self._free_hold(self.holds.drop(hold.offer_id), reoffer=False)
         for task in list(self._tasks):
             task.cancel()
-        await self.node.stop()
+        await self.node.stop(leave=True, state=self.leaving or PublishedState.LEAVING)
         if self.session is not None:
             await self.session.close()
 
@@ -265,7 +287,10 @@ class MeshLink:
                 slots=sum(b.slots for b in healthy), busy=sum(b.busy for b in healthy), waiting=waiting,
                 ctx_per_slot=rt.ctx_per_slot, healthy=len(healthy), total=len(rt.backends),
                 fingerprint=self._fingerprint(rt)))
-        state = PublishedState.DRAINING if self.draining() else PublishedState.SERVING
+        if self.leaving is not None:
+            state = self.leaving
+        else:
+            state = PublishedState.DRAINING if self.draining() else PublishedState.SERVING
         return models, state, None if self.gpus is None else gpu_capacities(self.gpus())
 
     # -- routing ---------------------------------------------------------------------------
@@ -298,6 +323,38 @@ class MeshLink:
             if view.node_id == node_id:
                 return view.name
         return str(node_id)
+
+    @contextlib.contextmanager
+    def watch_peer(self, node_id: NodeId) -> Iterator[asyncio.Event]:
+        """An event for one forward to ``node_id``: set once the peer is ``suspect`` or
+        ``dead`` in this node's view (at once when it already is, or is no longer known).
+
+        Liveness is re-evaluated on every gossip round, so the event is set within
+        ``suspect_after_ms`` + one ``gossip_interval_ms`` of the peer's last summary. A peer
+        that publishes ``leaving``, ``draining`` or ``restarting`` does not set it: its streams
+        finish.
+        """
+        event = asyncio.Event()
+        membership = self.node.membership
+        if membership is None or membership.liveness(node_id) in (*LOST_LIVENESS, None):
+            event.set()
+        watchers = self._watches.setdefault(node_id, set())
+        watchers.add(event)
+        try:
+            yield event
+        finally:
+            watchers.discard(event)
+            if not watchers:
+                self._watches.pop(node_id, None)
+
+    def _on_liveness(self, node_id: NodeId, old: Liveness, new: Liveness) -> None:
+        if new not in LOST_LIVENESS or node_id not in self._watches:
+            return
+        record = self.node.membership.records.get(node_id) if self.node.membership is not None else None
+        if record is not None and record.summary.payload.state is PublishedState.RESTARTING:
+            return  # back soon: what it relays runs to its end (docs/routing.md)
+        for event in self._watches[node_id]:
+            event.set()
 
     def queue(self, model: str) -> MeshWaitQueue:
         q = self.queues.get(model)
@@ -376,20 +433,17 @@ class MeshLink:
             self._spawn(self._post(PeerTarget.of(view), WANT_PATH, want.doc()))
 
     async def _read_message(self, request: web.Request) -> Any:
-        if request.content_length is not None and request.content_length > MESSAGE_MAX_BYTES:
-            raise WantError(f"message is {request.content_length} bytes; the limit is {MESSAGE_MAX_BYTES}")
-        body = await _read_bounded(request.content, MESSAGE_MAX_BYTES)
-        if len(body) > MESSAGE_MAX_BYTES:
-            raise WantError(f"message exceeds {MESSAGE_MAX_BYTES} bytes")
+        """A want or offer message's JSON: at most MESSAGE_MAX_BYTES, nested at most
+        MAX_JSON_DEPTH (agent/body.py); WantError (dropped, 400) otherwise."""
         try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise WantError(f"message is not valid JSON: {exc}") from None
+            return parse_json(await read_body(request, MESSAGE_MAX_BYTES, "MESSAGE_MAX_BYTES"))
+        except BodyError as exc:
+            raise WantError(f"{exc.code}: {exc}") from None
 
     def _bad_message(self, kind: str, peer: NodeId | None, exc: Exception) -> web.Response:
         self.offer_counters[f"{kind}_dropped"] += 1
         log.debug("mesh %s from %s dropped: %s", kind, peer, exc)
-        return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+        return error_response(400, str(exc), code=ErrorCode.INVALID_MESSAGE)
 
     async def handle_want(self, request: web.Request) -> web.Response:
         """POST /mesh/v1/want from a peer (mutual TLS): its oldest waiter for a model."""

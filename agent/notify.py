@@ -254,13 +254,18 @@ async def runner_stop_intent(runner: Runner) -> StopDecision:
     return await stop_intent(bus)
 
 
-async def finish_supervision(supervisor: Supervisor, runner: Runner, notifier: Notifier) -> StopDecision:
+async def finish_supervision(supervisor: Supervisor, runner: Runner, notifier: Notifier,
+                             decision: StopDecision | None = None) -> StopDecision:
     """The agent's way out: STOPPING=1, then stop the engines or leave them for the next agent.
 
     RESTART (runner_stop_intent): ``supervisor.detach()``, engine units keep running and the
     restarted agent adopts them. STOP: ``supervisor.stop()``, drain and stop every engine.
+    ``decision``: the intent already asked at the start of the stop (the agent publishes it
+    to the mesh as ``restarting`` or ``leaving`` before its requests drain); asked here
+    when None.
     """
-    decision = await runner_stop_intent(runner)
+    if decision is None:
+        decision = await runner_stop_intent(runner)
     if decision.intent is StopIntent.RESTART:
         log.info("stopping for a restart (%s): engines keep running for the next agent", decision.reason)
         notifier.stopping("restarting: engines keep running")

@@ -7,6 +7,12 @@
   socket fails (seen: a bare aiohttp proxy answered 500s, nginx 502s).
 - After the first byte there is no retry: an engine that dies or stays silent longer than
   ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event.
+- A forward to a peer can be given a ``lost`` event (``MeshLink.watch_peer``: the peer turned
+  suspect or dead). Before the first byte it abandons the forward (``Refused``: the caller
+  routes again); after it, it ends the client's stream with a terminal SSE error event. The
+  read is raced against the event (no polling): before the answer's headers by waiting on
+  both, after them by failing the pending read (docs/routing.md, "Forwarding and retries
+  before the first byte").
 - Silence is timed by the client session's ``sock_read`` timer (restarted by every read from
   the engine, paused while the client holds reading back), not by an ``asyncio.timeout`` per
   request and per chunk: same rule, a fraction of the cost on the hot path.
@@ -16,14 +22,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from viiwork.agent.backends import Backend
-from viiwork.agent.errors import error_response, sse_error_event
+from viiwork.agent.errors import ErrorCode, engine_error, error_response, sse_error_event
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,14 @@ _UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 class _ClientGone(Exception):
     """The client closed its connection; nothing more can be written to it."""
 
+
+class PeerLost(Exception):
+    """The peer a forward waits on turned suspect or dead in this node's mesh view."""
+
 _PASS_REQUEST_HEADERS = ("Content-Type", "Accept")
+
+# The code of a terminal SSE error event by its status (docs/routing.md, "Status codes").
+_STREAM_ERROR_CODES = {502: ErrorCode.UPSTREAM_ERROR, 503: ErrorCode.DRAINING, 504: ErrorCode.UPSTREAM_TIMEOUT}
 
 # Set by a peer that declines a forwarded request before doing any work (no free slot, model
 # not served, draining): the origin may try another peer before the first byte.
@@ -63,6 +79,9 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
         self.stale_retries = 0
         self.stream_errors = 0
+        # The engine adapter of a local backend (None: unknown), for its optional
+        # ``client_fault`` classifier; set by the ClientApi that owns the runtimes.
+        self.engine_of: Callable[[Backend], Any] = lambda backend: None
 
     async def __aenter__(self) -> Upstream:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=False)
@@ -109,6 +128,7 @@ class Upstream:
         extra_headers: dict[str, str] | None = None,
         relay_headers: tuple[str, ...] = (),
         refusable: bool = False,
+        lost: asyncio.Event | None = None,
     ) -> web.StreamResponse | Refused:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
@@ -117,8 +137,11 @@ class Upstream:
         ``extra_headers`` go upstream; ``relay_headers`` are copied from the upstream answer
         to the client's. With ``refusable``, an answer carrying ``X-Viiwork-Refused`` (a peer
         that has no free slot) returns ``Refused`` before anything reaches the client, so the
-        caller can try elsewhere. Returns the response to give the client (already prepared
-        and finished when streamed). Errors before the first byte become 502/504 JSON errors.
+        caller can try elsewhere. ``lost`` (with ``refusable``): an event set when the peer
+        turns suspect or dead; before the first byte the forward is abandoned as
+        ``Refused(504, "suspect")``, after it the stream ends with an SSE error event (504).
+        Returns the response to give the client (already prepared and finished when
+        streamed). Errors before the first byte become 502/504 JSON errors.
         """
         upstream_headers = {"X-Request-Id": request_id}
         request_headers = request.headers
@@ -129,18 +152,33 @@ class Upstream:
         if extra_headers:
             upstream_headers.update(extra_headers)
         url = backend.base_url + request.path
+        watch: asyncio.Future[object] | None = None
         try:
-            upstream = await self._open(url, body, upstream_headers, session)
+            if lost is None:
+                upstream = await self._open(url, body, upstream_headers, session)
+            else:
+                watch = asyncio.ensure_future(lost.wait())
+                upstream = await self._open_unless_lost(watch, url, body, upstream_headers, session)
+        except PeerLost:
+            log.warning("request %s: peer %s turned suspect before answering; routing again", request_id,
+                        backend.id)
+            return Refused(504, "suspect")
         except TimeoutError:  # sock_read (aiohttp.ServerTimeoutError) or sock_connect
             if refusable:
                 return Refused(504, "timeout")
             return error_response(504, f"backend {backend.id} did not answer within "
-                                  f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)", headers=headers)
+                                  f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)",
+                                  code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
         except aiohttp.ClientError as exc:
             if refusable:
                 return Refused(502, f"unreachable: {exc.__class__.__name__}")
             return error_response(502, f"backend {backend.id} unreachable: {exc.__class__.__name__}",
-                                  headers=headers)
+                                  code=ErrorCode.UPSTREAM_UNREACHABLE, headers=headers)
+        if watch is not None:
+            if watch.done():
+                upstream.content.set_exception(PeerLost())
+            else:  # a read pending when the peer turns suspect fails with PeerLost
+                watch.add_done_callback(lambda w: w.cancelled() or upstream.content.set_exception(PeerLost()))
         try:
             if refusable and REFUSED_HEADER in upstream.headers:
                 return Refused(upstream.status, upstream.headers[REFUSED_HEADER])
@@ -150,10 +188,37 @@ class Upstream:
                     headers[name] = value
             content_type = upstream.headers.get("Content-Type", "application/json")
             if not stream or upstream.status != 200 or not content_type.startswith("text/event-stream"):
-                return await self._relay_whole(upstream, backend, headers, content_type)
+                try:
+                    return await self._relay_whole(upstream, backend, headers, content_type)
+                except PeerLost:  # nothing reached the client yet: route again
+                    upstream.close()
+                    return Refused(504, "suspect")
             return await self._relay_stream(request, upstream, backend, headers, content_type)
         finally:
+            if watch is not None:
+                watch.cancel()
             upstream.release()
+
+    async def _open_unless_lost(self, watch: asyncio.Future[object], url: str, body: bytes,
+                                headers: dict[str, str],
+                                session: aiohttp.ClientSession | None) -> aiohttp.ClientResponse:
+        """``_open`` raced against ``watch`` (the peer turned suspect): the answer's headers,
+        or PeerLost (the request is abandoned and its connection closed)."""
+        opening = asyncio.ensure_future(self._open(url, body, headers, session))
+        try:
+            await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled (the client went away)
+            opening.cancel()
+            watch.cancel()
+            raise
+        if not opening.done():  # lost: closing the request closes its connection
+            opening.cancel()
+            raise PeerLost
+        exc = opening.exception()
+        if exc is not None:
+            watch.cancel()
+            raise exc
+        return opening.result()
 
     async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
                            headers: dict[str, str], content_type: str) -> web.Response:
@@ -161,10 +226,14 @@ class Upstream:
             data = await upstream.read()
         except TimeoutError:  # sock_read: silent for stream_idle_timeout_s
             return error_response(504, f"backend {backend.id} went silent for {self.stream_idle_timeout_s:g} s "
-                                  "(api.stream_idle_timeout_s)", headers=headers)
+                                  "(api.stream_idle_timeout_s)", code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
         except _UPSTREAM_BROKEN as exc:
             return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
-                                  headers=headers)
+                                  code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+        if upstream.status >= 400 and isinstance(backend, Backend):
+            # This node's engine refused or failed: one error shape and status rule for every
+            # engine (agent/errors.py). A peer's answer was normalised there: relayed as is.
+            return engine_error(upstream.status, data, backend.id, self.engine_of(backend), headers=headers)
         headers["Content-Type"] = content_type.split(";", 1)[0]
         return web.Response(status=upstream.status, body=data, headers=headers)
 
@@ -192,6 +261,12 @@ class Upstream:
             # and the engine stops generating.
             upstream.close()
             return response
+        except PeerLost:
+            self.stream_errors += 1
+            upstream.close()
+            log.warning("peer %s turned suspect mid-stream; ending the client's stream", backend.id)
+            await self._write_error(response, 504, f"peer {backend.id} stopped answering mid-stream (suspect "
+                                    "in this node's mesh view: mesh.suspect_after_ms)")
         except TimeoutError:
             self.stream_errors += 1
             log.warning("backend %s silent for %.0f s mid-stream; ending the client's stream", backend.id, idle)
@@ -209,8 +284,12 @@ class Upstream:
         return response
 
     @staticmethod
-    async def _write_error(response: web.StreamResponse, status: int, message: str) -> None:
+    async def _write_error(response: web.StreamResponse, status: int, message: str,
+                           code: str | None = None) -> None:
+        """The terminal SSE error event; ``code`` defaults by ``status`` (agent/errors.py)."""
+        if code is None:
+            code = _STREAM_ERROR_CODES.get(status)
         try:
-            await response.write(sse_error_event(status, message))
+            await response.write(sse_error_event(status, message, code))
         except ConnectionError:
             pass

@@ -39,7 +39,9 @@ Rules, in order (docs/routing.md has the reasoning and the measured effect):
    freed since; a peer known full for less than :data:`PROBE_MIN_MS` is not asked. A wrong
    guess costs one refused forward (one round trip, before the first byte).
 6. Else queue when something could serve it later (a local backend starting or healthy; a
-   peer alive or suspect, serving, listing the model with at least one backend); else 503.
+   peer alive or suspect, serving or restarting, listing the model with at least one
+   backend); else 503. A peer that publishes ``draining``, ``leaving`` or ``restarting``
+   gets no new forward (rule 4 needs ``serving``); its requests in flight run on.
 
 A model nobody in the table lists (this node, or any peer, including dead and departed
 ones, whose models are still known) is 404 with the models of the mesh listed.
@@ -459,7 +461,7 @@ class Router:
                 return RunLocal(best.backend_id)
             if not here.can_serve:
                 return Refuse(503, f"host {host!r} (this node) cannot serve model {model!r} now: no backend "
-                              "is healthy or starting", retry_after_s=5)
+                              "is healthy or starting", code="no_capacity", retry_after_s=5)
             return Queue(f"pinned to this node, no free slot for {model!r}")
         by_id = [p for p in peers if p.node_id == host]
         matches = by_id or [p for p in peers if p.name == host]
@@ -479,10 +481,10 @@ class Router:
                           f"{served}", param="host", code="model_not_on_host")
         if peer.liveness in (Liveness.DEAD, Liveness.LEFT) or peer.state is PublishedState.LEAVING:
             return Refuse(503, f"host {peer.name!r} ({peer.node_id}) is {peer.liveness.value}; it cannot run "
-                          f"{model!r} now", retry_after_s=5)
+                          f"{model!r} now", code="no_capacity", retry_after_s=5)
         if cap.total == 0:
             return Refuse(503, f"host {peer.name!r} ({peer.node_id}) has no backend for {model!r}",
-                          retry_after_s=5)
+                          code="no_capacity", retry_after_s=5)
         if self.fresh(peer) and self._peer_free(peer, cap) > 0:
             return RunOnPeer(peer.node_id, peer.name, self._peer_free(peer, cap))
         return Queue(f"pinned to {peer.name}, which has no free slot for {model!r} now "
@@ -491,8 +493,11 @@ class Router:
     def _queue_or_refuse(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot]) -> Decision:
         if here is not None and here.can_serve:
             return Queue(f"no free slot for {model!r} on this node or a fresh peer")
+        # Worth waiting for: a serving peer that is alive or suspect, and one restarting (it
+        # said it is back soon, docs/mesh.md); draining and leaving peers are not.
         later = [p for p in serving if p.liveness in (Liveness.ALIVE, Liveness.SUSPECT)
-                 and p.state is PublishedState.SERVING and (cap := p.model(model)) is not None and cap.total > 0]
+                 and p.state in (PublishedState.SERVING, PublishedState.RESTARTING)
+                 and (cap := p.model(model)) is not None and cap.total > 0]
         if later:
             return Queue(f"no free slot for {model!r}; {len(later)} peer(s) serve it")
         where = []
@@ -501,7 +506,8 @@ class Router:
         gone = [f"{p.name} ({p.liveness.value}, {p.state.value})" for p in serving]
         if gone:
             where.append("peers that serve it: " + ", ".join(sorted(gone)))
-        return Refuse(503, f"model {model!r} cannot be served now: " + "; ".join(where), retry_after_s=5)
+        return Refuse(503, f"model {model!r} cannot be served now: " + "; ".join(where), code="no_capacity",
+                      retry_after_s=5)
 
 
 def _best_local(here: LocalModel) -> LocalBackend | None:

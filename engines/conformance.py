@@ -42,7 +42,16 @@ What it checks (check id: rule):
   ``EngineUnavailable``; ``load.shape`` every Load read has int fields, slots and ctx >= 1,
   busy >= 0, waiting None or >= 0.
 - ``capability.*``: the optional capabilities an engine implements answer with the right
-  shapes (WarmUp, UsageReporting, BoundGPU, Version, ReasoningSeparation).
+  shapes (WarmUp, UsageReporting, BoundGPU, Version, ReasoningSeparation);
+  ``capability.client_fault``: ``client_fault`` returns None or a code of
+  ``CLIENT_FAULT_CODES`` and never raises, and returns None for a 2xx and for bodies that
+  say nothing (not JSON, 50,000 and 100,000 nested brackets, 8 MiB, not UTF-8, JSON of
+  other shapes).
+- ``embedding.answers``: an embedding backend answers ``POST /v1/embeddings`` with 200 and
+  an OpenAI embeddings list (``data[0].embedding`` a non-empty list of finite numbers).
+  Offline against ``EngineReplays.embeddings`` (a capture of the engine's embedding
+  backend, as ``build_command`` starts it); live with ``check_embeddings`` against a real
+  backend (the real-engine tests do).
 
 Source of the rules: DESIGN §3, and the engine-porting lessons of viiwork v2 (a 200 is not
 readiness; absent is not zero; an adapter is a stateless singleton).
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from json import loads as json_loads
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -75,6 +85,7 @@ from viiwork.engines.contract import (
     Load,
     LoadUnknown,
     Probe,
+    CLIENT_FAULT_CODES,
     ReasoningSeparation,
     RunsOnCPU,
     UsageReporting,
@@ -89,6 +100,7 @@ __all__ = [
     "ReplaySet",
     "Violation",
     "assert_conforms",
+    "check_embeddings",
     "default_spec_shapes",
     "run_conformance",
 ]
@@ -178,13 +190,16 @@ class EngineReplays:
     loading: still loading, answering; None for an engine that refuses connections until
     it is ready (vLLM), whose loading state is the refused port the kit always checks.
     load_unknown: answers from which load cannot be read honestly (a disabled /slots, a
-    missing gauge); each must make ``read_load`` raise LoadUnknown.
+    missing gauge); each must make ``read_load`` raise LoadUnknown. embeddings: the
+    engine's embedding backend (started from ``build_command`` of an embedding spec)
+    answering ``POST /v1/embeddings``; None when no capture exists yet (not checked).
     """
 
     ready: ReplaySet
     busy: ReplaySet
     loading: ReplaySet | None = None
     load_unknown: tuple[ReplaySet, ...] = ()
+    embeddings: HttpReplay | None = None
 
 
 # --- spec shapes ---------------------------------------------------------------------------
@@ -499,6 +514,7 @@ def _check_capabilities(engine: Any, specs: Sequence[BackendSpec], out: list[Vio
                 out.append(Violation("capability.usage", "stream_usage_supported must return a bool"))
         except Exception as exc:  # noqa: BLE001
             out.append(Violation("capability.usage", f"stream_usage_supported raised {_exc(exc)}"))
+    _check_client_fault(engine, out)
     if isinstance(engine, Version):
         try:
             if not isinstance(engine.minimum_version, str):
@@ -511,6 +527,101 @@ def _check_capabilities(engine: Any, specs: Sequence[BackendSpec], out: list[Vio
                     out.append(Violation("capability.version", f"parse_version({garbage!r}) must be None (unknown), not a guess"))
         except Exception as exc:  # noqa: BLE001
             out.append(Violation("capability.version", f"Version capability raised {_exc(exc)}"))
+
+
+# Bodies from which no engine can tell a client fault: each must classify as None.
+_FAULT_GARBAGE: dict[str, bytes] = {
+    "empty": b"",
+    "not JSON": b"<html>502 Bad Gateway</html>",
+    "not UTF-8": b"\xff\xfe\x00{\"error\"",
+    "50,000 nested arrays": b"[" * 50_000,
+    "100,000 nested arrays": b"[" * 100_000,
+    "100,000 nested error objects": b'{"error":' * 100_000,
+    "8 MiB message": b'{"error":{"message":"' + b"x" * (8 << 20) + b'","type":"server_error","code":500}}',
+    "JSON list": b"[1, 2, 3]",
+    "error is a string": b'{"error":"boom"}',
+    "error message is a number": b'{"error":{"message":5,"type":7,"code":"x"}}',
+    "null": b"null",
+}
+
+
+def _check_client_fault(engine: Any, out: list[Violation]) -> None:
+    method = getattr(engine, "client_fault", None)
+    if method is None:
+        return
+    if not callable(method):
+        out.append(Violation("capability.client_fault", f"client_fault must be a method, got {method!r}"))
+        return
+    for label, body in _FAULT_GARBAGE.items():
+        for status in (400, 500, 503):
+            try:
+                code = method(status, body)
+            except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError: all findings
+                out.append(Violation("capability.client_fault", f"client_fault({status}, {label}) raised {_exc(exc)}: it must return None"))
+                break
+            if code is not None:
+                out.append(Violation("capability.client_fault", f"client_fault({status}, {label}) = {code!r}: a body that says nothing is None"))
+                break
+    # Error-shaped bodies: any answer must be None or a known code. A 2xx is nobody's fault,
+    # whatever its body says.
+    for status, body in _FAULT_SHAPED:
+        try:
+            code = method(status, body)
+        except Exception as exc:  # noqa: BLE001
+            out.append(Violation("capability.client_fault", f"client_fault({status}, {body[:60]!r}) raised {_exc(exc)}"))
+            continue
+        if not (code is None or (isinstance(code, str) and code in CLIENT_FAULT_CODES)):
+            out.append(Violation("capability.client_fault", f"client_fault({status}, ...) = {code!r}: not None nor one of {sorted(CLIENT_FAULT_CODES)}"))
+        elif status < 400 and code is not None:
+            out.append(Violation("capability.client_fault", f"client_fault({status}, ...) = {code!r}: a {status} is not an error"))
+
+
+_FAULT_SHAPED: tuple[tuple[int, bytes], ...] = tuple(
+    (status, body)
+    for status in (200, 400, 500)
+    for body in (
+        b'{"error":{"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","code":400}}',
+        b'{"error":{"message":"image input is not supported","type":"server_error","code":500}}',
+        b'{"object":"error","message":"This model\'s maximum context length is 2048 tokens.","type":"BadRequestError","param":null,"code":400}',
+        b'{"detail":"Not Found"}',
+    )
+)
+
+
+# --- embeddings ----------------------------------------------------------------------------
+
+
+async def check_embeddings(
+    http: aiohttp.ClientSession, base_url: str, model: str, *, deadline_s: float = 30.0
+) -> list[Violation]:
+    """POST ``{"input": "hello world", "model": model}`` to ``base_url``/v1/embeddings and
+    check the answer: 200, a JSON object whose ``data`` is a non-empty list and whose
+    ``data[0].embedding`` is a non-empty list of finite numbers (OpenAI's embeddings shape).
+
+    Returns the violations (check ``embedding.answers``), empty when the backend answers.
+    Transport failures and a call longer than ``deadline_s`` are violations too.
+    """
+    where = f"POST {base_url}/v1/embeddings"
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with http.post(f"{base_url}/v1/embeddings", json={"input": "hello world", "model": model}) as resp:
+                status, body = resp.status, await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return [Violation("embedding.answers", f"{where}: no answer ({_exc(exc)})")]
+    if status != 200:
+        return [Violation("embedding.answers", f"{where} answered {status}: {body[:300]!r}; an embedding backend must serve embeddings")]
+    try:
+        data = json_loads(body)
+        vector = data["data"][0]["embedding"]
+        ok = (
+            isinstance(data["data"], list) and isinstance(vector, list) and vector
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in vector)
+        )
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+        ok = False
+    if not ok:
+        return [Violation("embedding.answers", f"{where} answered 200 without an embeddings list (data[0].embedding of numbers): {body[:300]!r}")]
+    return []
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -634,6 +745,11 @@ async def run_conformance(
     spec = load_spec or next((s for s in shapes if s.gpus), shapes[0] if shapes else None)
     if spec is not None:
         await _check_http(engine, replays, spec, timeout_s, grace_s, out)
+    if replays.embeddings is not None:
+        async with AsyncExitStack() as stack:
+            base = await _Servers(stack).replay({"/v1/embeddings": replays.embeddings})
+            http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)))
+            out += [replace(v, message=f"embeddings replay: {v.message}") for v in await check_embeddings(http, base, _MODEL)]
 
     changes = _state_changes(before, _snapshot(engine))
     if changes:

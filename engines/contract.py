@@ -154,6 +154,42 @@ class Engine(Protocol):
         """Occupancy; raises EngineUnavailable or LoadUnknown rather than guessing."""
         ...
 
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        """Whether the engine's error answer (HTTP ``status``, raw ``body``) is the client's fault.
+
+        Returns None when it is not (or cannot be told), else an OpenAI-style code from
+        ``CLIENT_FAULT_CODES``: "context_length_exceeded" (the prompt does not fit),
+        "unsupported_content" (a content part the model cannot read, e.g. an image sent to a
+        text-only model), "invalid_request" (any other request the engine refuses as
+        malformed). The agent answers 400 with that code instead of 502 when an engine
+        answers 5xx for it (docs/routing.md, errors). Optional: this default says None;
+        an adapter overrides it only with rules read from its engine's real error bodies
+        (docs/engines.md). Pure, fast, never raises: any body (not JSON, deeply nested,
+        huge, not UTF-8) that is not recognised is None.
+        """
+        return None
+
+
+CLIENT_FAULT_CODES: frozenset[str] = frozenset({"context_length_exceeded", "unsupported_content", "invalid_request"})
+"""The codes ``Engine.client_fault`` may return (OpenAI's error ``code`` strings)."""
+
+
+def classify_client_fault(engine: object, status: int, body: bytes) -> str | None:
+    """``engine.client_fault(status, body)``, made safe for the request path.
+
+    None when the adapter has no ``client_fault`` (it is optional), when it raises, or when
+    it returns anything but a code from ``CLIENT_FAULT_CODES``: a broken classifier must
+    never turn an engine error into the agent's own 500.
+    """
+    method = getattr(engine, "client_fault", None)
+    if method is None:
+        return None
+    try:
+        code = method(status, body)
+    except Exception:  # noqa: BLE001 - an adapter bug is "cannot tell", not a crash
+        return None
+    return code if isinstance(code, str) and code in CLIENT_FAULT_CODES else None
+
 
 # Optional capabilities: implemented only where the engine can answer honestly.
 

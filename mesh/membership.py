@@ -22,7 +22,9 @@ Rules (DESIGN §5, §11.7):
   at which the origin published the newest held version, estimated as receive time minus
   the relay's ``age_ms``; a newer version never moves it backwards. Liveness from
   ``now - heard_at``: below ``suspect_after_ms`` ``alive``, below ``dead_after_ms``
-  ``suspect``, else ``dead``; a published ``leaving`` state is ``left`` at once.
+  ``suspect``, else ``dead``; a published ``leaving`` state is ``left`` at once; a peer
+  whose newest summary says ``restarting`` (protocol 3) stays ``suspect`` for
+  ``restart_grace_ms`` of silence (its agent is coming back) before it is ``dead``.
 - **Tombstones**: dead and left nodes stay in the table (and in digests, so nobody resends
   their old summaries) for ``tombstone_ttl_ms``; only a newer (generation, seq) that is
   itself fresh brings a node back. A stale relay's copy is older (dropped) or carries its
@@ -114,7 +116,9 @@ class GossipSettings:
     default 20 rounds' worth (at least 40/s) and twice that as burst: a well-behaved peer
     sends about 2 per round to any one node. ``tombstone_ttl_ms``
     (1 h): how long dead and left nodes are remembered. ``probe_dead_per_round`` (0.1) and
-    ``reseed_every_rounds`` (20): see the module doc.
+    ``reseed_every_rounds`` (20): see the module doc. ``restart_grace_ms`` (30000): how
+    long a silent peer whose newest summary says ``restarting`` stays ``suspect`` before
+    it is ``dead`` (never less than ``dead_after_ms``; docs/mesh.md, "Failure detection").
     """
 
     gossip_interval_ms: int = 500
@@ -130,6 +134,7 @@ class GossipSettings:
     reseed_every_rounds: int = 20
     heartbeat_interval_ms: int | None = None
     scale_with_size: bool = True
+    restart_grace_ms: int = 30_000
 
     def __post_init__(self) -> None:
         problems = []
@@ -320,10 +325,14 @@ class Membership:
     # --- liveness -----------------------------------------------------------------------------
 
     def _liveness_of(self, rec: _Record, now: float) -> Liveness:
-        if rec.summary.payload.state is PublishedState.LEAVING:
+        state = rec.summary.payload.state
+        if state is PublishedState.LEAVING:
             return Liveness.LEFT
         age = now - rec.heard_at
-        if age >= self.dead_ms:
+        dead_ms = self.dead_ms
+        if state is PublishedState.RESTARTING:  # back soon: not a tombstone for the grace period
+            dead_ms = max(dead_ms, float(self.settings.restart_grace_ms))
+        if age >= dead_ms:
             return Liveness.DEAD
         if age >= self.suspect_ms:
             return Liveness.SUSPECT

@@ -18,7 +18,7 @@ given, plus the time it held it). Ages are durations, not timestamps, so no cloc
 agree; they let a receiver see that a "newer" summary held by a stale relay is in fact old
 (DESIGN §11.7). Protocol 1 messages carry no ``age_ms`` (read as 0).
 
-Wire shapes (JSON objects; ``protocol`` is 1 or 2; ``mesh_id`` must be the receiver's):
+Wire shapes (JSON objects; ``protocol`` is 1, 2 or 3 (3: as 2); ``mesh_id`` must be the receiver's):
 
     {"type": "digest", "protocol": 2, "mesh_id": "...", "entries": [["id", 3, 17], ...]}
     {"type": "reply", "protocol": 2, "mesh_id": "...", "summaries": [S, ...], "want": [["id", 3, 16], ...]}

@@ -5,7 +5,7 @@
     await node.start()          # identity, certificates, listener, discovery, gossip
     node.view()                 # the GET /v1/mesh document
     node.peers()                # PeerView list for routing
-    await node.stop()           # publishes `leaving`, tells a few peers, stops
+    await node.stop()           # publishes `leaving` (or `restarting`), tells a few peers, stops
 
 ``provider`` (optional) is called once per gossip round on the event loop and returns
 ``(models, state)``; it must not block. Alternatively call :meth:`MeshNode.set_local_summary`
@@ -135,6 +135,9 @@ class MeshNode:
         self.settings = settings
         self.provider = provider
         self.rng = rng or random.Random()
+        # client_max_size bounds request.read(), which the gossip routes use: gossip's limit.
+        # Routes that take larger bodies (the agent's forwards, up to its api.max_body_bytes)
+        # read request.content with their own bound.
         self.app = web.Application(client_max_size=settings.gossip.max_message_bytes + 64 * 1024)
         self.membership: Membership | None = None
         self.publisher: LocalPublisher | None = None
@@ -234,7 +237,10 @@ class MeshNode:
             self.app.router.add_route(route.method, route.path, route.handler)
 
         listen_host, listen_port = _hostport(s.listen, "mesh.listen")
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a peer that closes its connection cancels the handler, so a
+        # forward whose client went away frees its slot here too (docs/engines.md, "When the
+        # client goes away").
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         self._site = MutualTlsSite(self._runner, listen_host, listen_port, self.server_ssl_context,
                                    on_handshake_failure=self._handshake_failed)
@@ -301,15 +307,20 @@ class MeshNode:
         if self.membership is not None:
             self.membership.counters.transport["handshake_failed"] += 1
 
-    async def stop(self, leave: bool = True) -> None:
-        """Stop. With ``leave``, first publish ``leaving`` and push it to up to ``fanout``
-        peers (bounded by LEAVE_TIMEOUT_S), so they see ``left`` at once."""
+    async def stop(self, leave: bool = True, state: PublishedState = PublishedState.LEAVING) -> None:
+        """Stop. With ``leave``, first publish ``state`` (``leaving``, or ``restarting`` when
+        this node's agent comes back soon) and push it to up to ``fanout`` peers (bounded by
+        LEAVE_TIMEOUT_S), so they see ``left`` (or keep it for the restart grace) at once.
+        Then the listener closes: a caller that relays requests over it ends them first
+        (the agent's stop path, docs/architecture.md)."""
+        if state not in (PublishedState.LEAVING, PublishedState.RESTARTING):
+            raise ValueError(f"stop() publishes leaving or restarting, not {state.value}")
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
         if leave and self.publisher is not None and self.membership is not None and self._client is not None:
-            self.publisher.set_local(self.publisher.models, PublishedState.LEAVING)
+            self.publisher.set_local(self.publisher.models, state)
             self.publisher.maybe_publish(force=True)
             targets = [t for t in self.membership.select_targets() if t.node_id is not None]
             if targets:
@@ -413,7 +424,7 @@ class MeshNode:
         "waiting", "ctx_per_slot", "healthy", "total", "fingerprint", "conflict"}]}],
         "conflicts": [{"model", "nodes": {node_id: fingerprint}}], "counters": {...}}``.
         ``liveness`` (what this node observes) is alive|suspect|dead|left; ``state`` (what
-        the peer publishes) serving|draining|leaving; ``waiting`` null means unknown.
+        the peer publishes) serving|draining|leaving|restarting; ``waiting`` null means unknown.
         """
         m, pub = self.membership, self.publisher
         if m is None or pub is None or pub.last is None:

@@ -26,6 +26,7 @@ from viiwork.mesh.summary import (
     SignedSummary,
     SummaryPayload,
     sign_payload,
+    state_for_protocol,
 )
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class LocalPublisher:
         payload = SummaryPayload(
             protocol=protocol, speaks=m.protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
-            state=self.state, models=models, gpus=self.gpus if protocol >= 2 else (),
+            state=state_for_protocol(self.state, protocol), models=models, gpus=self.gpus if protocol >= 2 else (),
         )
         summary = sign_payload(payload, self.signer.sign, self.signer.certificate_der)
         m.publish(summary)

@@ -12,10 +12,15 @@ Strict decoding: exactly the keys of the payload's protocol version, the right J
 integers. Errors are typed: :class:`MalformedSummary` (names the field),
 :class:`OversizedSummary`, :class:`UnsupportedProtocol`.
 
-Protocol versions (a node accepts the current and the previous one, DESIGN §5):
+Protocol versions (a node accepts the current and the previous one, docs/mesh.md "Versions"):
 
-- **2** (current): as described here.
-- **1** (previous; the pre-release format, kept so that the upgrade path is exercised):
+- **3** (current): as 2, plus the ``state`` value ``restarting`` (the node stops and its
+  agent comes back soon: docs/mesh.md, "Failure detection and timings"). A node that
+  publishes in 2 (a peer still speaks only 2) says ``leaving`` instead, what a stopping
+  node of protocol 2 said on a restart too; a protocol-2 decoder refuses an unknown state
+  value (``malformed``), so the value cannot travel in 2.
+- **2** (previous): as described here, with the states ``serving``, ``draining``, ``leaving``.
+- **1** (the pre-release format, still implemented so that a node told to speak 2 reads it):
   models carry no ``fingerprint`` (decoded as None, "unknown") and relayed summaries carry
   no ``age_ms`` (decoded as 0). See :mod:`viiwork.mesh.messages`.
 
@@ -38,9 +43,9 @@ from typing import Any
 
 from viiwork.mesh.identity import NodeId, is_node_id
 
-PROTOCOL_VERSION = 2
-PREVIOUS_PROTOCOL_VERSION = 1
-IMPLEMENTED_PROTOCOLS = (1, 2)
+PROTOCOL_VERSION = 3
+PREVIOUS_PROTOCOL_VERSION = 2
+IMPLEMENTED_PROTOCOLS = (1, 2, 3)
 
 MAX_SUMMARY_BYTES = 16 * 1024  # canonical payload; a node with 10 models is ~2.5 KB
 MAX_MODELS = 64
@@ -83,6 +88,23 @@ class PublishedState(str, Enum):
     SERVING = "serving"
     DRAINING = "draining"
     LEAVING = "leaving"
+    RESTARTING = "restarting"  # protocol 3: stopping, back soon (peers keep it for a grace period)
+
+
+#: The ``state`` values each protocol version may carry (a decoder refuses any other).
+STATES_OF_PROTOCOL: dict[int, frozenset[PublishedState]] = {
+    1: frozenset({PublishedState.SERVING, PublishedState.DRAINING, PublishedState.LEAVING}),
+    2: frozenset({PublishedState.SERVING, PublishedState.DRAINING, PublishedState.LEAVING}),
+    3: frozenset(PublishedState),
+}
+
+
+def state_for_protocol(state: PublishedState, protocol: int) -> PublishedState:
+    """``state`` as a payload of ``protocol`` can say it: ``restarting`` is ``leaving``
+    before protocol 3 (the state a node of protocol 2 published on any stop)."""
+    if state in STATES_OF_PROTOCOL[protocol]:
+        return state
+    return PublishedState.LEAVING
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,14 +218,18 @@ _MODEL_KEYS = {
     2: frozenset({"name", "engine", "kind", "slots", "busy", "waiting", "ctx_per_slot", "healthy", "total",
                   "fingerprint"}),
 }
+_MODEL_KEYS[3] = _MODEL_KEYS[2]
 _BASE_PAYLOAD_KEYS = frozenset({"protocol", "speaks", "mesh_id", "node_id", "name", "api", "mesh", "version",
                                 "generation", "boot", "seq", "state", "models"})
-_PAYLOAD_KEYS = {1: _BASE_PAYLOAD_KEYS, 2: _BASE_PAYLOAD_KEYS | {"gpus"}}
+_PAYLOAD_KEYS = {1: _BASE_PAYLOAD_KEYS, 2: _BASE_PAYLOAD_KEYS | {"gpus"}, 3: _BASE_PAYLOAD_KEYS | {"gpus"}}
 _GPU_KEYS = frozenset({"index", "name", "memory_total_mib", "memory_free_mib"})
 
 
 def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
-    """The JSON object of ``payload`` in its own protocol version."""
+    """The JSON object of ``payload`` in its own protocol version (ValueError when its
+    ``state`` does not exist in that version: see :func:`state_for_protocol`)."""
+    if payload.state not in STATES_OF_PROTOCOL[payload.protocol]:
+        raise ValueError(f"state {payload.state.value!r} does not exist in protocol {payload.protocol}")
     models = []
     for m in payload.models:
         entry: dict[str, Any] = {
@@ -339,10 +365,14 @@ def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
     node_id = obj["node_id"]
     if not is_node_id(node_id):
         raise MalformedSummary(f"payload.node_id: not a node id: {node_id!r:.40}")
+    states = STATES_OF_PROTOCOL[protocol]
     try:
         state = PublishedState(obj["state"])
     except (ValueError, TypeError):
-        raise MalformedSummary(f"payload.state: expected serving|draining|leaving, got {obj['state']!r:.40}") from None
+        state = None
+    if state not in states:
+        names = "|".join(sorted(x.value for x in states))
+        raise MalformedSummary(f"payload.state: expected {names} in protocol {protocol}, got {obj['state']!r:.40}")
     models_obj = obj["models"]
     if not isinstance(models_obj, list) or len(models_obj) > MAX_MODELS:
         raise MalformedSummary(f"payload.models: expected a list of at most {MAX_MODELS} models")

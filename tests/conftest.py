@@ -3,7 +3,9 @@
 Tiers: unit/conformance (always), real engine on the CPU (needs the pinned llama-server
 and its model), real systemd, multi-host (namespaces, root), packaging. A tier whose
 requirement is missing skips with the reason; with CI=true a skip is a failure, so CI
-cannot pass by skipping (``require`` below).
+cannot pass by skipping (``require`` below). The same holds for every other skip, skipif,
+xfail (and xpass) under CI=true: unless its node id is listed, with the reason, in
+``tests/skip-allowlist.toml``, the hooks at the end of this file turn it into a failure.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SKIP_ALLOWLIST = REPO / "tests" / "skip-allowlist.toml"
 
 
 def require(condition: bool, reason: str) -> None:
@@ -75,3 +79,91 @@ def tiny_gguf(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_tiny_gguf(out)
     return out
+
+
+# --- CI cannot pass by skipping ---------------------------------------------------------
+
+
+def load_skip_allowlist(path: Path = SKIP_ALLOWLIST) -> dict[str, str]:
+    """The allowed skips of ``path``: {node id: reason}.
+
+    The file holds ``[[allow]]`` tables with a ``test`` (pytest node id relative to the
+    repository) and a non-empty ``reason``. Raises ``ValueError`` naming the file and the
+    entry when the file is not valid TOML, an entry lacks either key, or a node id repeats.
+    """
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the skip allowlist: {exc}") from exc
+    allowed: dict[str, str] = {}
+    for i, entry in enumerate(doc.get("allow", [])):
+        test, reason = entry.get("test"), entry.get("reason")
+        if not isinstance(test, str) or "::" not in test or not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"{path}: [[allow]] entry {i + 1} needs `test` (a node id with ::) and a non-empty "
+                             f"`reason`, got {entry!r}")
+        if test in allowed:
+            raise ValueError(f"{path}: {test} is listed twice")
+        allowed[test] = reason
+    unknown = set(doc) - {"allow"}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)} (only [[allow]] tables)")
+    return allowed
+
+
+def skip_allowed(nodeid: str, allowed: dict[str, str]) -> bool:
+    """Whether ``nodeid`` is listed, itself or (for a parametrised case) without its ``[...]``."""
+    return nodeid in allowed or nodeid.split("[", 1)[0] in allowed
+
+
+_ALLOWED = pytest.StashKey[dict]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if IN_CI:
+        try:
+            config.stash[_ALLOWED] = load_skip_allowlist()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+
+
+def _refuse(report: pytest.TestReport | pytest.CollectReport, what: str) -> None:
+    """Turn a skipped/xfailed/xpassed ``report`` into a failure that says why."""
+    report.outcome = "failed"
+    report.longrepr = (f"CI=true: {what}, and {report.nodeid} is not listed in "
+                       f"{SKIP_ALLOWLIST.relative_to(REPO)}: CI cannot pass by skipping (make the test run, "
+                       "use conftest.require for a tier's requirement, or list it there with its reason)")
+    if hasattr(report, "wasxfail"):
+        del report.wasxfail
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    if hasattr(report, "wasxfail"):
+        return f"xfail ({report.wasxfail or 'no reason given'})"
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (file, line, "Skipped: reason")
+        return f"skipped ({longrepr[2].removeprefix('Skipped: ')})"
+    return f"skipped ({longrepr})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    if not IN_CI:
+        return
+    report: pytest.TestReport = outcome.get_result()
+    if skip_allowed(report.nodeid, item.config.stash[_ALLOWED]):
+        return
+    if report.skipped:
+        _refuse(report, _skip_reason(report))
+    elif report.passed and hasattr(report, "wasxfail"):
+        _refuse(report, f"marked xfail ({report.wasxfail or 'no reason given'}) and passed")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    outcome = yield
+    if not IN_CI:
+        return
+    report: pytest.CollectReport = outcome.get_result()
+    if report.skipped and not skip_allowed(report.nodeid, collector.config.stash[_ALLOWED]):
+        _refuse(report, f"collection {_skip_reason(report)}")

@@ -6,6 +6,12 @@ refuses connections before the port is bound, answers 503
 ready, also while busy. Load: ``/slots`` lists one entry per slot with ``n_ctx`` (the context
 per slot) and ``is_processing``; ``/metrics`` (with ``--metrics``) has
 ``llamacpp:requests_deferred``, the requests waiting for a slot.
+
+Pooling (docs/engines.md, "llama.cpp: pooling"): an embedding backend gets ``--pooling mean``
+when its GGUF declares no ``<arch>.pooling_type`` (llama-server then pools with "none" and
+refuses every OpenAI ``/v1/embeddings`` call with 400), unless the operator's args name
+``--pooling``. Client faults (docs/engines.md, "llama.cpp: error bodies"): ``client_fault``
+reads llama-server's error bodies (``errors.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from viiwork.engines.contract import (
     LoadUnknown,
     Probe,
 )
+from viiwork.engines.llamacpp.errors import client_fault
+from viiwork.engines.llamacpp.gguf_metadata import read_pooling
 from viiwork.engines.llamacpp.options import LlamaCppOptions
 from viiwork.engines.prometheus import parse_gauges
 
@@ -46,7 +54,8 @@ class LlamaCppEngine:
     display_name: ClassVar[str] = "llama.cpp (llama-server)"
     options_model: ClassVar[type[LlamaCppOptions]] = LlamaCppOptions
     default_startup_timeout_s: ClassVar[float] = 600.0
-    command_version: ClassVar[int] = 1
+    # 2: --pooling mean for an embedding GGUF that declares no pooling type.
+    command_version: ClassVar[int] = 2
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """llama-server's argv for ``spec``.
@@ -54,7 +63,8 @@ class LlamaCppEngine:
         ``--ctx-size`` is the total over slots (ctx_per_slot * parallel); ``--threads`` a fair
         share of host_cpus over the model's backends unless set; all layers on the GPU when
         the backend has GPUs, and ``--n-gpu-layers 0 --device none`` (no device at all) when
-        it has none, so a GPU build never grabs a GPU the model was not given.
+        it has none, so a GPU build never grabs a GPU the model was not given. An embedding
+        backend whose GGUF declares no pooling type gets ``--pooling mean`` (``pooling_args``).
         """
         opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
         threads = opts.threads or max(1, spec.host_cpus // spec.backends_on_node)
@@ -74,6 +84,7 @@ class LlamaCppEngine:
             argv += ["--n-gpu-layers", "0", "--device", "none"]
         if spec.kind is Kind.EMBEDDING:
             argv.append("--embedding")
+            argv += pooling_args(spec)
         if opts.metrics:
             argv.append("--metrics")
         argv += list(spec.args)
@@ -88,6 +99,11 @@ class LlamaCppEngine:
 
     def supports_cpu(self) -> bool:
         return True
+
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        """llama-server's error bodies that are the client's fault, as an OpenAI code
+        ("context_length_exceeded", "unsupported_content"); None otherwise (``errors.py``)."""
+        return client_fault(status, body)
 
     async def probe(self, http: aiohttp.ClientSession, base_url: str) -> Probe:
         """GET /health: 200 = ready; 503 = loading (phase from the message); other = not ready.
@@ -149,6 +165,27 @@ class LlamaCppEngine:
             raise EngineUnavailable(f"GET /metrics: {exc.__class__.__name__}: {exc}") from exc
         value = parse_gauges(text).get("llamacpp:requests_deferred")
         return None if value is None else int(value)
+
+
+def pooling_args(spec: BackendSpec) -> tuple[str, ...]:
+    """``("--pooling", "mean")`` for an embedding spec whose GGUF declares no pooling type.
+
+    Empty for a chat spec, when the operator's args already name ``--pooling`` (they win),
+    when the file declares a pooling type (llama-server uses it), and when the file cannot
+    be read (llama-server will say why it cannot load it; the adapter does not guess).
+    Reads the file's key/value header only (``gguf_metadata.read_pooling``, milliseconds).
+    """
+    if spec.kind is not Kind.EMBEDDING:
+        return ()
+    if any(arg == "--pooling" or arg.startswith("--pooling=") for arg in spec.args):
+        return ()
+    try:
+        declared = read_pooling(spec.path)
+    except (OSError, ValueError):  # GGUFMetadataError, or a path os.stat refuses (NUL byte)
+        return ()
+    if declared.pooling_type is not None:
+        return ()
+    return ("--pooling", "mean")
 
 
 def _error_message(body: bytes) -> str:

@@ -111,6 +111,11 @@ class SglangEngine:
         ``SGLANG_USE_CPU_ENGINE=1``), which needs SGLang's CPU kernel build installed."""
         return True
 
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        """None for every answer: no SGLang error body has been captured yet
+        (docs/engines.md, "SGLang: error bodies"); a rule is added only from a real one."""
+        return None
+
     def stream_usage_supported(self) -> bool:
         """SGLang's OpenAI chat and completion streams end with a usage chunk when the
         request sets ``stream_options.include_usage`` (0.5.23 ``serving_chat.py``); cached

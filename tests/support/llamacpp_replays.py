@@ -26,10 +26,12 @@ def replay_set(health: str, slots: str, metrics: str) -> ReplaySet:
 
 def llamacpp_replays() -> EngineReplays:
     """Ready (idle, 2 slots), busy (1 of 2 slots), loading (every endpoint 503 "Loading
-    model"), and load-unknown (/slots disabled with --no-slots: 501)."""
+    model"), load-unknown (/slots disabled with --no-slots: 501), and an --embedding
+    server's /v1/embeddings answer."""
     return EngineReplays(
         ready=replay_set("smollm2-health_ready", "smollm2-slots_idle", "smollm2-metrics"),
         busy=replay_set("smollm2-health_busy", "smollm2-slots_busy", "smollm2-metrics_busy"),
         loading=replay_set("smollm2-health_loading", "smollm2-slots_loading", "smollm2-metrics_loading"),
         load_unknown=(replay_set("smollm2-health_ready", "tiny-slots_disabled", "smollm2-metrics"),),
+        embeddings=capture("tiny-embeddings"),
     )

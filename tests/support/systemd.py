@@ -15,7 +15,9 @@
 
 Both tear everything down in their finalizers: the manager, every process left in their
 cgroups (all started by the test), the cgroups (depth-first). ``missing_user_manager()`` and
-``missing_pid1()`` return why a tier cannot run here (or None) for ``require``.
+``missing_pid1()`` return why a tier cannot run here (or None) for ``require``;
+``checkout_hidden_by_private_tmp()`` why units cannot see this checkout (or None): every
+test of these tiers checks both.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from pathlib import Path
 SYSTEMD = Path("/usr/lib/systemd/systemd")
 CGROUP = Path("/sys/fs/cgroup")
 PID1_SCRIPTS = Path(__file__).resolve().parent / "systemd_pid1"
+#: The checkout these tests run from (units and the PID-1 container must see it).
+REPO = Path(__file__).resolve().parents[2]
+#: Paths a unit with PrivateTmp=yes and the PID-1 container get a fresh copy of.
+PRIVATE_TMP_PATHS = ("/tmp", "/var/tmp", "/dev/shm")
 #: The container path of the PID 1 tier's shared directory.
 SHARE_INSIDE = "/srv/viiwork-test"
 #: v1 controllers handed to the PID 1 tier on hybrid hosts (MemoryMax, TasksMax).
@@ -75,6 +81,16 @@ def missing_user_manager() -> str | None:
         return reason
     if not Path("/usr/lib/systemd/user/dbus.socket").exists() and not Path("/etc/systemd/user/dbus.socket").exists():
         return "no user D-Bus (dbus.socket user unit; install dbus-user-session)"
+    return None
+
+
+def checkout_hidden_by_private_tmp(repo: Path = REPO) -> str | None:
+    """Why units cannot see the checkout ``repo`` (it lives under a private-tmp path), or None."""
+    for hidden in PRIVATE_TMP_PATHS:
+        if repo == Path(hidden) or Path(hidden) in repo.parents:
+            return (f"the checkout {repo} is under {hidden}, which units with PrivateTmp=yes and the PID-1 "
+                    "container do not see; clone it elsewhere (.ci/run and `make test` under CI=true "
+                    "copy the checkout out of it)")
     return None
 
 

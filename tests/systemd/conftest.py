@@ -7,21 +7,10 @@ from pathlib import Path
 
 import pytest
 from conftest import require
-from support.systemd import Pid1System, UserManager, missing_pid1, missing_user_manager, pid1_system, user_manager
+from support.systemd import (Pid1System, UserManager, checkout_hidden_by_private_tmp, missing_pid1,
+                             missing_user_manager, pid1_system, user_manager)
 
 from viiwork.agent.runners.systemd import SystemdRunner
-
-
-REPO = Path(__file__).resolve().parent.parent.parent
-
-
-def checkout_hidden_by_private_tmp() -> str | None:
-    """Why units cannot see this checkout (it lives under a private-tmp path), or None."""
-    for hidden in ("/tmp", "/var/tmp", "/dev/shm"):
-        if REPO == Path(hidden) or Path(hidden) in REPO.parents:
-            return (f"the checkout {REPO} is under {hidden}, which units with PrivateTmp=yes and the PID-1 "
-                    "container do not see; clone it elsewhere (.ci/run copies itself out of /tmp)")
-    return None
 
 
 @pytest.fixture

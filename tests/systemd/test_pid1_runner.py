@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from conftest import require
 from support.procs import free_port
-from support.systemd import Pid1System, missing_pid1, pid1_system, unit_show
+from support.systemd import Pid1System, checkout_hidden_by_private_tmp, missing_pid1, pid1_system, unit_show
 
 from viiwork.agent.runners.base import LaunchRequest
 from viiwork.agent.runners.systemd import SystemdRunner, engine_unit_stem, gpu_device_groups
@@ -108,7 +108,7 @@ async def test_tasks_max_is_enforced(systemd_pid1: Pid1System) -> None:
 
 
 def test_engine_runs_as_viiwork_user_with_device_groups_under_strict_sandbox(tmp_path: Path) -> None:
-    reason = missing_pid1()
+    reason = missing_pid1() or checkout_hidden_by_private_tmp()
     require(reason is None, f"systemd PID 1 tier: {reason}")
     # Host network: the engine's loopback port is reachable from this test.
     with pid1_system(tmp_path / "p1", host_network=True) as system:

@@ -69,8 +69,13 @@ def test_drain_undrain_down_up_models(tmp_path: Path, binary: Path) -> None:
         assert r.returncode == 0, r.stderr
         assert chat_status(agent, "a") == 503
         assert agent.status()["node"]["draining"] is True
+        with pytest.raises(urllib.error.HTTPError) as health:  # load balancers stop sending here
+            urllib.request.urlopen(f"{agent.url}/health", timeout=5)
+        assert health.value.code == 503 and json.load(health.value)["status"] == "draining"
         assert ctl(tmp_path, "undrain").returncode == 0
         assert chat_status(agent, "a") == 200
+        with urllib.request.urlopen(f"{agent.url}/health", timeout=5) as r:
+            assert json.load(r)["status"] == "ok"
 
         r = ctl(tmp_path, "down", "b")
         assert r.returncode == 0, r.stderr

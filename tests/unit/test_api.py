@@ -155,7 +155,7 @@ async def test_engine_dying_mid_stream_ends_with_error_event() -> None:
                 events = sse_events(await r.read())
     assert events, "no events relayed"
     last = json.loads(events[-1])
-    assert last["error"]["code"] == 502 and "broke off" in last["error"]["message"]
+    assert last["error"]["code"] == "upstream_error" and "broke off" in last["error"]["message"]
     assert "[DONE]" not in events
 
 
@@ -166,7 +166,7 @@ async def test_engine_silent_mid_stream_ends_with_error_event() -> None:
             async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True}) as r:
                 events = sse_events(await asyncio.wait_for(r.read(), 10))
     last = json.loads(events[-1])
-    assert last["error"]["code"] == 504 and "api.stream_idle_timeout_s" in last["error"]["message"]
+    assert last["error"]["code"] == "upstream_timeout" and "api.stream_idle_timeout_s" in last["error"]["message"]
 
 
 async def test_engine_silent_before_answering_gives_504() -> None:

@@ -130,6 +130,8 @@ def test_unmeasured_rtt_is_neither_preferred_nor_excluded():
     pytest.param(dict(liveness=Liveness.LEFT), False, id="left"),
     pytest.param(dict(state=PublishedState.DRAINING), False, id="draining"),
     pytest.param(dict(state=PublishedState.LEAVING), False, id="leaving"),
+    pytest.param(dict(state=PublishedState.RESTARTING), True, id="restarting"),
+    pytest.param(dict(state=PublishedState.RESTARTING, liveness=Liveness.SUSPECT), True, id="restarting-silent"),
 ])
 def test_stale_suspect_dead_left_and_draining_peers_are_not_routed_to(bad, queued):
     good = peer("good", cap(busy=3))

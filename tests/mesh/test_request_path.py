@@ -1,0 +1,161 @@
+"""The origin queue in mesh mode between two real agents on loopback (docs/routing.md, "The
+origin queue"): a wait that outlasts ``routing.queue_timeout_s`` ends in 429 with
+``Retry-After``, and a new request does not get past a full queue.
+
+Each agent runs one fake llama-server (a separate process) with one slot; a slot is held busy
+by a slow streamed request sent straight to that node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import aiohttp
+import pytest
+
+from support.agent import Agent, run_agent
+from support.engines import fake_engine_binary
+
+# ~6 s per answer: longer than the queue timeout below, short enough to keep the tests fast.
+SLOW = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "60", "FAKE_TOKEN_DELAY_S": "0.1"}
+QUEUE_TIMEOUT_S = 2.0
+
+
+def chat(stream: bool = False, max_tokens: int | None = None) -> dict:
+    """A chat request; the fake engine answers ``max_tokens`` chunks (all 60 without)."""
+    doc = {"model": "shared", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    if max_tokens is not None:
+        doc["max_tokens"] = max_tokens
+    return doc
+
+
+def mesh_section(seeds: list[str]) -> dict:
+    return {"trust": "open", "mesh_id": "test-queue", "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
+            "discovery": ["seeds"], "seeds": seeds, "gossip_interval_ms": 100, "suspect_after_ms": 1000,
+            "dead_after_ms": 3000}
+
+
+@pytest.fixture(scope="module")
+def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Agent]]:
+    tmp = tmp_path_factory.mktemp("mesh2")
+    binary = fake_engine_binary(tmp / "bin")
+    agents: dict[str, Agent] = {}
+    seeds: list[str] = []
+    with ExitStack() as stack:
+        for name in "ab":
+            models = [{"name": "shared", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
+                       "llamacpp": {"binary": str(binary)}, "env": SLOW}]
+            agents[name] = stack.enter_context(run_agent(
+                tmp, models, name=f"node-{name}",
+                extra={"mesh": mesh_section(seeds),
+                       "routing": {"queue_max": 1, "queue_timeout_s": QUEUE_TIMEOUT_S, "stale_after_ms": 3000,
+                                   "slot_offers": False}}))
+            if not seeds:
+                seeds = [agents[name].wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30,
+                                               "mesh address")["mesh"]["self"]["mesh"]]
+        for agent in agents.values():
+            agent.wait_healthy("shared", 1, 30)
+        for agent in agents.values():
+            agent.wait_for(lambda d: d.get("mesh", {}).get("peers", {}).get("alive", 0) == 1, 30, "one alive peer")
+        yield agents
+
+
+async def busy_seen_by(origin: Agent, node: str, busy: int, http: aiohttp.ClientSession, timeout_s: float = 10) -> None:
+    """Wait until ``origin``'s mesh view says ``node`` has ``busy`` busy slots of "shared"."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        async with http.get(f"{origin.url}/v1/mesh") as r:
+            view = await r.json()
+        for peer in view.get("nodes", []):
+            if peer.get("name") == node:
+                last = [m for m in peer.get("models", []) if m.get("name") == "shared"]
+                if last and last[0].get("busy") == busy:
+                    return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{origin.url} never saw {node} with {busy} busy slot(s); last: {last}")
+
+
+async def local_busy(agent: Agent, busy: int, http: aiohttp.ClientSession, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with http.get(f"{agent.url}/v1/status") as r:
+            doc = await r.json()
+        (model,) = [m for m in doc["models"] if m["name"] == "shared"]
+        if sum(b.get("in_flight", 0) for b in model["backends"]) == busy:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{agent.url}: never {busy} request(s) in flight")
+
+
+async def hold_slot(http: aiohttp.ClientSession, agent: Agent, name: str) -> aiohttp.ClientResponse:
+    """A slow stream pinned to ``agent`` (node ``name``) itself, its first line read: it holds
+    the node's one slot until closed."""
+    resp = await http.post(f"{agent.url}/v1/chat/completions", json=chat(stream=True),
+                           headers={"X-Viiwork-Host": name})
+    assert resp.status == 200, await resp.text()
+    await resp.content.readline()
+    return resp
+
+
+async def test_queue_timeout_in_mesh_mode_is_429_with_retry_after(mesh2: dict[str, Agent]) -> None:
+    a, b = mesh2["a"], mesh2["b"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        holders = [await hold_slot(http, a, "node-a"), await hold_slot(http, b, "node-b")]
+        try:
+            await busy_seen_by(a, "node-b", 1, http)
+            started = time.monotonic()
+            async with http.post(f"{a.url}/v1/chat/completions", json=chat(max_tokens=1)) as r:
+                waited = time.monotonic() - started
+                doc = await r.json()
+                assert r.status == 429, doc
+                assert int(r.headers["Retry-After"]) >= 1
+            assert "no slot freed in the mesh" in doc["error"]["message"]
+            # It waited in the queue (not refused at once) and was answered before any slot freed.
+            assert waited >= QUEUE_TIMEOUT_S * 0.9
+            assert all(not h.content.at_eof() for h in holders)
+        finally:
+            for h in holders:
+                h.close()
+
+
+async def test_a_new_request_does_not_get_past_a_full_queue(mesh2: dict[str, Agent]) -> None:
+    """The queue holds one request (queue_max = 1) pinned to node-b, whose slot is busy;
+    node-a's slot is free. A new request must not run ahead of the waiting one: it gets
+    429 "queue is full" at once, and the waiting one runs on node-b when its slot frees."""
+    a, b = mesh2["a"], mesh2["b"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        await local_busy(a, 0, http)
+        await local_busy(b, 0, http)
+        holder = await hold_slot(http, b, "node-b")
+        try:
+            await busy_seen_by(a, "node-b", 1, http)
+
+            async def pinned() -> tuple[int, str]:
+                async with http.post(f"{a.url}/v1/chat/completions", json=chat(max_tokens=1),
+                                     headers={"X-Viiwork-Host": "node-b"}) as r:
+                    await r.read()
+                    return r.status, r.headers.get("X-Viiwork-Node", "")
+
+            waiting = asyncio.create_task(pinned())
+            deadline = time.monotonic() + 5
+            while True:  # the pinned request is in node-a's queue
+                async with http.get(f"{a.url}/v1/status") as r:
+                    doc = await r.json()
+                (model,) = [m for m in doc["models"] if m["name"] == "shared"]
+                if model.get("queued") == 1:
+                    break
+                assert time.monotonic() < deadline, f"the pinned request never queued: {model}"
+                await asyncio.sleep(0.02)
+            async with http.post(f"{a.url}/v1/chat/completions", json=chat(max_tokens=1)) as r:
+                doc = await r.json()
+                assert r.status == 429, (r.headers.get("X-Viiwork-Node"), doc)
+                assert "Retry-After" in r.headers and "queue is full" in doc["error"]["message"]
+            await local_busy(a, 0, http)  # nothing ran on node-a meanwhile
+        finally:
+            holder.close()
+        # Its slot freed (the holder left), the waiting request runs where it was pinned.
+        assert await asyncio.wait_for(waiting, 20) == (200, "node-b")
