@@ -234,12 +234,16 @@ class ClientApi:
         waiter: Waiter | None = None
         tried: set[Any] = set()
         refusals = 0
-        if len(queue):  # never overtake a waiting request
+        if len(queue):  # never overtake a waiting request: wait behind it for the next wake
             if len(queue) >= self.queue_max:
                 return self._queue_full(model)
             waiter = queue.enter(host)
+        behind = waiter is not None
         try:
             while True:
+                if behind:  # older waiters route first when a slot frees (docs/routing.md)
+                    behind = False
+                    await _park(waiter, deadline - loop.time())
                 offer: tuple[Any, str] | None = None
                 if waiter is not None:
                     waiter.event.clear()
@@ -314,14 +318,7 @@ class ClientApi:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return self._queue_timeout(model)
-                waiter.parked = True
-                try:
-                    # Woken on capacity changes; re-routes at least twice a second regardless.
-                    await asyncio.wait_for(waiter.event.wait(), min(remaining, 0.5))
-                except TimeoutError:
-                    pass
-                finally:
-                    waiter.parked = False
+                await _park(waiter, remaining)
                 tried.clear()
                 refusals = 0
         finally:
@@ -512,6 +509,18 @@ _REFUSAL_CODES = {"no-slot": ErrorCode.RATE_LIMIT_EXCEEDED, "not-served": ErrorC
 def _admission_code(exc: AdmissionError) -> ErrorCode:
     """429 queue full / timed out: rate_limit_exceeded; 503 nothing can serve: no_capacity."""
     return ErrorCode.NO_CAPACITY if isinstance(exc, NoCapacity) else ErrorCode.RATE_LIMIT_EXCEEDED
+
+
+async def _park(waiter: Waiter, remaining_s: float) -> None:
+    """Wait in the origin queue until woken (a capacity change, an offer) or 0.5 s pass, at
+    most ``remaining_s``: a parked waiter re-routes at least twice a second regardless."""
+    waiter.parked = True
+    try:
+        await asyncio.wait_for(waiter.event.wait(), max(0.0, min(remaining_s, 0.5)))
+    except TimeoutError:
+        pass
+    finally:
+        waiter.parked = False
 
 
 async def _freeze_heap(app: web.Application) -> None:

@@ -7,8 +7,8 @@ carry a uint32 element type and a uint64 count. Files are little-endian unless w
 byte-swapped (``gguf-convert-endian``), which shows as a version whose low 16 bits are 0.
 
 Why not ``gguf.GGUFReader`` (gguf-py): it maps every array element and every tensor
-description into numpy views before answering, 3.5 s for SmolLM2-135M's header on a busy
-CPU, more for larger vocabularies, and ``build_command`` runs on the agent's event loop
+description into numpy views before answering: 3.5 s for SmolLM2-135M's header on a 2-core
+x86 machine, more for larger vocabularies, and ``build_command`` runs on the agent's event loop
 (docs/engines.md, "llama.cpp: pooling"). This reader walks only the key/value section,
 skipping array bodies by arithmetic, in milliseconds; the tests check it against
 gguf-py's writer and reader on the same files.

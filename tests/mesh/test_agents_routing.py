@@ -157,7 +157,8 @@ def test_forward_refused_by_draining_peer_is_retried(tmp_path: Path) -> None:
 
     binary = fake_engine_binary(tmp_path / "bin")
     seeds: list[str] = []
-    long_env = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "15", "FAKE_TOKEN_DELAY_S": "0.1"}  # ~1.5 s
+    # ~3 s: C must stay busy while viiworkctl drains B and A routes (slow on a loaded box)
+    long_env = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "30", "FAKE_TOKEN_DELAY_S": "0.1"}
     shared = {"name": "shared", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
               "llamacpp": {"binary": str(binary)}, "env": long_env}
     with ExitStack() as stack:

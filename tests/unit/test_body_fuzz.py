@@ -136,7 +136,7 @@ def test_any_bytes_parse_or_fail_with_a_400(datas: list[bytes]) -> None:
 
 
 @settings(PURE, max_examples=1000)
-@given(batch(deep_nesting, 10), batch(json_values, 3))
+@given(batch(deep_nesting, 10), batch(json_values, 1))
 def test_depth_is_exact_and_the_limit_holds(deep: list[bytes], values: list[Any]) -> None:
     for data in deep + [json.dumps(v).encode() for v in values]:
         FUZZED["nesting"] += 1

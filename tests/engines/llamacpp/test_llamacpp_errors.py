@@ -91,7 +91,7 @@ _JSON = st.recursive(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(status=st.integers(0, 999), body=st.binary(max_size=300) | _JSON.map(lambda v: json.dumps(v).encode()))
 def test_any_body_is_none_or_a_known_code(status: int, body: bytes) -> None:
     code = ENGINE.client_fault(status, body)

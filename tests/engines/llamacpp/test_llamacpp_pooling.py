@@ -206,7 +206,7 @@ def fuzz_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, Path]:
     return header_only(root / "base.gguf", pooling=1).read_bytes(), root
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_any_damage_is_a_gguf_metadata_error_or_an_answer(fuzz_base: tuple[bytes, Path], data: st.DataObject) -> None:
     """Truncations and overwritten bytes anywhere in the header: only GGUFMetadataError."""
