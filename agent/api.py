@@ -502,7 +502,7 @@ class ClientApi:
 
 
 # The code of a peer's refusal (X-Viiwork-Refused reason) for the origin's logs and relays.
-_REFUSAL_CODES = {"no-slot": ErrorCode.RATE_LIMIT_EXCEEDED, "not-served": ErrorCode.MODEL_NOT_FOUND,
+_REFUSAL_CODES = {"no-slot": ErrorCode.RATE_LIMIT_EXCEEDED, "not-served": ErrorCode.NO_CAPACITY,
                   "draining": ErrorCode.DRAINING}
 
 

@@ -18,11 +18,16 @@
   request and per chunk: same rule, a fraction of the cost on the hot path.
 - A client that disconnects cancels the handler (aiohttp ``handler_cancellation``); leaving
   the upstream request's context closes its connection, and the engine frees the slot.
+- A non-streamed request to a local engine whose adapter says a closed connection does not
+  stop a non-streamed generation (``nonstream_stops_on_disconnect`` False) is sent as a stream
+  and its answer assembled into the non-streamed form (agent/assemble.py; the only body change
+  the agent makes: ``stream`` and ``stream_options``, docs/engines.md "When the client goes away").
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +36,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from viiwork.agent.assemble import ASSEMBLED_PATHS, StreamBroken, StreamError, assemble, parse_events, sse_data, \
+    stream_body
 from viiwork.agent.backends import Backend
 from viiwork.agent.errors import ErrorCode, engine_error, error_response, sse_error_event
+from viiwork.engines.contract import stops_nonstream_on_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +160,13 @@ class Upstream:
         if extra_headers:
             upstream_headers.update(extra_headers)
         url = backend.base_url + request.path
+        # This node's engine does not stop a non-streamed generation when the client leaves:
+        # ask it for a stream (it stops that) and assemble the answer the client asked for.
+        assembled_as: str | None = None
+        if (not stream and isinstance(backend, Backend) and request.path in ASSEMBLED_PATHS
+                and not stops_nonstream_on_disconnect(self.engine_of(backend))):
+            assembled_as = ASSEMBLED_PATHS[request.path]
+            body = stream_body(body)
         watch: asyncio.Future[object] | None = None
         try:
             if lost is None:
@@ -187,6 +202,8 @@ class Upstream:
                 if value is not None:
                     headers[name] = value
             content_type = upstream.headers.get("Content-Type", "application/json")
+            if assembled_as is not None and upstream.status == 200 and content_type.startswith("text/event-stream"):
+                return await self._relay_assembled(upstream, backend, headers, assembled_as)
             if not stream or upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 try:
                     return await self._relay_whole(upstream, backend, headers, content_type)
@@ -236,6 +253,31 @@ class Upstream:
             return engine_error(upstream.status, data, backend.id, self.engine_of(backend), headers=headers)
         headers["Content-Type"] = content_type.split(";", 1)[0]
         return web.Response(status=upstream.status, body=data, headers=headers)
+
+    async def _relay_assembled(self, upstream: aiohttp.ClientResponse, backend: Backend,
+                               headers: dict[str, str], obj: str) -> web.Response:
+        """The engine's whole stream read (same silence and break rules as ``_relay_whole``)
+        and answered as one JSON object ``obj`` (agent/assemble.py); an error event in the
+        stream is answered as the engine's error (``engine_error``), a stream that cannot be
+        assembled (not JSON, no ``[DONE]``) as 502."""
+        try:
+            data = await upstream.read()
+        except TimeoutError:  # sock_read: silent for stream_idle_timeout_s
+            return error_response(504, f"backend {backend.id} went silent for {self.stream_idle_timeout_s:g} s "
+                                  "(api.stream_idle_timeout_s)", code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
+        except _UPSTREAM_BROKEN as exc:
+            return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
+                                  code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+        try:
+            answer = assemble(parse_events(sse_data(data.splitlines())), obj)
+        except StreamError as exc:
+            return engine_error(exc.status, exc.body, backend.id, self.engine_of(backend), headers=headers)
+        except StreamBroken as exc:
+            return error_response(502, f"backend {backend.id} sent a stream that cannot be assembled: {exc}",
+                                  code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+        headers["Content-Type"] = "application/json"
+        return web.Response(status=200, body=json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode(),
+                            headers=headers)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
                             headers: dict[str, str], content_type: str) -> web.StreamResponse:

@@ -191,6 +191,19 @@ def classify_client_fault(engine: object, status: int, body: bytes) -> str | Non
     return code if isinstance(code, str) and code in CLIENT_FAULT_CODES else None
 
 
+def stops_nonstream_on_disconnect(engine: object) -> bool:
+    """Whether closing the connection of a non-streamed request stops its generation.
+
+    Read from the adapter's optional class attribute ``nonstream_stops_on_disconnect: bool``
+    (absent, or ``engine`` None: True). An adapter sets it False only from a measurement of
+    its engine (docs/engines.md, "When the client goes away"); the agent then asks that
+    engine for a stream and assembles the non-streamed answer itself (agent/assemble.py),
+    so a client that leaves frees its slot. Anything but a bool counts as True.
+    """
+    value = getattr(engine, "nonstream_stops_on_disconnect", True)
+    return value if isinstance(value, bool) else True
+
+
 # Optional capabilities: implemented only where the engine can answer honestly.
 
 

@@ -56,6 +56,9 @@ class LlamaCppEngine:
     default_startup_timeout_s: ClassVar[float] = 600.0
     # 2: --pooling mean for an embedding GGUF that declares no pooling type.
     command_version: ClassVar[int] = 2
+    # A non-streamed generation is not reliably stopped by a closed connection (measured:
+    # tests/bench/bench_disconnect.py, docs/engines.md "When the client goes away").
+    nonstream_stops_on_disconnect: ClassVar[bool] = False
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """llama-server's argv for ``spec``.

@@ -66,6 +66,9 @@ class SglangEngine:
     # backends of large models need models[].startup_timeout_s (docs/engines.md).
     default_startup_timeout_s: ClassVar[float] = 1200.0
     command_version: ClassVar[int] = 1
+    # A non-streamed request's disconnect is checked only when its 4 s wait for output
+    # times out (docs/engines.md, "When the client goes away").
+    nonstream_stops_on_disconnect: ClassVar[bool] = False
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """SGLang's argv for ``spec``.

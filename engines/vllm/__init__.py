@@ -70,6 +70,8 @@ class VllmEngine:
     # docs/engines.md); the adapter cannot tell from here how large the model is.
     default_startup_timeout_s: ClassVar[float] = 1200.0
     command_version: ClassVar[int] = 1
+    # Its OpenAI routes are wrapped in with_cancellation (docs/engines.md, "When the client goes away").
+    nonstream_stops_on_disconnect: ClassVar[bool] = True
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """vLLM's argv and environment for ``spec``.
