@@ -86,7 +86,9 @@ def sse_data(lines: Iterable[bytes | str]) -> list[str]:
     The event-stream format (WHATWG HTML, "Server-sent events", 9.2.6): a field line
     ``data:`` with one optional space after the colon; several ``data`` lines of one event
     are joined by "\\n"; a blank line ends the event; lines starting with ":" are comments;
-    other fields (``event``, ``id``, ``retry``) are ignored. An event still open when the
+    other fields (``event``, ``id``, ``retry``) are ignored, except ``error``: llama-server
+    builds whose ``server_sent_event(sink, "error", ...)`` writes a stream's error as an
+    ``error: {...}`` line give an event ``{"error": {...}}``. An event still open when the
     lines end is kept (engines end with a blank line; a cut stream is judged by its last
     event).
     """
@@ -102,11 +104,12 @@ def sse_data(lines: Iterable[bytes | str]) -> list[str]:
         if line.startswith(":"):
             continue
         name, _, value = line.partition(":")
-        if name != "data":
-            continue
         if value.startswith(" "):
             value = value[1:]
-        (data := data if data is not None else []).append(value)
+        if name == "error":  # llama-server's own error line: an event of its own
+            events.append('{"error":' + value + "}")
+        elif name == "data":
+            (data := data if data is not None else []).append(value)
     if data is not None:
         events.append("\n".join(data))
     return events

@@ -41,6 +41,12 @@ Knobs (environment):
     FAKE_HANG_AFTER_CHUNKS   streams go silent after this many content chunks
     FAKE_DIE_AFTER_CHUNKS    the process exits (FAKE_EXIT_CODE) after this many content chunks
     FAKE_CLOSE_AFTER_STREAM  "1" (default): close the connection after each streamed response
+    FAKE_NONSTREAM_IGNORES_CLOSE  "1": a non-streamed generation runs to its end (slot busy)
+                             after its client closed the connection (llama-server in some
+                             runs, SGLang for up to 4 s: docs/engines.md)
+    FAKE_ERROR_AFTER_CHUNKS  streams end with llama-server's error event (``data:
+                             {"error": {"code": 500, ...}}``, no [DONE]) after this many
+                             content chunks
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class Knobs:
     hang_after_chunks: int | None
     die_after_chunks: int | None
     close_after_stream: bool
+    nonstream_ignores_close: bool = False
+    error_after_chunks: int | None = None
 
     @classmethod
     def from_env(cls) -> Knobs:
@@ -100,6 +108,8 @@ class Knobs:
             hang_after_chunks=_env_int("FAKE_HANG_AFTER_CHUNKS", None),
             die_after_chunks=_env_int("FAKE_DIE_AFTER_CHUNKS", None),
             close_after_stream=os.environ.get("FAKE_CLOSE_AFTER_STREAM", "1") == "1",
+            nonstream_ignores_close=os.environ.get("FAKE_NONSTREAM_IGNORES_CLOSE", "") == "1",
+            error_after_chunks=_env_int("FAKE_ERROR_AFTER_CHUNKS", None),
         )
 
 
@@ -245,9 +255,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         try:
             if body.get("stream"):
                 return await _stream(request, engine, chat, n_tokens, finish, prompt_tokens)
-            for _ in range(n_tokens):
-                if engine.knobs.token_delay_s:
-                    await asyncio.sleep(engine.knobs.token_delay_s)
+            generation = asyncio.ensure_future(_generate(engine, n_tokens))
+            try:
+                await asyncio.shield(generation) if engine.knobs.nonstream_ignores_close else await generation
+            except asyncio.CancelledError:
+                if engine.knobs.nonstream_ignores_close:  # the slot stays busy until the end
+                    await generation
+                raise
             return web.json_response(_full_response(engine, chat, n_tokens, finish, prompt_tokens),
                                      headers=_headers(), dumps=_dumps)
         finally:
@@ -257,6 +271,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         engine.in_flight -= 1
+
+
+async def _generate(engine: Engine, n_tokens: int) -> None:
+    for _ in range(n_tokens):
+        if engine.knobs.token_delay_s:
+            await asyncio.sleep(engine.knobs.token_delay_s)
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -327,6 +347,11 @@ async def _stream(request: web.Request, engine: Engine, chat: bool, n_tokens: in
             await asyncio.Event().wait()
         if knobs.token_delay_s and i:
             await asyncio.sleep(knobs.token_delay_s)
+        if knobs.error_after_chunks is not None and i >= knobs.error_after_chunks:
+            error = {"error": {"code": 500, "message": "fake engine failed mid-stream", "type": "server_error"}}
+            await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            await resp.write_eof()
+            return resp
         await resp.write(chunk([choice(word, None)]))
     await resp.write(chunk([choice(None, finish)]))
     await resp.write(chunk([], usage=_usage(n_tokens, prompt_tokens)))
