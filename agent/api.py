@@ -6,7 +6,8 @@ Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
 kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
 429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
 
-The request body is forwarded as received (never re-serialised); mesh headers
+The request body is forwarded as received (re-serialised only to change ``stream`` and
+``stream_options`` for an assembled answer: agent/assemble.py, docs/engines.md); mesh headers
 (``X-Viiwork-*``) are stripped before a request reaches an engine.
 """
 
