@@ -64,6 +64,8 @@ KNOWN: list[Bench] = [
     Bench("bench_mesh_processes.py", 120, ["--nodes", "10", "--steady-s", "15"], takes_out=False,
           title="Mesh with real processes"),
     Bench("bench_crash_detection.py", 120, ["-n", "10"], title="Crash detection"),
+    # Three real agents (SIGTERM, SIGSTOP, client disconnects x 3 rounds) and one on llama-server: ~40 s here.
+    Bench("bench_reliability.py", 120, ["-n", "3"], title="Reliability: faults and bad inputs (issue 13)"),
 ]
 DEFAULT_BUDGET_S = 90
 

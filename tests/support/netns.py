@@ -3,16 +3,25 @@ of its own, so the machine's own network is never touched (needs root and iprout
 
 Host i has 10.99.0.i/24 on eth0 with multicast on (mDNS works between the hosts). Run a
 process in one with ``hosts.popen(i, argv)``; every process started that way is killed and
-every namespace deleted on exit.
+every namespace deleted on exit. ``hosts.cut(i)`` / ``hosts.heal(i)`` pull and plug host i's
+cable (its veth on the bridge goes down/up: a partition, the host itself keeps running), and
+``in_netns(ns, fn)`` runs ``fn`` in a thread whose sockets live in namespace ``ns`` (the test
+process itself stays in the machine's namespace).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+CLONE_NEWNET = 0x40000000  # <sched.h>; setns(2)
 
 
 def netns_available() -> tuple[bool, str]:
@@ -38,6 +47,18 @@ class Hosts:
     def ns(self, i: int) -> str:
         return f"{self.prefix}-ns{i}"
 
+    @property
+    def hub(self) -> str:
+        return f"{self.prefix}-hub"
+
+    def cut(self, i: int) -> None:
+        """Partition host ``i``: its port on the bridge goes down (no carrier; packets to and
+        from it are lost, no reset or ICMP reaches either side)."""
+        _ip("-n", self.hub, "link", "set", f"veth{i}", "down")
+
+    def heal(self, i: int) -> None:
+        _ip("-n", self.hub, "link", "set", f"veth{i}", "up")
+
     def address(self, i: int) -> str:
         return f"10.99.0.{i}"
 
@@ -51,11 +72,39 @@ class Hosts:
                               timeout=timeout)
 
 
+def in_netns(ns: str, fn: Callable[[], T], timeout_s: float) -> T:
+    """Run ``fn()`` in a new thread that first joins network namespace ``ns`` (setns(2) moves
+    only the calling thread); returns its result or raises its exception, or TimeoutError
+    after ``timeout_s``."""
+    result: dict[str, object] = {}
+
+    def body() -> None:
+        try:
+            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
+            finally:
+                os.close(fd)
+            result["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=body, name=f"in-{ns}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{fn} did not return within {timeout_s} s in {ns}")
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["value"]  # type: ignore[return-value]
+
+
 @contextmanager
 def bridged_hosts(prefix: str, n: int) -> Iterator[Hosts]:
     """``n`` hosts named ``<prefix>-ns1..n`` on a bridge in ``<prefix>-hub``."""
     hosts = Hosts(prefix, n)
-    hub = f"{prefix}-hub"
+    hub = hosts.hub
     made: list[str] = []
     try:
         _ip("netns", "add", hub)
