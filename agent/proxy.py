@@ -237,16 +237,24 @@ class Upstream:
             raise exc
         return opening.result()
 
-    async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
-                           headers: dict[str, str], content_type: str) -> web.Response:
+    async def _read_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
+                          headers: dict[str, str]) -> bytes | web.Response:
+        """The whole upstream body, or the 504 (silent for ``stream_idle_timeout_s``) or 502
+        (broken off) error answer to give the client instead."""
         try:
-            data = await upstream.read()
+            return await upstream.read()
         except TimeoutError:  # sock_read: silent for stream_idle_timeout_s
             return error_response(504, f"backend {backend.id} went silent for {self.stream_idle_timeout_s:g} s "
                                   "(api.stream_idle_timeout_s)", code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
         except _UPSTREAM_BROKEN as exc:
             return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
                                   code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+
+    async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
+                           headers: dict[str, str], content_type: str) -> web.Response:
+        data = await self._read_whole(upstream, backend, headers)
+        if isinstance(data, web.Response):
+            return data
         if upstream.status >= 400 and isinstance(backend, Backend):
             # This node's engine refused or failed: one error shape and status rule for every
             # engine (agent/errors.py). A peer's answer was normalised there: relayed as is.
@@ -260,14 +268,9 @@ class Upstream:
         and answered as one JSON object ``obj`` (agent/assemble.py); an error event in the
         stream is answered as the engine's error (``engine_error``), a stream that cannot be
         assembled (not JSON, no ``[DONE]``) as 502."""
-        try:
-            data = await upstream.read()
-        except TimeoutError:  # sock_read: silent for stream_idle_timeout_s
-            return error_response(504, f"backend {backend.id} went silent for {self.stream_idle_timeout_s:g} s "
-                                  "(api.stream_idle_timeout_s)", code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
-        except _UPSTREAM_BROKEN as exc:
-            return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
-                                  code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+        data = await self._read_whole(upstream, backend, headers)
+        if isinstance(data, web.Response):
+            return data
         try:
             answer = assemble(parse_events(sse_data(data.splitlines())), obj)
         except StreamError as exc:
