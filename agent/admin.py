@@ -53,11 +53,29 @@ ADMIN_MAX_BODY_BYTES = 64 * 1024
 
 
 def build_admin_app(actions: AdminActions) -> web.Application:
+    """The admin application: one route per command; any other method on a command's path
+    is a JSON 405 ``method_not_allowed`` (with ``Allow``), any other path a JSON 404
+    ``not_found`` (docs/routing.md, "Status codes"), like the client API."""
     app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES)
     for command in COMMANDS:
-        handler = _handler(command.name, command.takes_model, actions)
-        app.router.add_route(command.method, command.path, handler)
+        resource = app.router.add_resource(command.path)
+        resource.add_route(command.method, _handler(command.name, command.takes_model, actions))
+        resource.add_route("*", _method_not_allowed(command.method))
+    app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
+
+
+def _method_not_allowed(allowed: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handle(request: web.Request) -> web.Response:
+        return error_response(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
+                              code=ErrorCode.METHOD_NOT_ALLOWED, headers={"Allow": allowed})
+    return handle
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    known = ", ".join(f"{c.method} {c.path}" for c in COMMANDS)
+    return error_response(404, f"no such admin command: {request.method} {request.path}; known: {known}",
+                          code=ErrorCode.NOT_FOUND)
 
 
 def _handler(name: str, takes_model: bool, actions: AdminActions) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from viiwork import __version__
+from viiwork.agent import protocol_log
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.api import ClientApi
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
@@ -51,6 +52,7 @@ def setup_logging(level: str) -> None:
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    protocol_log.install()  # parser-refused requests: one WARNING line, then DEBUG
 
 
 async def make_runner(config: Config) -> Runner:

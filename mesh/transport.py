@@ -178,17 +178,24 @@ class MutualTlsSite(BaseSite):
 def gossip_routes(membership: Membership) -> list[web.RouteDef]:
     """The gossip endpoints for ``membership`` (added to the listener's application)."""
 
-    async def read_body(request: web.Request) -> bytes | None:
+    async def read_body(request: web.Request) -> bytes | int:
+        """The body, or the status to answer when it is dropped (and counted): 413 beyond
+        ``client_max_size`` (``oversized``), 400 when it cannot be read (``malformed``): a
+        ``Content-Encoding`` that does not decode or a broken chunked framing (aiohttp's
+        ``RequestPayloadError``)."""
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             membership.counters.drop(DropReason.OVERSIZED)
-            return None
+            return 413
+        except web.RequestPayloadError:
+            membership.counters.drop(DropReason.MALFORMED)
+            return 400
 
     async def exchange(request: web.Request) -> web.Response:
         body = await read_body(request)
-        if body is None:
-            return web.Response(status=413)
+        if isinstance(body, int):
+            return web.Response(status=body)
         reply = membership.on_digest_bytes(peer_of(request), body)
         if reply is None:
             return web.Response(status=400)
@@ -196,8 +203,8 @@ def gossip_routes(membership: Membership) -> list[web.RouteDef]:
 
     async def push(request: web.Request) -> web.Response:
         body = await read_body(request)
-        if body is None:
-            return web.Response(status=413)
+        if isinstance(body, int):
+            return web.Response(status=body)
         return web.Response(status=204 if membership.on_push_bytes(peer_of(request), body) else 400)
 
     return [web.post(EXCHANGE_PATH, exchange), web.post(PUSH_PATH, push)]

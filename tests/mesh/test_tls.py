@@ -142,3 +142,22 @@ async def test_authenticated_garbage_costs_a_counter(tmp_path, ca_node):
             assert resp.status == 413
     drops = node.membership.counters.drops
     assert drops["malformed"] == 1 and drops["oversized"] == 1
+
+
+async def test_undecodable_gzip_body_is_dropped_and_counted(tmp_path, ca_node):
+    """A peer's body whose ``Content-Encoding: gzip`` does not decode is a 400 and a
+    ``malformed`` drop on both gossip routes, never a 500 (mesh/transport.py ``read_body``)."""
+    node, ca = ca_node
+    enrol(tmp_path / "client", ca, "client")
+    ctx = client_ctx(tmp_path / "client" / "node.crt", tmp_path / "client" / "node.key", (ca / "ca.crt").read_bytes())
+    base = f"https://127.0.0.1:{node.listen_port}"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx),
+                                     timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for path in (EXCHANGE_PATH, "/mesh/v1/push"):
+            async with session.post(base + path, data=b"\x1f\x8b\x08garbage",
+                                    headers={"Content-Encoding": "gzip"}) as resp:
+                assert resp.status == 400, (path, await resp.text())
+        # The listener still serves the same peer afterwards.
+        async with session.post(base + EXCHANGE_PATH, data=node.membership.digest_bytes()) as resp:
+            assert resp.status == 200
+    assert node.membership.counters.drops["malformed"] == 2
