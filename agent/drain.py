@@ -12,8 +12,9 @@ counts until its last byte. The stop path (docs/architecture.md, "Stopping") wai
   event (``data: {"error": {...}}``, no ``[DONE]``: the form of
   :func:`viiwork.agent.errors.sse_error_event`) and its end; a request that sent nothing yet
   (queued, or waiting for an engine's or a peer's first byte) is answered 503 with
-  ``Retry-After``. Each is cancelled (its engine or peer connection closes, freeing the slot)
-  and answered from the middleware, within :data:`CUT_GRACE_S`.
+  ``Retry-After``; both carry the code ``draining`` (:class:`viiwork.agent.errors.ErrorCode`),
+  like new requests refused during the stop. Each is cancelled (its engine or peer connection
+  closes, freeing the slot) and answered from the middleware, within :data:`CUT_GRACE_S`.
 
 Which response a request has started is learned from aiohttp's ``on_response_prepare``
 signal (sent from the handler's own task when a stream's headers are written).
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from viiwork.agent.errors import error_response, sse_error_event
+from viiwork.agent.errors import ErrorCode, error_response, sse_error_event
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,11 @@ class InFlight:
         response = self._prepared.get(task)
         if response is None:
             self.cut_unstarted += 1
-            return error_response(503, self._message, retry_after_s=RETRY_AFTER_S)
+            return error_response(503, self._message, code=ErrorCode.DRAINING, retry_after_s=RETRY_AFTER_S)
         self.cut_streams += 1
         # The client may be gone, or the stream already complete (write after its end).
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await response.write(sse_error_event(503, self._message))
+            await response.write(sse_error_event(503, self._message, code=ErrorCode.DRAINING))
             await response.write_eof()
         return response
 

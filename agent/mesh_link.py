@@ -52,10 +52,10 @@ WANT_PATH = "/mesh/v1/want"
 OFFER_PATH = "/mesh/v1/offer"
 MESSAGE_MAX_BYTES = 4096  # a want or offer message larger than this is dropped
 MESSAGE_TIMEOUT_S = 2.0
-# Liveness a peer reaches when it stops answering (frozen, partitioned, crashed): forwards in
-# flight to it end (docs/routing.md, "Forwarding and retries before the first byte"). A peer
-# that left, drains or restarts stays alive or is `left`: its streams finish.
-LOST_LIVENESS = (Liveness.SUSPECT, Liveness.DEAD)
+# Forwards in flight to a peer end when the peer turns silent (Membership.silent: nothing
+# newer heard for suspect_after_ms), whatever state it publishes: a peer that drains, leaves
+# or restarts keeps gossiping while its streams finish, so silence means it froze, was cut
+# off or crashed (docs/routing.md, "Forwarding and retries before the first byte").
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +244,7 @@ class MeshLink:
         )
         self.node.subscribe(lambda _peer: self.wake_all())
         assert self.node.membership is not None
-        self.node.membership.on_liveness.append(self._on_liveness)
+        self.node.membership.on_silent.append(self._on_silent)
 
     def begin_stop(self, restart: bool) -> None:
         """The agent is stopping: publish ``restarting`` (``restart``: systemd starts it again,
@@ -326,17 +326,19 @@ class MeshLink:
 
     @contextlib.contextmanager
     def watch_peer(self, node_id: NodeId) -> Iterator[asyncio.Event]:
-        """An event for one forward to ``node_id``: set once the peer is ``suspect`` or
-        ``dead`` in this node's view (at once when it already is, or is no longer known).
+        """An event for one forward to ``node_id``: set once the peer is silent in this
+        node's view (``Membership.silent``: no summary newer than ``suspect_after_ms``; at once
+        when it already is, or is not known), whatever state it publishes.
 
-        Liveness is re-evaluated on every gossip round, so the event is set within
+        Silence is re-evaluated on every gossip round, so the event is set within
         ``suspect_after_ms`` + one ``gossip_interval_ms`` of the peer's last summary. A peer
-        that publishes ``leaving``, ``draining`` or ``restarting`` does not set it: its streams
-        finish.
+        that publishes ``leaving``, ``draining`` or ``restarting`` keeps gossiping while it
+        stops, so it does not set it while it answers: its streams finish. The restart grace
+        (``restart_grace_ms``) governs tombstones only, not forwards in flight.
         """
         event = asyncio.Event()
         membership = self.node.membership
-        if membership is None or membership.liveness(node_id) in (*LOST_LIVENESS, None):
+        if membership is None or membership.silent(node_id):
             event.set()
         watchers = self._watches.setdefault(node_id, set())
         watchers.add(event)
@@ -347,13 +349,8 @@ class MeshLink:
             if not watchers:
                 self._watches.pop(node_id, None)
 
-    def _on_liveness(self, node_id: NodeId, old: Liveness, new: Liveness) -> None:
-        if new not in LOST_LIVENESS or node_id not in self._watches:
-            return
-        record = self.node.membership.records.get(node_id) if self.node.membership is not None else None
-        if record is not None and record.summary.payload.state is PublishedState.RESTARTING:
-            return  # back soon: what it relays runs to its end (docs/routing.md)
-        for event in self._watches[node_id]:
+    def _on_silent(self, node_id: NodeId) -> None:
+        for event in self._watches.get(node_id, ()):
             event.set()
 
     def queue(self, model: str) -> MeshWaitQueue:

@@ -25,6 +25,11 @@ Rules (DESIGN §5, §11.7):
   ``suspect``, else ``dead``; a published ``leaving`` state is ``left`` at once; a peer
   whose newest summary says ``restarting`` (protocol 3) stays ``suspect`` for
   ``restart_grace_ms`` of silence (its agent is coming back) before it is ``dead``.
+- **Silence** is apart from liveness: a peer is ``silent`` once nothing newer of it was
+  heard for ``suspect_after_ms``, whatever state it publishes (``serving``, ``draining``,
+  ``leaving``, ``restarting``). A node that drains or leaves keeps publishing heartbeats
+  until it stops, so its silence means it froze or was cut off; ``on_silent`` fires once
+  per silence, and work in flight on that peer is given up (docs/routing.md).
 - **Tombstones**: dead and left nodes stay in the table (and in digests, so nobody resends
   their old summaries) for ``tombstone_ttl_ms``; only a newer (generation, seq) that is
   itself fresh brings a node back. A stale relay's copy is older (dropped) or carries its
@@ -220,6 +225,7 @@ class _Record:
     heard_at: float
     received_at: float
     liveness: Liveness = Liveness.ALIVE
+    silent: bool = False  # heard_at older than suspect_ms at the last tick
     need_cert: bool = False
     rtt_ms: float | None = None
 
@@ -260,7 +266,9 @@ class Membership:
 
     Callbacks in ``on_update`` are called with a node id after a newer summary of it was
     accepted, and ``on_liveness`` with (node id, old, new) on liveness transitions; both are
-    called synchronously and must not block or raise.
+    called synchronously and must not block or raise. Callbacks in ``on_silent`` are called
+    with a node id when, at a :meth:`tick`, nothing newer of it was heard for
+    ``suspect_after_ms`` (see :meth:`silent`); once per silence, whatever its liveness.
     """
 
     def __init__(self, node_id: NodeId, mesh_id: str, certificate_der: bytes, policy: TrustPolicy,
@@ -295,6 +303,7 @@ class Membership:
         self.rounds = 0
         self.on_update: list[Callable[[NodeId], None]] = []
         self.on_liveness: list[Callable[[NodeId, Liveness, Liveness], None]] = []
+        self.on_silent: list[Callable[[NodeId], None]] = []
         rate = settings.peer_rate_per_s or max(40.0, 20 * 1000.0 / settings.gossip_interval_ms)
         burst = settings.peer_burst or int(2 * rate)
         self._limiter = PeerRateLimiter(rate, burst, max_buckets=2 * settings.max_peers)
@@ -348,6 +357,11 @@ class Membership:
             new = self._liveness_of(rec, now)
             if new is not rec.liveness:
                 self._transition(node_id, rec, new)
+            silent = now - rec.heard_at >= self.suspect_ms
+            was_silent, rec.silent = rec.silent, silent
+            if silent and not was_silent:
+                for cb in self.on_silent:
+                    cb(node_id)
             if new in (Liveness.DEAD, Liveness.LEFT) and now - rec.heard_at > self.settings.tombstone_ttl_ms:
                 reap.append(node_id)
         for node_id in reap:
@@ -363,6 +377,14 @@ class Membership:
     def liveness(self, node_id: NodeId) -> Liveness | None:
         rec = self.records.get(node_id)
         return None if rec is None else self._liveness_of(rec, self.clock())
+
+    def silent(self, node_id: NodeId) -> bool:
+        """True when nothing newer of ``node_id`` was heard for ``suspect_after_ms`` (by
+        this node's clock, for the current fleet size), or the node is not known: whatever
+        state it publishes, it is not answering. A node that drains, leaves or restarts
+        still publishes until it stops (module doc, "Silence")."""
+        rec = self.records.get(node_id)
+        return rec is None or self.clock() - rec.heard_at >= self.suspect_ms
 
     # --- accepting summaries ------------------------------------------------------------------
 

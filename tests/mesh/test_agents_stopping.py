@@ -186,6 +186,43 @@ async def test_a_drained_peer_is_seen_draining_gets_no_new_forward_then_leaves(t
         exit_within(b, DRAIN_S + STOP_S + 5)
 
 
+async def test_a_leaving_peer_that_freezes_ends_the_relayed_stream_within_suspect_after(tmp_path: Path) -> None:
+    """A relays a 50 s stream from B. SIGTERM to B: A sees B ``left`` and the stream goes on
+    (B keeps gossiping while it drains). Then SIGSTOP B: silent for ``suspect_after_ms``, it
+    no longer holds A's client, whose stream ends with an SSE error event within
+    ``suspect_after_ms`` + 2 s, not ``api.stream_idle_timeout_s`` (120 s) later
+    (docs/routing.md, "Forwarding and retries before the first byte")."""
+    binary = fake_engine_binary(tmp_path / "bin")
+    suspect_s = 1.0  # mesh.suspect_after_ms of extra()
+    with ExitStack() as stack:
+        agents = start_mesh(stack, tmp_path, {"a": [], "b": [model("shared", binary)]})
+        a, b = agents["a"], agents["b"]
+        async with aiohttp.ClientSession() as http:
+            stream = await open_stream(http, f"{a.url}/v1/chat/completions", chat("shared", 1000))
+            assert stream.headers["X-Viiwork-Node"] == "node-b"
+            b.proc.send_signal(signal.SIGTERM)
+            assert await first_change(http, a, "node-b", "liveness", "alive") == "left"
+            await asyncio.sleep(3 * suspect_s)  # left for longer than suspect_after: still streaming
+            line = b"\n"
+            while line == b"\n":
+                line = await stream.content.readline()
+            assert line.startswith(b"data: ") and b"error" not in line, line
+            b.proc.send_signal(signal.SIGSTOP)
+            try:
+                frozen = time.monotonic()
+                raw = await asyncio.wait_for(stream.content.read(), 30)
+                errored_s = time.monotonic() - frozen
+            finally:
+                b.proc.send_signal(signal.SIGCONT)
+                stream.close()
+        events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+        assert "[DONE]" not in events and "error" in json.loads(events[-1]), events[-3:]
+        assert errored_s < suspect_s + 2, f"the stream ended {errored_s:.2f} s after B froze"
+        exit_within(b, DRAIN_S + STOP_S + 5)
+    print(f"\nB leaving, then frozen: A's relayed stream ended with an error event {errored_s:.2f} s after "
+          f"SIGSTOP (suspect_after_ms = {suspect_s * 1000:.0f})")
+
+
 @pytest.fixture
 def standalone(tmp_path: Path) -> Iterator[Agent]:
     """One agent without a mesh, one slot, and a drain timeout of 1 s."""
@@ -213,8 +250,11 @@ async def test_what_outlives_the_drain_timeout_ends_with_an_error_event_or_a_503
         assert "[DONE]" not in events
         error = json.loads(events[-1])["error"]
         assert error["type"] == "unavailable_error" and "drain_timeout_s" in error["message"]
+        assert error["code"] == "draining"
         resp = await waiting
-        assert resp.status == 503 and "Retry-After" in resp.headers and "drain_timeout_s" in await resp.text()
+        assert resp.status == 503 and "Retry-After" in resp.headers
+        refused = (await resp.json())["error"]
+        assert refused["code"] == "draining" and "drain_timeout_s" in refused["message"]
         resp.close()
     exit_within(agent, 1 + STOP_S + 5)
     print(f"\nSIGTERM, drain_timeout_s = 1: the stream ended with an error event after {cut_s:.2f} s, the "

@@ -76,6 +76,52 @@ def test_a_leaving_peer_is_left_at_once_and_a_silent_serving_one_dead_after_dead
     assert mv.liveness(quiet.node_id) is Liveness.DEAD
 
 
+@pytest.mark.parametrize("state", [PublishedState.LEAVING, PublishedState.RESTARTING,
+                                   PublishedState.DRAINING, PublishedState.SERVING])
+def test_a_peer_heard_from_is_not_silent_and_one_quiet_for_suspect_after_is_whatever_it_publishes(
+        ca, clock, state):
+    """Silence (what ends forwards in flight, docs/routing.md) is apart from liveness: while
+    the peer keeps heartbeating it is not silent, even ``left``; once nothing newer came for
+    ``suspect_after_ms`` it is silent, ``on_silent`` fires once, and a newer summary ends the
+    silence. For ``leaving`` the liveness stays ``left``, for ``restarting`` the grace keeps it
+    ``suspect`` (not dead): neither hides the silence."""
+    peer, viewer = ca.node("p"), ca.node("v")
+    mp, pp = core(peer, ca, clock, settings=SETTINGS, protocol=PROTOCOL_VERSION)
+    mv, _ = core(viewer, ca, clock, settings=SETTINGS, protocol=PROTOCOL_VERSION, seed=1)
+    pp.set_local([chat_model()], state)
+    silent: list = []
+    mv.on_silent.append(silent.append)
+    for _ in range(10):  # heartbeats every 500 ms for 5 s: never silent
+        pp.maybe_publish()
+        exchange(mp, mv, "v:8087")
+        clock.advance(500)
+        mv.tick()
+        assert not mv.silent(peer.node_id)
+    assert silent == [] and mv.liveness(peer.node_id) is (Liveness.LEFT if state is PublishedState.LEAVING
+                                                          else Liveness.ALIVE)
+    clock.advance(SETTINGS.suspect_after_ms - 500 - 1)  # 1 ms short of suspect_after since the last summary
+    mv.tick()
+    assert not mv.silent(peer.node_id) and silent == []
+    clock.advance(1)
+    assert mv.silent(peer.node_id)
+    mv.tick()
+    assert silent == [peer.node_id]
+    for _ in range(3):
+        clock.advance(1000)
+        mv.tick()
+    assert silent == [peer.node_id]  # once per silence
+    expected = {PublishedState.LEAVING: Liveness.LEFT, PublishedState.RESTARTING: Liveness.SUSPECT}
+    assert mv.liveness(peer.node_id) is expected.get(state, Liveness.SUSPECT)
+    pp.maybe_publish()  # heard again: the silence ends, and the next one fires again
+    exchange(mp, mv, "v:8087")
+    mv.tick()
+    assert not mv.silent(peer.node_id)
+    clock.advance(SETTINGS.suspect_after_ms)
+    mv.tick()
+    assert silent == [peer.node_id, peer.node_id]
+    assert mv.silent(ca.node("unknown").node_id)  # not known: nothing to wait for
+
+
 def test_restarting_travels_as_leaving_to_a_protocol_2_peer(ca, clock):
     new, old = ca.node("new"), ca.node("old")
     m_new, p_new = core(new, ca, clock, settings=SETTINGS, protocol=3)
