@@ -8,7 +8,7 @@
 - After the first byte there is no retry: an engine that dies or stays silent longer than
   ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event.
 - A forward to a peer can be given a ``lost`` event (``MeshLink.watch_peer``: the peer turned
-  suspect or dead). Before the first byte it abandons the forward (``Refused``: the caller
+  silent, whatever state it publishes). Before the first byte it abandons the forward (``Refused``: the caller
   routes again); after it, it ends the client's stream with a terminal SSE error event. The
   read is raced against the event (no polling): before the answer's headers by waiting on
   both, after them by failing the pending read (docs/routing.md, "Forwarding and retries
