@@ -34,7 +34,9 @@ class ClosingEngine:
     the second, after reading it. ``answered`` / ``closed``: counts."""
 
     def __init__(self) -> None:
-        self.served: set[int] = set()
+        # The transports themselves, not their id(): a closed transport's id can be reused by
+        # the next one, which would then be taken for a connection already served.
+        self.served: set[object] = set()
         self.answered = 0
         self.closed = 0
 
@@ -42,11 +44,11 @@ class ClosingEngine:
         body = await request.json()
         transport = request.transport
         assert transport is not None
-        if id(transport) in self.served:
+        if transport in self.served:
             self.closed += 1
             transport.close()  # the pooled socket dies under the agent's request
             raise web.HTTPServiceUnavailable()  # never written: the connection is gone
-        self.served.add(id(transport))
+        self.served.add(transport)
         self.answered += 1
         if not body.get("stream"):
             return web.json_response(ANSWER, headers={"Connection": "keep-alive"})
