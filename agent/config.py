@@ -82,6 +82,7 @@ class ApiConfig(_Strict):
     listen: str = "0.0.0.0:8086"
     max_body_bytes: int = Field(default=32 * MiB, ge=1024)
     stream_idle_timeout_s: float = Field(default=120.0, gt=0)
+    client_stall_timeout_s: float = Field(default=10.0, gt=0)
     admin_socket: Path = Field(default=Path("/run/viiwork/admin.sock"), strict=False)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))

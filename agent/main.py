@@ -117,7 +117,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
     async with contextlib.AsyncExitStack() as stack:
         probe_http = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True)))
-        upstream = await stack.enter_async_context(Upstream(config.api.stream_idle_timeout_s))
+        upstream = await stack.enter_async_context(Upstream(
+            config.api.stream_idle_timeout_s, client_stall_timeout_s=config.api.client_stall_timeout_s))
         supervisor: Supervisor | None = None
         gpus = GpuMonitor(backends=lambda: [b for rt in supervisor.models.values() for b in rt.backends]
                           if supervisor else [])

@@ -18,6 +18,12 @@
   request and per chunk: same rule, a fraction of the cost on the hot path.
 - A client that disconnects cancels the handler (aiohttp ``handler_cancellation``); leaving
   the upstream request's context closes its connection, and the engine frees the slot.
+- A client that stays connected but stops reading (or a frozen origin, on a peer) is treated
+  as gone once one write of the stream waits longer than ``client_stall_timeout_s``: the
+  upstream is closed (the engine frees the slot) and the client's connection aborted. The
+  timer is armed only for a write that may wait (the transport is paused, or its buffer would
+  pass the low-water mark), so the hot path pays no per-chunk ``asyncio.timeout``
+  (docs/routing.md, "Forwarding and retries before the first byte").
 - A non-streamed request to a local engine whose adapter says a closed connection does not
   stop a non-streamed generation (``nonstream_stops_on_disconnect`` False) is sent as a stream
   and its answer assembled into the non-streamed form (agent/assemble.py; the only body change
@@ -53,6 +59,10 @@ class _ClientGone(Exception):
     """The client closed its connection; nothing more can be written to it."""
 
 
+class _ClientStalled(_ClientGone):
+    """One write to the client waited longer than ``client_stall_timeout_s``."""
+
+
 class PeerLost(Exception):
     """The peer a forward waits on turned suspect or dead in this node's mesh view."""
 
@@ -79,10 +89,15 @@ class Upstream:
 
     stream_idle_timeout_s: longest silence tolerated from an engine once it has answered
     (per chunk while streaming, and for the whole body otherwise).
+    client_stall_timeout_s: longest wait on one write of a stream to a client that does not
+    read (``api.client_stall_timeout_s``); then the client is treated as gone.
     """
 
-    def __init__(self, stream_idle_timeout_s: float, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, stream_idle_timeout_s: float, connect_timeout_s: float = 5.0,
+                 client_stall_timeout_s: float = 10.0) -> None:
         self.stream_idle_timeout_s = stream_idle_timeout_s
+        self.client_stall_timeout_s = client_stall_timeout_s
+        self.client_stalls = 0
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self.stale_retries = 0
@@ -290,17 +305,41 @@ class Upstream:
         response.headers["X-Accel-Buffering"] = "no"
         await response.prepare(request)
         idle = self.stream_idle_timeout_s
+        stall = self.client_stall_timeout_s
         read = upstream.content.readany
         write = response.write
+        transport = request.transport
+        if transport is None:  # the client left while the engine was answering
+            upstream.close()
+            return response
+        # A write can wait (aiohttp drains) only while the transport is paused, which it stays
+        # only above its low-water mark, or when this chunk takes the buffer over the mark.
+        buffered = transport.get_write_buffer_size
+        low_water = transport.get_write_buffer_limits()[0]
+        protocol = request.protocol
         try:
             while True:
                 chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
                 if not chunk:
                     break
                 try:
-                    await write(chunk)
+                    if protocol.writing_paused or buffered() + len(chunk) > low_water:
+                        try:
+                            async with asyncio.timeout(stall):
+                                await write(chunk)
+                        except TimeoutError as exc:
+                            raise _ClientStalled from exc
+                    else:
+                        await write(chunk)
                 except ConnectionError as exc:
                     raise _ClientGone from exc
+        except _ClientStalled:
+            self.client_stalls += 1
+            log.warning("client of a stream from %s read nothing for %g s (api.client_stall_timeout_s); "
+                        "closing both connections", backend.id, stall)
+            upstream.close()
+            transport.abort()
+            return response
         except _ClientGone:
             # Leaving forward() releases the upstream connection unread: aiohttp closes it,
             # and the engine stops generating.
