@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from support.api_app import agent_api
 from support.procs import fake_engine
-from viiwork.agent.api import ClientApi
 from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.agent.config import ModelConfig
-from viiwork.agent.proxy import Upstream
 from viiwork.engines.registry import get_engine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -33,24 +29,6 @@ def make_runtime(name: str, ports: list[int], parallel: int, kind: str = "chat")
         rt.backends.append(Backend(id=BackendId(f"{name}#{i}"), model=name, index=i,
                                    state=BackendState.HEALTHY, port=port, parallel=parallel))
     return rt
-
-
-@asynccontextmanager
-async def agent_api(runtimes: Mapping[str, ModelRuntime], *, max_body_bytes: int = 1 << 20, queue_max: int = 8,
-                    queue_timeout_s: float = 10, idle_s: float = 10) -> AsyncIterator[tuple[str, ClientApi]]:
-    async with Upstream(idle_s) as upstream:
-        api = ClientApi(node_name="test-node", runtimes=dict(runtimes), upstream=upstream,
-                        max_body_bytes=max_body_bytes, queue_max=queue_max, queue_timeout_s=queue_timeout_s,
-                        status_source=lambda: [{"name": n} for n in runtimes])
-        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            yield f"http://127.0.0.1:{port}", api
-        finally:
-            await runner.cleanup()
 
 
 def sse_events(raw: bytes) -> list[str]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,14 +18,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from support.api_app import agent_api
 from support.procs import fake_engine
 from support.replay import Captured, ReplayServer, read_capture, refused_base_url
 from viiwork.agent.admin import ActionError, AdminActions, build_admin_app
-from viiwork.agent.api import ClientApi
 from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.agent.config import ModelConfig
 from viiwork.agent.errors import engine_error, engine_message
-from viiwork.agent.proxy import Upstream
 from viiwork.engines.registry import get_engine
 
 CAPTURES = Path(__file__).resolve().parent.parent / "engines"
@@ -47,23 +45,6 @@ def make_runtime(name: str, port: int, kind: str = "chat", parallel: int = 2, en
     rt.backends.append(Backend(id=BackendId(f"{name}#0"), model=name, index=0, state=BackendState.HEALTHY,
                                port=port, parallel=parallel))
     return rt
-
-
-@asynccontextmanager
-async def agent_api(runtimes: Mapping[str, ModelRuntime], *, max_body_bytes: int = 1 << 20, queue_max: int = 8,
-                    queue_timeout_s: float = 10, idle_s: float = 10) -> AsyncIterator[tuple[str, ClientApi]]:
-    async with Upstream(idle_s) as upstream:
-        api = ClientApi(node_name="test-node", runtimes=dict(runtimes), upstream=upstream,
-                        max_body_bytes=max_body_bytes, queue_max=queue_max, queue_timeout_s=queue_timeout_s,
-                        status_source=lambda: [{"name": n} for n in runtimes])
-        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}", api
-        finally:
-            await runner.cleanup()
 
 
 def assert_error(doc: dict, status_type: str, code: str | None, param: str | None = None) -> dict:

@@ -1,0 +1,31 @@
+"""A real ClientApi app on loopback in front of given runtimes (no supervisor, no mesh):
+the client API and proxy exactly as the agent runs them, for tests that supply backends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+from viiwork.agent.api import ClientApi
+from viiwork.agent.backends import ModelRuntime
+from viiwork.agent.proxy import Upstream
+
+
+@asynccontextmanager
+async def agent_api(runtimes: Mapping[str, ModelRuntime], *, max_body_bytes: int = 1 << 20, queue_max: int = 8,
+                    queue_timeout_s: float = 10, idle_s: float = 10) -> AsyncIterator[tuple[str, ClientApi]]:
+    """Yields the app's base URL and its ClientApi; ``idle_s``: api.stream_idle_timeout_s."""
+    async with Upstream(idle_s) as upstream:
+        api = ClientApi(node_name="test-node", runtimes=dict(runtimes), upstream=upstream,
+                        max_body_bytes=max_body_bytes, queue_max=queue_max, queue_timeout_s=queue_timeout_s,
+                        status_source=lambda: [{"name": n} for n in runtimes])
+        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}", api
+        finally:
+            await runner.cleanup()
