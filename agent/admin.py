@@ -7,6 +7,8 @@ Commands are listed once in ``viiwork.agent.control``; ``AdminApi`` maps each to
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import grp
 import logging
 import os
@@ -98,11 +100,49 @@ def _handler(name: str, takes_model: bool, actions: AdminActions) -> Callable[[w
     return handle
 
 
+class AdminSocketInUse(OSError):
+    """The admin socket path is taken: a live agent answers on it, or it is not a socket."""
+
+
+#: How long a connect to an existing admin socket may take before it counts as answered
+#: (a live agent whose backlog is full: never taken over).
+STALE_PROBE_TIMEOUT_S = 1.0
+
+
+async def _remove_if_stale(path: Path) -> None:
+    """Remove ``path`` when it is a socket that nothing listens on (connect: ECONNREFUSED);
+    raise AdminSocketInUse when something answers, or when it is not a socket."""
+    if not path.is_socket():
+        raise AdminSocketInUse(f"{path} exists and is not a socket: move it away, or set api.admin_socket elsewhere")
+    try:
+        async with asyncio.timeout(STALE_PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_unix_connection(str(path))
+    except ConnectionRefusedError:
+        log.info("removing stale admin socket %s: nothing listens on it", path)
+        path.unlink(missing_ok=True)
+        return
+    except FileNotFoundError:
+        return
+    except TimeoutError:
+        raise AdminSocketInUse(f"{path} is held by a process that accepts no connection within "
+                               f"{STALE_PROBE_TIMEOUT_S:g} s (a busy agent, its backlog full): it is not taken over; stop that "
+                               "agent, or give this one its own api.admin_socket") from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    raise AdminSocketInUse(f"another agent answers on {path}: it is not taken over; stop that agent, or give "
+                           "this one its own api.admin_socket")
+
+
 async def start_admin_site(runner: web.AppRunner, path: Path) -> web.UnixSite:
-    """Bind the admin socket at ``path`` (stale socket removed), mode 0660, group viiwork-admin."""
+    """Bind the admin socket at ``path``, mode 0660, group viiwork-admin.
+
+    An existing socket is removed only when stale (nothing answers a connect); a live one
+    (another agent's) or a non-socket file is AdminSocketInUse: docs/security.md, "Local users".
+    """
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    if path.is_socket():
-        path.unlink()
+    if path.exists() or path.is_symlink():
+        await _remove_if_stale(path)
     site = web.UnixSite(runner, str(path))
     await site.start()
     os.chmod(path, 0o660)

@@ -38,6 +38,7 @@ from viiwork.agent.errors import ErrorCode, error_response
 from viiwork.agent.offers import OFFER_HEADER
 from viiwork.agent.proxy import REFUSED_HEADER, Refused, Upstream
 from viiwork.agent.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
+from viiwork.mesh.dialing import expect_node
 from viiwork.mesh.transport import peer_of
 from viiwork.engines.contract import Kind
 
@@ -70,8 +71,12 @@ class ClientApi:
         status_source: Callable[[], list[dict[str, Any]]],
         extra_status: dict[str, Callable[[], Any]] | None = None,
         forward_retry: int = 1,
+        body_read_timeout_s: float = 30.0,
     ) -> None:
         self.node_name = node_name
+        self.body_read_timeout_s = body_read_timeout_s
+        # More /metrics lines (the listener's connection counters, malformed requests).
+        self.metric_sources: list[Callable[[], list[str]]] = []
         self.forward_retry = forward_retry
         self.mesh: MeshLink | None = None
         self.runtimes = runtimes
@@ -149,7 +154,7 @@ class ClientApi:
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
         try:
-            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes")
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s)
             payload = parse_json_object(body)
         except BodyError as exc:
             return self._count("-", error_response(exc.status, str(exc), code=exc.code))
@@ -277,7 +282,9 @@ class ClientApi:
                         headers = self._where(decision.name, "", started, request_id)
                         log.debug("request %s for %s: forwarding to %s%s", request_id, model, decision.name,
                                   " (offered slot)" if offer else "")
-                        extra = {"X-Viiwork-Origin": self.node_name}
+                        # expect_node: refused before a byte is sent unless the TLS peer is
+                        # that node (viiwork.mesh.dialing); a refusal routes it again.
+                        extra = {"X-Viiwork-Origin": self.node_name, **expect_node(target.node_id)}
                         if offer is not None:
                             extra[OFFER_HEADER] = offer[1]
                         if waiter is not None:  # not waiting while the forward is in flight
@@ -361,7 +368,7 @@ class ClientApi:
         # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
         # listener's client_max_size, which bounds gossip's request.read()).
         try:
-            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes")
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s)
             payload = parse_json_object(body)
         except BodyError as exc:
             return error_response(exc.status, f"forwarded request is malformed: {exc}", code=exc.code)
@@ -499,6 +506,8 @@ class ClientApi:
                       for event, n in sorted(self.mesh.offer_counters.items())]
             lines += ["# HELP viiwork_mesh_slots_held Local slots kept for an offer now.",
                       "# TYPE viiwork_mesh_slots_held gauge", f"viiwork_mesh_slots_held {len(self.mesh.holds)}"]
+        for source in self.metric_sources:
+            lines += source()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

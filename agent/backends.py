@@ -66,14 +66,20 @@ class Backend:
     started_at: float | None = None
     healthy_since: float | None = None
     parallel: int = 1
+    # The engine's per-backend key (agent/engine_keys.py): sent only to this backend, never
+    # shown (repr, /v1/status, logs).
+    api_key: str | None = field(default=None, repr=False)
+    # The Unix socket the engine listens on instead of ``port`` (engines that bind one).
+    socket_path: str | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        # A socket backend is reached through an aiohttp.UnixConnector: the host is a label.
+        return "http://localhost" if self.socket_path else f"http://127.0.0.1:{self.port}"
 
     @property
     def admitting(self) -> bool:
-        return self.state is BackendState.HEALTHY and self.port is not None
+        return self.state is BackendState.HEALTHY and (self.port is not None or self.socket_path is not None)
 
     @property
     def slots(self) -> int:

@@ -15,6 +15,7 @@ forward, want and offer routes) reads it here, so any input ends in a clear 4xx
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from itertools import accumulate
@@ -25,6 +26,8 @@ from aiohttp import web
 from viiwork.agent.errors import ErrorCode
 
 MAX_JSON_DEPTH = 64
+# The default for a read of a body that gets no byte (api.body_read_timeout_s, docs/configuration.md).
+BODY_READ_TIMEOUT_S = 30.0
 
 # A JSON string (RFC 8259 §7), unrolled so the regex engine does not backtrack per character.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -43,13 +46,16 @@ class BodyError(Exception):
         self.code = code
 
 
-async def read_body(request: web.Request, limit: int, setting: str) -> bytes:
+async def read_body(request: web.Request, limit: int, setting: str,
+                    read_timeout_s: float = BODY_READ_TIMEOUT_S) -> bytes:
     """The whole body of ``request``, at most ``limit`` bytes.
 
     ``setting`` names the limit in the error (e.g. "api.max_body_bytes"). Raises
     BodyError 413 ``body_too_large`` when ``Content-Length`` or the bytes received exceed
     ``limit`` (nothing more is read), 400 ``invalid_body`` when the body cannot be
-    decoded (bad chunked framing, a Content-Encoding that does not decode) or ends early.
+    decoded (bad chunked framing, a Content-Encoding that does not decode) or ends early,
+    408 ``body_read_timeout`` when one read gets no byte for ``read_timeout_s`` (a client
+    that stalls mid-body, or a chunked body that never ends and never sends).
     """
     length = request.content_length
     if length is not None and length > limit:
@@ -57,13 +63,15 @@ async def read_body(request: web.Request, limit: int, setting: str) -> bytes:
                         f"request body is {length} bytes; the limit is {limit} ({setting})")
     content = request.content
     try:
-        first = await content.read(limit + 1)
+        async with asyncio.timeout(read_timeout_s):
+            first = await content.read(limit + 1)
         if content.at_eof() or len(first) > limit:
             body = first
         else:
             parts = bytearray(first)
             while len(parts) <= limit:
-                chunk = await content.read(limit + 1 - len(parts))
+                async with asyncio.timeout(read_timeout_s):
+                    chunk = await content.read(limit + 1 - len(parts))
                 if not chunk:
                     break
                 parts += chunk
@@ -72,6 +80,9 @@ async def read_body(request: web.Request, limit: int, setting: str) -> bytes:
         raise BodyError(400, ErrorCode.INVALID_BODY, f"request body cannot be read: {_first_line(exc)}") from None
     except ConnectionError:
         raise BodyError(400, ErrorCode.INVALID_BODY, "request body ended early: the connection closed") from None
+    except TimeoutError:
+        raise BodyError(408, ErrorCode.BODY_READ_TIMEOUT, f"no byte of the request body arrived for "
+                        f"{read_timeout_s:g} s (api.body_read_timeout_s)") from None
     if len(body) > limit:
         raise BodyError(413, ErrorCode.BODY_TOO_LARGE, f"request body exceeds {limit} bytes ({setting})")
     return body

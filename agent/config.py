@@ -32,15 +32,33 @@ from viiwork.engines.registry import ENGINES, engine_names
 MiB = 1024 * 1024
 DEFAULT_CONFIG_PATH = Path("/etc/viiwork/viiwork.toml")
 
+# Bounds of the numbers in the file; docs/configuration.md gives each key's range. A number
+# past them is a typo, and an unbounded one reaches an engine as a flag (``--ctx-size``) or
+# the agent as a sleep: every duration is finite and at most a day.
+MAX_DURATION_S = 86_400.0
+MAX_DURATION_MS = 86_400_000
+MAX_PARALLEL = 1024
+# ctx_per_slot * parallel stays below this: llama.cpp's n_ctx (the --ctx-size it is given) is
+# a 32-bit int.
+MAX_CTX_TOTAL = 2**31
+MAX_GPU_INDEX = 1023
+
 
 class _Strict(BaseModel):
     # strict: TOML has real types, so "4" for an integer or "yes" for a boolean is a
     # mistake to report, not to coerce. Paths and enums opt out (TOML has no such types).
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
+    # allow_inf_nan: a float key is finite (inf and nan pass no bound; tests/unit/test_config_bounds.py
+    # checks every numeric key of every section has an upper bound).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False
+    )
 
 
-def parse_hostport(value: str, field: str = "address") -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 as ``[::1]:8086``); ValueError naming the problem."""
+def parse_hostport(value: str, field: str = "address", *, allow_port_zero: bool = True) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:8086``); ValueError naming the problem.
+
+    Port 0..65535; 1..65535 with ``allow_port_zero=False`` (an address to dial: port 0 is
+    only meaningful to bind, as "any free port")."""
     if not isinstance(value, str) or ":" not in value:
         raise ValueError(f"{field} must be host:port, got {value!r}")
     host, _, port_text = value.rpartition(":")
@@ -52,8 +70,9 @@ def parse_hostport(value: str, field: str = "address") -> tuple[str, int]:
         port = int(port_text)
     except ValueError:
         raise ValueError(f"{field} port must be a number, got {port_text!r}") from None
-    if not 0 <= port < 65536:
-        raise ValueError(f"{field} port must be 0..65535, got {port}")
+    low = 0 if allow_port_zero else 1
+    if not low <= port < 65536:
+        raise ValueError(f"{field} port must be {low}..65535, got {port}")
     return host, port
 
 
@@ -80,9 +99,15 @@ class ApiConfig(_Strict):
     """The client API (HTTP) and the admin socket."""
 
     listen: str = "0.0.0.0:8086"
-    max_body_bytes: int = Field(default=32 * MiB, ge=1024)
-    stream_idle_timeout_s: float = Field(default=120.0, gt=0)
-    client_stall_timeout_s: float = Field(default=10.0, gt=0)
+    max_body_bytes: int = Field(default=32 * MiB, ge=1024, le=1024 * MiB)
+    stream_idle_timeout_s: float = Field(default=120.0, gt=0, le=MAX_DURATION_S)
+    client_stall_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    # Connection limits (agent/api_listener.py; docs/configuration.md gives the reasons).
+    head_timeout_s: float = Field(default=10.0, gt=0, le=3600.0)
+    body_read_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    keepalive_timeout_s: float = Field(default=75.0, gt=0, le=MAX_DURATION_S)
+    max_connections: int = Field(default=4096, ge=1, le=1_000_000)
+    max_connections_per_address: int = Field(default=1024, ge=0, le=1_000_000)  # 0: no per-address cap
     admin_socket: Path = Field(default=Path("/run/viiwork/admin.sock"), strict=False)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
@@ -91,14 +116,14 @@ class ApiConfig(_Strict):
 class HealthConfig(_Strict):
     """The health ladder (DESIGN §4)."""
 
-    interval_s: float = Field(default=5.0, gt=0)
-    timeout_s: float = Field(default=10.0, gt=0)
-    max_failures: int = Field(default=3, ge=1)
-    max_respawns: int = Field(default=3, ge=0)
-    drain_timeout_s: float = Field(default=60.0, ge=0)
-    respawn_backoff_s: float = Field(default=1.0, gt=0)
-    respawn_backoff_max_s: float = Field(default=60.0, gt=0)
-    healthy_refill_s: float = Field(default=600.0, gt=0)
+    interval_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
+    timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    max_failures: int = Field(default=3, ge=1, le=1000)
+    max_respawns: int = Field(default=3, ge=0, le=1000)
+    drain_timeout_s: float = Field(default=60.0, ge=0, le=MAX_DURATION_S)
+    respawn_backoff_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S)
+    respawn_backoff_max_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    healthy_refill_s: float = Field(default=600.0, gt=0, le=MAX_DURATION_S)
 
 
 class SupervisorConfig(_Strict):
@@ -107,20 +132,20 @@ class SupervisorConfig(_Strict):
     runner: Literal["auto", "systemd", "process"] = "auto"
     bus: Literal["system", "user"] = "system"
     bus_address: str | None = None
-    max_parallel_loads: int = Field(default=1, ge=1)
-    stop_timeout_s: float = Field(default=10.0, gt=0)
-    load_poll_interval_s: float = Field(default=1.0, gt=0)
-    load_stale_after_s: float = Field(default=3.0, gt=0)
+    max_parallel_loads: int = Field(default=1, ge=1, le=1024)
+    stop_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    load_poll_interval_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S)
+    load_stale_after_s: float = Field(default=3.0, gt=0, le=MAX_DURATION_S)
     log_dir: Path | None = Field(default=None, strict=False)
 
 
 class RoutingConfig(_Strict):
     """Admission and routing (DESIGN §6)."""
 
-    queue_max: int = Field(default=64, ge=0)
-    queue_timeout_s: float = Field(default=20.0, gt=0)
-    forward_retry: int = Field(default=1, ge=0)
-    stale_after_ms: int = Field(default=3000, ge=1)
+    queue_max: int = Field(default=64, ge=0, le=65536)
+    queue_timeout_s: float = Field(default=20.0, gt=0, le=MAX_DURATION_S)
+    forward_retry: int = Field(default=1, ge=0, le=64)
+    stale_after_ms: int = Field(default=3000, ge=1, le=MAX_DURATION_MS)
     slot_offers: bool = True
 
 
@@ -137,11 +162,11 @@ class MeshConfig(_Strict):
     ca_certificate: Path | None = Field(default=None, strict=False)
     node_certificate: Path | None = Field(default=None, strict=False)
     node_key: Path | None = Field(default=None, strict=False)
-    gossip_interval_ms: int = Field(default=500, ge=10)
-    fanout: int = Field(default=3, ge=1)
-    suspect_after_ms: int = Field(default=2000, ge=1)
-    dead_after_ms: int = Field(default=10000, ge=1)
-    max_peers: int = Field(default=1024, ge=1)
+    gossip_interval_ms: int = Field(default=500, ge=10, le=MAX_DURATION_MS)
+    fanout: int = Field(default=3, ge=1, le=1024)
+    suspect_after_ms: int = Field(default=2000, ge=1, le=MAX_DURATION_MS)
+    dead_after_ms: int = Field(default=10000, ge=1, le=MAX_DURATION_MS)
+    max_peers: int = Field(default=1024, ge=1, le=65536)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
 
@@ -149,7 +174,7 @@ class MeshConfig(_Strict):
     @classmethod
     def _seeds(cls, v: list[str]) -> list[str]:
         for seed in v:
-            parse_hostport(seed, "seed")
+            parse_hostport(seed, "seed", allow_port_zero=False)
         return v
 
     @model_validator(mode="before")
@@ -196,18 +221,18 @@ class ModelConfig(_Strict):
     path: str = Field(min_length=1)
     kind: Kind = Field(default=Kind.CHAT, strict=False)
     gpus: list[GpuRef] = Field(default_factory=list)
-    gpus_per_backend: int = Field(default=1, ge=1)
+    gpus_per_backend: int = Field(default=1, ge=1, le=MAX_GPU_INDEX + 1)
     backends: int | None = Field(default=None, ge=1, le=64)
-    ctx_per_slot: int = Field(default=4096, ge=1)
-    parallel: int = Field(default=4, ge=1)
+    ctx_per_slot: int = Field(default=4096, ge=1, le=MAX_CTX_TOTAL - 1)
+    parallel: int = Field(default=4, ge=1, le=MAX_PARALLEL)
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    startup_timeout_s: float | None = Field(default=None, gt=0)
+    startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     # Per-backend limits and sandbox, applied by the systemd runner (MemoryMax=, CPUWeight=,
     # TasksMax=, a profile of systemd.exec(5) options); the process runner ignores them.
-    memory_max_bytes: int | None = Field(default=None, ge=1024 * 1024)
+    memory_max_bytes: int | None = Field(default=None, ge=MiB, le=2**50)
     cpu_weight: int | None = Field(default=None, ge=1, le=10000)
-    tasks_max: int | None = Field(default=None, ge=1)
+    tasks_max: int | None = Field(default=None, ge=1, le=4_194_304)
     sandbox: Literal["none", "basic", "strict"] = "basic"
     options: Any = None
 
@@ -285,6 +310,15 @@ class ModelConfig(_Strict):
             for g in self.gpus:
                 if isinstance(g, int) and g < 0:
                     raise _PathError(("gpus",), f"gpu index must be >= 0, got {g}")
+                if isinstance(g, int) and g > MAX_GPU_INDEX:
+                    raise _PathError(("gpus",), f"gpu index must be <= {MAX_GPU_INDEX}, got {g}")
+        if self.ctx_per_slot * self.parallel >= MAX_CTX_TOTAL:
+            # Named at ctx_per_slot (the line shown); the message names both fields.
+            raise _PathError(("ctx_per_slot",), (
+                f"ctx_per_slot * parallel = {self.ctx_per_slot} * {self.parallel} = "
+                f"{self.ctx_per_slot * self.parallel} must be below 2**31 = {MAX_CTX_TOTAL} "
+                "(the engine's whole context, llama.cpp's --ctx-size)"
+            ))
         return self
 
     @property

@@ -676,6 +676,31 @@ def check_agent_config(facts: HostFacts) -> CheckResult:
              "`viiworkctl reload` (or `systemctl reload viiwork`) after `viiworkctl config check`")
 
 
+@check("agent.state_dir", "Writes into the state dir the agent could not make", agent=True)
+def check_agent_state_dir(facts: HostFacts) -> CheckResult:
+    """What the running agent could not persist into `node.state_dir` (a disk that filled or
+    turned read-only while it ran): the boot generation, open-mode name pins. The agent
+    keeps them in memory and retries every 5 s; it never stops over them.
+
+    - **degraded**: writes are pending: they are lost if the agent stops before the disk
+      is fixed (a lower boot generation is corrected by the mesh; lost pins are pinned afresh).
+    - **skipped**: an agent too old to report it.
+    """
+    r = _result("agent.state_dir")
+    section = _agent_status(facts).get("state_dir")
+    if not isinstance(section, Mapping):
+        raise Skip("the agent does not report its state dir (older version)")
+    pending = [p for p in section.get("pending_writes") or [] if isinstance(p, Mapping)]
+    path = section.get("path", "?")
+    if not pending:
+        return r(Verdict.OK, f"every write into {path} succeeded")
+    detail = "; ".join(f"{p.get('what')}: {p.get('error')} ({p.get('errno')}, {p.get('attempts')} attempt(s))"
+                       for p in pending)[:300]
+    return r(Verdict.DEGRADED, f"{_plural(len(pending), 'write')} into {path} pending: {detail}",
+             "kept in memory and retried every 5 s; lost if the agent stops first",
+             f"free space on (or remount read-write) the file system holding {path}: `df -h {path}`")
+
+
 @check("agent.gpus", "GPU problems the agent has seen", agent=True)
 def check_agent_gpus(facts: HostFacts) -> list[CheckResult]:
     """The running agent's GPU section: backends on a GPU that vanished, and backends whose
@@ -706,6 +731,34 @@ def check_agent_gpus(facts: HostFacts) -> list[CheckResult]:
         verified = sum(1 for p in section.get("placements") or [] if p.get("verdict") == "ok")
         results.append(r(Verdict.OK, f"{_plural(len(gpus), 'GPU')}, {verified} backend placement(s) verified"))
     return results
+
+
+@check("agent.mesh_identity", "One agent per node identity in the mesh", agent=True)
+def check_agent_mesh_identity(facts: HostFacts) -> CheckResult:
+    """Whether another running agent publishes this node's id (its state dir was copied to a
+    second machine, so both hold one key): docs/mesh.md, "One node per identity".
+
+    - **fail**: two agents run this node id; peers route to neither while it lasts, and the
+      one with the higher boot stops (exit 78).
+    - **skipped**: no mesh, or an agent too old to report it.
+    """
+    r = _result("agent.mesh_identity")
+    mesh = _agent_status(facts).get("mesh")
+    if not isinstance(mesh, Mapping) or not isinstance(mesh.get("self"), Mapping):
+        raise Skip("the agent runs no mesh")
+    me = mesh["self"]
+    if "identity_conflict" not in me:
+        raise Skip("the agent does not report identity conflicts (older version)")
+    conflict = me.get("identity_conflict")
+    if not isinstance(conflict, Mapping):
+        return r(Verdict.OK, f"no other agent publishes node id {me.get('id', '?')}")
+    fate = "this agent stops" if conflict.get("this_boot_leaves") else "the other agent stops"
+    return r(Verdict.FAIL, f"node id {me.get('id', '?')} is also run by the agent at "
+                           f"{conflict.get('other_address') or '?'} (boot {conflict.get('other_boot', '?')}; this "
+                           f"boot {conflict.get('this_boot', '?')}): {fate}",
+             "peers route to neither while both run; the two raise their boot generations against each other",
+             "give each machine its own node.state_dir: start the copy from an empty state dir (a new key, so a new "
+             "node id) and, with trust = \"ca\", enrol it (`viiworkctl mesh request`, `mesh sign`, `mesh install`)")
 
 
 # -- running the registry -------------------------------------------------------------------

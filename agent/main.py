@@ -1,7 +1,8 @@
 """``viiwork-agent``: the daemon. ``--config FILE`` runs a config; ``--demo`` the embedded one.
 
-Lifecycle: load config -> start the runner and supervisor (backends begin loading) -> bind
-the client API -> serve until SIGTERM/SIGINT -> stop admitting, tell peers, let requests in
+Lifecycle: load config -> lock and check ``node.state_dir`` (agent/statedir.py) -> bind the
+mesh listener, the admin socket and the client API -> start the supervisor (backends begin
+loading, or are adopted) -> serve until SIGTERM/SIGINT -> stop admitting, tell peers, let requests in
 flight end (at most ``health.drain_timeout_s``), close the mesh listener, stop (or hand
 over) the engines: docs/architecture.md, "Stopping".
 """
@@ -26,6 +27,7 @@ from viiwork import __version__
 from viiwork.agent import protocol_log
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.api import ClientApi
+from viiwork.agent.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
 from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.notify import (
@@ -41,9 +43,15 @@ from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.proxy import Upstream
 from viiwork.mesh.node import MeshStartError
 from viiwork.agent.runners.base import Runner, RunnerError
+from viiwork.agent.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.supervisor import Supervisor
+from viiwork.mesh.persist import PendingWrites, StateDirFault
 
 log = logging.getLogger("viiwork.agent")
+
+# Another agent runs this node's id and this one left (docs/mesh.md, "One node per identity"):
+# EX_CONFIG, which systemd/viiwork.service does not restart (RestartPreventExitStatus=).
+EXIT_IDENTITY_CONFLICT = 78
 
 
 def setup_logging(level: str) -> None:
@@ -108,13 +116,22 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
     # Reads (and removes from our environment) NOTIFY_SOCKET and the watchdog variables.
     notifier = Notifier()
     stop = asyncio.Event()
+    refused: list[str] = []  # the line to exit with: another agent runs this node id (mesh/clones.py)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host, port = parse_hostport(config.api.listen, "api.listen")
-    config.node.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Before anything else (sockets, runner, engines): one agent per state dir, and a state
+    # dir it can write, or one line and exit (agent/statedir.py; docs/reliability.md).
+    try:
+        state_lock = await asyncio.to_thread(take_state_dir, config.node.state_dir)
+    except (StateDirLocked, StateDirFault) as exc:
+        log.error("%s", exc)
+        notifier.status(str(exc))
+        return 1
 
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(state_lock.release)  # last out: held while anything else runs
         probe_http = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True)))
         upstream = await stack.enter_async_context(Upstream(
@@ -141,6 +158,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             status_source=supervisor.status,
             extra_status={"gpus": gpus.status_section},
             forward_retry=config.routing.forward_retry,
+            body_read_timeout_s=config.api.body_read_timeout_s,
         )
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, draining=lambda: api.draining, gpus=lambda: gpus.inventory)
@@ -150,13 +168,19 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 log.warning("mesh trust is \"open\": node certificates are self-signed and pinned on first use; "
                             "any host that reaches the mesh port first can join mesh %r. Use trust = \"ca\" "
                             "outside labs.", config.mesh.mesh_id)
+            mesh.node.on_refuse.append(lambda line: (refused.append(line), stop.set()))
             try:
                 await mesh.start()
             except MeshStartError as exc:
                 log.error("mesh: %s", exc)
+                notifier.status(f"mesh: {exc}")
                 return 1
             stack.push_async_callback(mesh.stop)
-        app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
+        writes = api.mesh.node.writes if api.mesh is not None else PendingWrites()
+        api.extra_status["state_dir"] = lambda: {"path": str(config.node.state_dir),
+                                                 "pending_writes": writes.status()}
+        app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
+                                   keepalive_timeout=config.api.keepalive_timeout_s)
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
         actions = node_actions(supervisor=supervisor, api=api, config_path=config_path)
@@ -183,19 +207,28 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
 
         reloads: set[asyncio.Task] = set()
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
-        await supervisor.start()
-        # On the way out: drain and stop the engines, or leave them running when systemd is
-        # restarting the agent (the next one adopts them): viiwork.agent.notify.
-        stopping: dict[str, StopDecision] = {}  # the stop intent, once asked (below)
-        stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
-        stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
-        site = web.TCPSite(app_runner, host, port, reuse_address=True)
+        # Connection caps and the request-head deadline: agent/api_listener.py.
+        site = ApiSite(app_runner, host, port, ConnectionLimits(
+            head_timeout_s=config.api.head_timeout_s, max_connections=config.api.max_connections,
+            max_connections_per_address=config.api.max_connections_per_address), node_name=config.node.name)
         try:
             await site.start()
         except OSError as exc:
             log.error("cannot listen on %s (api.listen): %s", config.api.listen, exc.strerror or exc)
             return 1
         log.info("API listening on %s:%d", host, port)
+        assert site.guard is not None
+        api.metric_sources += [site.guard.metrics_lines, protocol_log.install().metrics_lines]
+        api.extra_status["api"] = site.guard.status
+        # Only now, with every listener (mesh, admin socket, API) known to be ours, do the
+        # engines start or get adopted: an agent that fails to bind never touches, nor on its
+        # way out stops, engines of another agent of this node (docs/reliability.md).
+        await supervisor.start()
+        # On the way out: drain and stop the engines, or leave them running when systemd is
+        # restarting the agent (the next one adopts them): viiwork.agent.notify.
+        stopping: dict[str, StopDecision] = {}  # the stop intent, once asked (below)
+        stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
+        stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         if ready_banner:
             print(_banner(host, port, config), flush=True)
         notifier.ready(status_line(supervisor.models))
@@ -203,7 +236,12 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         stack.push_async_callback(_cancel, asyncio.create_task(
             run_status(notifier, lambda: status_line(supervisor.models)), name="status"))
         await stop.wait()
+        if refused:
+            notifier.status(refused[0])
         await _stop_serving(api, runner, notifier, config, stopping)
+    if refused:
+        log.error("%s", refused[0])
+        return EXIT_IDENTITY_CONFLICT
     return 0
 
 
@@ -263,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"viiwork-agent {__version__}")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    raise_open_file_limit()  # each client connection holds a descriptor: agent/api_listener.py
     try:
         if args.demo:
             from viiwork.agent.demo import DemoUnavailable, demo_config

@@ -6,7 +6,9 @@ supervisor's models and to the pure router (``viiwork.agent.router``):
 - the capacity summary is built from the local ``ModelRuntime``s on every gossip round;
 - ``route`` gives the router a fresh picture of local backends and peers;
 - forwarded requests travel over the mesh listener's mutual TLS (``session``), so the
-  receiver knows the origin from its certificate;
+  receiver knows the origin from its certificate, and every request names the peer it is for
+  (``expect_node``): the session refuses, before sending anything, a connection whose TLS peer
+  is another node (``viiwork.mesh.dialing``);
 - ``MeshWaitQueue`` is the origin's per-model FIFO: woken when a local slot frees, a
   forwarded request ends, or a fresher summary arrives (DESIGN §6);
 - slot offers (``viiwork.agent.offers``): the origin tells the peers serving a model when
@@ -40,6 +42,7 @@ from viiwork.agent.errors import ErrorCode, error_response
 from viiwork.agent.gpus import GpuInventory
 from viiwork.agent.offers import WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
 from viiwork.agent.router import Decision, LocalModel, PeerSnapshot, Reservations, Router, mesh_models
+from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -235,8 +238,12 @@ class MeshLink:
         self.router = Router(self.node.node_id, self.config.node.name,
                              stale_after_ms=self.config.routing.stale_after_ms,
                              reservations=self.reservations, rng=random.Random(self.rng.random()))
+        assert self.node.membership is not None and self.node.client_ssl_context is not None
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=self.node.client_ssl_context, limit=0, keepalive_timeout=30),
+            # Every request names its peer (expect_node) and is refused unless the TLS peer
+            # is that node: peer_mismatch in the mesh's transport counters.
+            **peer_session_parts(self.node.client_ssl_context, counters=self.node.membership.counters.transport,
+                                 require_expected=True, limit=0, keepalive_timeout=30),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0,
@@ -381,7 +388,7 @@ class MeshLink:
         if self.session is None:
             return None
         try:
-            async with self.session.post(target.base_url + path, json=doc,
+            async with self.session.post(target.base_url + path, json=doc, headers=expect_node(target.node_id),
                                          timeout=aiohttp.ClientTimeout(total=MESSAGE_TIMEOUT_S)) as resp:
                 raw = await _read_bounded(resp.content, MESSAGE_MAX_BYTES)
                 if resp.status == 204:
@@ -554,7 +561,8 @@ class MeshLink:
         for n in view.get("nodes", []):
             peers[n["liveness"]] = peers.get(n["liveness"], 0) + 1
         return {
-            "self": {k: (view.get("self") or {}).get(k) for k in ("id", "name", "mesh", "mesh_id", "trust", "state")},
+            "self": {k: (view.get("self") or {}).get(k)
+                     for k in ("id", "name", "mesh", "mesh_id", "trust", "state", "identity_conflict")},
             "peers": peers,
             "forwards": {"out": self.forwards_out, "in": self.forwards_in, "refused_in": self.refusals_in,
                          "refused_out": self.refusals_out},

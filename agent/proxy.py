@@ -45,6 +45,7 @@ from aiohttp import web
 from viiwork.agent.assemble import ASSEMBLED_PATHS, StreamBroken, StreamError, assemble, parse_events, sse_data, \
     stream_body
 from viiwork.agent.backends import Backend
+from viiwork.agent.engine_keys import auth_headers
 from viiwork.agent.errors import ErrorCode, engine_error, error_response, sse_error_event
 from viiwork.engines.contract import stops_nonstream_on_disconnect
 
@@ -100,6 +101,8 @@ class Upstream:
         self.client_stalls = 0
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        # One session (a UnixConnector) per socket backend, by socket path, made on first use.
+        self._unix_sessions: dict[str, aiohttp.ClientSession] = {}
         self.stale_retries = 0
         self.stream_errors = 0
         # The engine adapter of a local backend (None: unknown), for its optional
@@ -107,8 +110,12 @@ class Upstream:
         self.engine_of: Callable[[Backend], Any] = lambda backend: None
 
     async def __aenter__(self) -> Upstream:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=False)
-        self._session = aiohttp.ClientSession(
+        self._session = self._new_session(
+            aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=False))
+        return self
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
@@ -118,11 +125,20 @@ class Upstream:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
                                           sock_read=self.stream_idle_timeout_s, ceil_threshold=float("inf")),
         )
-        return self
+
+    def _unix_session(self, path: str) -> aiohttp.ClientSession:
+        session = self._unix_sessions.get(path)
+        if session is None or session.closed:
+            session = self._unix_sessions[path] = self._new_session(
+                aiohttp.UnixConnector(path=path, limit=0, keepalive_timeout=30))
+        return session
 
     async def __aexit__(self, *exc: object) -> None:
         if self._session is not None:
             await self._session.close()
+        for session in self._unix_sessions.values():
+            await session.close()
+        self._unix_sessions.clear()
 
     async def _open(self, url: str, body: bytes, headers: dict[str, str],
                     session: aiohttp.ClientSession | None = None) -> aiohttp.ClientResponse:
@@ -174,6 +190,11 @@ class Upstream:
                 upstream_headers[name] = value
         if extra_headers:
             upstream_headers.update(extra_headers)
+        if isinstance(backend, Backend):
+            # Only this node's engine gets its key (agent/engine_keys.py); a peer never does.
+            upstream_headers.update(auth_headers(backend.api_key))
+            if backend.socket_path and session is None:
+                session = self._unix_session(backend.socket_path)
         url = backend.base_url + request.path
         # This node's engine does not stop a non-streamed generation when the client leaves:
         # ask it for a stream (it stops that) and assemble the answer the client asked for.

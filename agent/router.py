@@ -18,8 +18,8 @@ Rules, in order (docs/routing.md has the reasoning and the measured effect):
 
 1. Host selection (``?host=`` / ``X-Viiwork-Host``): a node id, or a node name that exactly
    one node carries; unknown or ambiguous -> 404; the node does not serve the model -> 400;
-   the node is dead or has left -> 503; the node is full, suspect or its summary stale ->
-   queue. Nothing else is considered.
+   the node is dead, has left or is in identity ``conflict`` -> 503; the node is full,
+   suspect or its summary stale -> queue. Nothing else is considered.
 2. Affinity (``X-Session-Id`` / ``X-Session-Affinity``): the nodes that serve the model and
    are reachable (this node when it has healthy backends; peers alive, serving and fresh)
    are ranked by weighted rendezvous hashing of the key (weight: the node's slots); the
@@ -479,6 +479,10 @@ class Router:
             served = ", ".join(m.name for m in peer.models) or "no models"
             return Refuse(400, f"host {peer.name!r} ({peer.node_id}) does not serve model {model!r}; it serves "
                           f"{served}", param="host", code="model_not_on_host")
+        if peer.liveness is Liveness.CONFLICT:
+            return Refuse(503, f"host {peer.name!r} ({peer.node_id}) is run by two agents at once (a copied state "
+                          "dir); it gets no requests until one of them stops (docs/mesh.md, \"One node per "
+                          "identity\")", code="no_capacity", retry_after_s=5)
         if peer.liveness in (Liveness.DEAD, Liveness.LEFT) or peer.state is PublishedState.LEAVING:
             return Refuse(503, f"host {peer.name!r} ({peer.node_id}) is {peer.liveness.value}; it cannot run "
                           f"{model!r} now", code="no_capacity", retry_after_s=5)

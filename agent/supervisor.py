@@ -52,14 +52,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime, ModelState
+from viiwork.agent.engine_keys import (
+    EngineKeyError,
+    auth_headers,
+    engine_dir,
+    read_key,
+    write_env_file,
+    write_key,
+)
 from viiwork.agent.pinning import engine_environment
 from viiwork.agent.runners.base import ExitInfo, LaunchRequest, RunHandle, Runner, RunnerError
-from viiwork.engines.contract import BackendSpec, EngineError, EngineUnavailable, Load, Probe
+from viiwork.engines.contract import (
+    BackendSpec,
+    EngineError,
+    EngineUnavailable,
+    Load,
+    Probe,
+    binds_unix_socket,
+    socket_path_problem,
+)
 from viiwork.engines.registry import ENGINES
 
-if TYPE_CHECKING:
-    import aiohttp
+import aiohttp
 
+if TYPE_CHECKING:
     from viiwork.agent.config import Config, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -180,8 +196,11 @@ class _Control:
     spec: BackendSpec | None = None
     budget_used: int = 0
     task: asyncio.Task[None] | None = None
-    # An engine left running by an earlier agent, taken over at start: (handle, port).
-    adopted: tuple[RunHandle, int] | None = None
+    # An engine left running by an earlier agent, taken over at start: (handle, port, key,
+    # socket path or "").
+    adopted: tuple[RunHandle, int, str, str] | None = None
+    # Probes and load reads of the current launch: the agent's session plus the key.
+    http: aiohttp.ClientSession | None = None
 
 
 class Supervisor:
@@ -212,6 +231,7 @@ class Supervisor:
         self.max_parallel_loads = config.supervisor.max_parallel_loads
         self._gate = asyncio.Semaphore(self.max_parallel_loads)
         self.log_dir = config.supervisor.log_dir or (config.node.state_dir / "logs")
+        self.engine_dir = engine_dir(config.node.state_dir, environ)
         self.host_cpus = max(1, len(os.sched_getaffinity(0)))
         self.models: dict[str, ModelRuntime] = {}
         self._controls: list[_Control] = []
@@ -269,16 +289,22 @@ class Supervisor:
             labels = handle.labels
             ctrl = by_key.get((labels.get("model", ""), labels.get("index", "")))
             port = labels.get("port", "")
+            sock = labels.get("socket", "")
+            key = read_key(self._key_dir(ctrl)) if ctrl is not None else None
             if ctrl is None:
                 stale.append((handle, "its model or backend is no longer configured"))
             elif labels.get("config_hash") != ctrl.config_hash:
                 stale.append((handle, "its config entry changed"))
             elif not port.isdigit() or ctrl.adopted is not None:
                 stale.append((handle, "it records no usable port"))
+            elif key is None:
+                stale.append((handle, f"its key file in {self._key_dir(ctrl)} is gone"))
+            elif sock and not Path(sock).is_socket():
+                stale.append((handle, f"its socket {sock} is gone"))
             else:
-                ctrl.adopted = (handle, int(port))
-                log.info("backend %s: adopting %s (pid %s, port %s)", ctrl.backend.id,
-                         handle.unit or "engine", handle.pid, port)
+                ctrl.adopted = (handle, int(port), key, sock)
+                log.info("backend %s: adopting %s (pid %s, %s)", ctrl.backend.id,
+                         handle.unit or "engine", handle.pid, f"socket {sock}" if sock else f"port {port}")
         for handle, why in stale:
             log.info("stopping engine %s left by an earlier agent: %s", handle.unit or handle.pid, why)
         results = await asyncio.gather(*(h.stop(self.config.supervisor.stop_timeout_s) for h, _ in stale),
@@ -297,6 +323,7 @@ class Supervisor:
         for ctrl in self._controls:
             self._discard_exit_task(ctrl)
             ctrl.handle = None
+            await self._close_http(ctrl)
 
     async def stop(self) -> None:
         """Drain and stop every backend, then end the backend tasks (none is left running)."""
@@ -321,6 +348,7 @@ class Supervisor:
         for ctrl in controls:
             await self._terminate(ctrl, drain=False)
             self._discard_exit_task(ctrl)
+            await self._close_http(ctrl)
 
     async def reload(self, config: Config) -> dict[str, list[str]]:
         """Apply a new config's ``[[models]]``, diffed by name (DESIGN §4).
@@ -435,8 +463,9 @@ class Supervisor:
 
         Keys: name, engine, kind, state, slots and busy (sums over admitting backends),
         waiting (sum, or None when any admitting backend's queue is unknown or none admits),
-        ctx_per_slot, backends (id, state, phase, progress (0..1 or -1), reason, pid, port,
-        unit, respawns, gpus, exit_result, exit_status, load_stale, slots, busy, in_flight:
+        ctx_per_slot, backends (id, state, phase, progress (0..1 or -1), reason, pid, port
+        (None for a socket backend), socket (its Unix socket path, else None), unit,
+        respawns, gpus, exit_result, exit_status, load_stale, slots, busy, in_flight:
         routing's own count of requests running there).
         """
         out = []
@@ -465,6 +494,7 @@ class Supervisor:
                         "reason": b.reason,
                         "pid": b.pid,
                         "port": b.port,
+                        "socket": b.socket_path,
                         "unit": b.unit,
                         "respawns": b.respawns,
                         "gpus": list(b.gpus),
@@ -510,7 +540,7 @@ class Supervisor:
         """Stop the engine (draining first), show ``state``, and wait for a command."""
         await self._terminate(ctrl, drain=True)
         ctrl.backend.healthy_since = None
-        self._set(ctrl, state, reason=reason, phase="", progress=-1.0, port=None)
+        self._set(ctrl, state, reason=reason, phase="", progress=-1.0, port=None, socket_path=None)
         self._update_model_state(ctrl.runtime)
         ctrl.settled.set()
         await ctrl.changed.wait()
@@ -545,7 +575,19 @@ class Supervisor:
         adopted, ctrl.adopted = ctrl.adopted, None
         await self._terminate(ctrl, drain=False)
         used = {c.backend.port for c in self._controls if c is not ctrl and c.backend.port is not None}
-        port = adopted[1] if adopted is not None else free_loopback_port(used)
+        key_dir = self._key_dir(ctrl)
+        if adopted is not None:
+            _, port, key, sock = adopted
+        else:
+            sock = self._socket_path(ctrl)
+            port = 0 if sock else free_loopback_port(used)
+            try:
+                key, _ = write_key(key_dir, getattr(self.runner, "engine_user", None))
+                if sock:  # a socket file left by an engine that died: the new one binds afresh
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(sock)
+            except (EngineKeyError, OSError) as exc:
+                return _Failure(reason=str(exc))
         spec = BackendSpec(
             model=model.name,
             kind=model.kind,
@@ -559,8 +601,16 @@ class Supervisor:
             backends_on_node=model.backend_count,
             host_cpus=self.host_cpus,
             args=tuple(model.args),
+            api_key_file=str(key_dir / "key"),
+            socket_path=sock or None,
         )
         command = ctrl.runtime.engine.build_command(spec)
+        env_file = None
+        if command.key_env and adopted is None:  # an engine that reads its key from the environment (vLLM)
+            try:
+                env_file = str(write_env_file(key_dir, command.key_env, key))
+            except EngineKeyError as exc:
+                return _Failure(reason=str(exc))
         env = engine_environment(
             os.environ if self._environ is None else self._environ,
             vendor=spec.vendor, gpus=spec.gpus, model_env=model.env, engine_env=command.env,
@@ -576,6 +626,7 @@ class Supervisor:
                 "index": str(backend.index),
                 "config_hash": ctrl.config_hash,
                 "port": str(port),
+                "socket": sock,
             },
             log_path=str(backend_log_path(self.config, model.name, backend.index)),
             stop_timeout_s=self.config.supervisor.stop_timeout_s,
@@ -583,9 +634,22 @@ class Supervisor:
             cpu_weight=model.cpu_weight,
             tasks_max=model.tasks_max,
             sandbox=model.sandbox,
+            private_dir=str(key_dir),
+            environment_file=env_file,
         )
         ctrl.spec = spec
-        backend.port = port
+        backend.port = port or None
+        backend.socket_path = sock or None
+        backend.api_key = key
+        await self._close_http(ctrl)
+        # The agent's timeouts, plus this launch's key on every probe and load read; the
+        # agent's pool for a port, a connector of its own for a socket.
+        if sock:
+            ctrl.http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock),
+                                              timeout=self.http.timeout, headers=auth_headers(key))
+        else:
+            ctrl.http = aiohttp.ClientSession(connector=self.http.connector, connector_owner=False,
+                                              timeout=self.http.timeout, headers=auth_headers(key))
         backend.load = None
         backend.load_at = None
         backend.load_stale = False
@@ -606,7 +670,8 @@ class Supervisor:
         backend.pid = handle.pid
         backend.unit = handle.unit
         backend.started_at = started
-        log.info("backend %s %s: pid %s, port %d", backend.id, "adopted" if adopted else "launched", handle.pid, port)
+        log.info("backend %s %s: pid %s, %s", backend.id, "adopted" if adopted else "launched", handle.pid,
+                 spec.address)
 
         timeout_s = model.effective_startup_timeout_s
         deadline = started + timeout_s
@@ -614,7 +679,7 @@ class Supervisor:
         while True:
             remaining = deadline - time.monotonic()
             got = await self._until(
-                ctrl, ctrl.runtime.engine.probe(self.http, backend.base_url),
+                ctrl, ctrl.runtime.engine.probe(self._http(ctrl), backend.base_url),
                 timeout=max(0.0, min(self.config.health.timeout_s, remaining)),
             )
             if got.wake is _Wake.EXITED:
@@ -665,10 +730,10 @@ class Supervisor:
                 now = time.monotonic()
                 if load_task is None and now >= next_load:
                     load_task = asyncio.ensure_future(self._timed(
-                        engine.read_load(self.http, ctrl.spec, backend.base_url), LOAD_READ_TIMEOUT_S))
+                        engine.read_load(self._http(ctrl), ctrl.spec, backend.base_url), LOAD_READ_TIMEOUT_S))
                 if probe_task is None and now >= next_probe:
                     probe_task = asyncio.ensure_future(self._timed(
-                        engine.probe(self.http, backend.base_url), health.timeout_s))
+                        engine.probe(self._http(ctrl), backend.base_url), health.timeout_s))
                 due = [at for at, task in ((next_load, load_task), (next_probe, probe_task)) if task is None]
                 running = [task for task in (load_task, probe_task) if task is not None]
                 got = await self._until(ctrl, None, timeout=max(0.0, min(due) - now) if due else None,
@@ -763,6 +828,32 @@ class Supervisor:
                  ctrl.budget_used, health.max_respawns)
 
     # ----------------------------------------------------------------- helpers
+
+    def _key_dir(self, ctrl: _Control) -> Path:
+        """The backend's private directory (its key file): agent/engine_keys.py."""
+        return self.engine_dir / f"{escape_name(ctrl.runtime.name)}-{ctrl.backend.index}"
+
+    def _socket_path(self, ctrl: _Control) -> str:
+        """The backend's socket in its private directory, or "" for an engine that binds a
+        port only, or when the path would be too long (then a port, with a warning)."""
+        if not binds_unix_socket(ctrl.runtime.engine):
+            return ""
+        path = str(self._key_dir(ctrl) / "engine.sock")
+        problem = socket_path_problem(path)
+        if problem:
+            log.warning("backend %s: no Unix socket (%s): listening on a loopback port, with its key",
+                        ctrl.backend.id, problem)
+            return ""
+        return path
+
+    def _http(self, ctrl: _Control) -> aiohttp.ClientSession:
+        return ctrl.http if ctrl.http is not None else self.http
+
+    @staticmethod
+    async def _close_http(ctrl: _Control) -> None:
+        if ctrl.http is not None:
+            session, ctrl.http = ctrl.http, None
+            await session.close()
 
     async def _acquire_gate(self, ctrl: _Control) -> bool:
         """Take a load slot (True), or give up on a command (False); never leaks a slot,

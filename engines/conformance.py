@@ -24,7 +24,12 @@ What it checks (check id: rule):
 - ``command.*`` (rule 1), per spec shape (CPU shapes only when the engine implements
   ``RunsOnCPU``; without it a CPU spec must raise an ``EngineError``, never quietly build a
   command): ``command.model`` argv or env carries ``spec.model``; ``command.path`` carries
-  ``spec.path``; ``command.bind`` binds 127.0.0.1 and ``spec.port`` and no wildcard address;
+  ``spec.path``; ``command.bind`` binds 127.0.0.1 and ``spec.port`` and no wildcard address,
+  or, for an engine that declares ``unix_socket = True``, a spec's ``socket_path`` (and no
+  port); ``command.key`` an engine that declares ``api_key = True`` has
+  ``spec.api_key_file`` in its argv or names the variable it reads the key from
+  (``LaunchCommand.key_env``, then absent from ``env``): never the key itself
+  (docs/engines.md);
   ``command.args_last`` the operator args are argv's tail; ``command.shape`` argv is a
   non-empty tuple of strings and env maps str to str.
 - ``command.pure`` (rule 4): the same spec gives the same command, before and after other
@@ -91,6 +96,8 @@ from viiwork.engines.contract import (
     UsageReporting,
     Version,
     WarmUp,
+    binds_unix_socket,
+    takes_api_key,
 )
 
 __all__ = [
@@ -112,6 +119,8 @@ _HOP_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfe
 # Distinctive values, so "the model name is on the command line" cannot pass by accident.
 _MODEL = "conformance-model-x7"
 _PORT = 38517
+_KEY_FILE = "/run/viiwork/engines/conformance-x7-0/key"
+_SOCKET = "/run/viiwork/engines/conformance-x7-0/engine.sock"
 _OPERATOR_ARGS = ("--conformance-operator-flag", "operator-value-x7")
 _UNKNOWN_OPTION = "conformance_unknown_key_x7"
 
@@ -215,14 +224,17 @@ def default_spec_shapes(engine: Any, options: BaseModel | None = None) -> list[B
     base = BackendSpec(
         model=_MODEL, kind=Kind.CHAT, path="/models/conformance-x7.gguf", port=_PORT,
         ctx_per_slot=4096, parallel=4, options=opts, gpus=("0",), vendor="nvidia",
-        backends_on_node=1, host_cpus=8, args=_OPERATOR_ARGS,
+        backends_on_node=1, host_cpus=8, args=_OPERATOR_ARGS, api_key_file=_KEY_FILE,
     )
-    return [
+    shapes = [
         replace(base, gpus=(), vendor="cpu"),
         base,
         replace(base, gpus=("1", "2"), backends_on_node=2, port=_PORT + 1, parallel=2),
         replace(base, kind=Kind.EMBEDDING, port=_PORT + 2, parallel=1),
     ]
+    if binds_unix_socket(engine):  # the shape the supervisor launches it with
+        shapes.append(replace(base, port=0, socket_path=_SOCKET))
+    return shapes
 
 
 def _runs_on_cpu(engine: Any) -> bool:
@@ -257,13 +269,26 @@ def _check_command(engine: Any, spec: BackendSpec, out: list[Violation]) -> Laun
         out.append(Violation("command.model", f"{label}: the backend must answer to spec.model {spec.model!r}; not in argv {list(argv)}"))
     if not (_argv_has(head, spec.path) or spec.path in env_values):
         out.append(Violation("command.path", f"{label}: spec.path {spec.path!r} is not in argv {list(argv)}"))
-    if not _argv_has(head, "127.0.0.1"):
-        out.append(Violation("command.bind", f"{label}: argv does not bind 127.0.0.1: {list(argv)}"))
+    if spec.socket_path:
+        if not _argv_has(head, spec.socket_path):
+            out.append(Violation("command.bind", f"{label}: argv does not bind spec.socket_path {spec.socket_path}: {list(argv)}"))
+        if _argv_has(head, "127.0.0.1") or any(tok == "--port" or tok.startswith("--port=") for tok in head):
+            out.append(Violation("command.bind", f"{label}: a socket backend must not also bind a TCP port: {list(argv)}"))
+    else:
+        if not _argv_has(head, "127.0.0.1"):
+            out.append(Violation("command.bind", f"{label}: argv does not bind 127.0.0.1: {list(argv)}"))
+        if not _argv_has(head, str(spec.port)):
+            out.append(Violation("command.bind", f"{label}: argv does not bind spec.port {spec.port}: {list(argv)}"))
     wild = [tok for tok in head if any(tok == w or tok.endswith("=" + w) for w in _WILDCARD_HOSTS)]
     if wild:
         out.append(Violation("command.bind", f"{label}: argv binds a wildcard address {wild}: a backend must never listen beyond loopback"))
-    if not _argv_has(head, str(spec.port)):
-        out.append(Violation("command.bind", f"{label}: argv does not bind spec.port {spec.port}: {list(argv)}"))
+    key_env = getattr(cmd, "key_env", None)
+    if key_env is not None and (not isinstance(key_env, str) or not key_env):
+        out.append(Violation("command.key", f"{label}: key_env must be a variable name or None, got {key_env!r}"))
+    elif key_env is not None and key_env in dict(env):
+        out.append(Violation("command.key", f"{label}: key_env {key_env} is also in env, which `systemctl show` reveals: the runner sets it from the environment file"))
+    if takes_api_key(engine) and spec.api_key_file and not (_argv_has(argv, spec.api_key_file) or key_env):
+        out.append(Violation("command.key", f"{label}: the engine declares api_key but neither passes spec.api_key_file {spec.api_key_file} in argv nor names a key_env: {list(argv)}"))
     if n_args:
         if tuple(argv[-n_args:]) != tuple(spec.args):
             out.append(Violation("command.args_last", f"{label}: operator args {list(spec.args)} must be argv's tail (so they win), argv is {list(argv)}"))

@@ -64,7 +64,7 @@ class BackendSpec:
         kind: chat or embedding.
         path: model path (file for GGUF, directory or hub id for vLLM/SGLang).
         gpus: this backend's GPUs as configured (NVML indexes or UUIDs); empty = CPU.
-        port: loopback port assigned by the supervisor.
+        port: loopback port assigned by the supervisor; 0 when ``socket_path`` is set.
         vendor: "nvidia", "amd", "cpu" or "unknown"; informational.
         ctx_per_slot: tokens of context per sequence, >= 1.
         parallel: sequences the backend admits at once, >= 1.
@@ -72,6 +72,14 @@ class BackendSpec:
         host_cpus: CPUs available to the agent (sched_getaffinity), >= 1.
         args: operator flags, appended last.
         options: the engine's validated options model instance.
+        api_key_file: a file holding the backend's API key (one line), readable only by
+            the engine's user; the engine must refuse requests without
+            ``Authorization: Bearer <key>`` (docs/engines.md, "The backend's key"). None: no
+            key (a spec built only to show a command).
+        socket_path: the Unix socket the backend listens on instead of a port, in the
+            backend's private directory; only for an engine that declares
+            ``unix_socket = True`` (``binds_unix_socket``). Absolute, under
+            ``MAX_SOCKET_PATH_BYTES`` bytes (the kernel's sun_path limit).
     """
 
     model: str
@@ -86,21 +94,71 @@ class BackendSpec:
     backends_on_node: int = 1
     host_cpus: int = 1
     args: tuple[str, ...] = ()
+    api_key_file: str | None = None
+    socket_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("ctx_per_slot", "parallel", "backends_on_node", "host_cpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BackendSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.port < 65536:
+        if self.socket_path is not None:
+            problem = socket_path_problem(self.socket_path)
+            if problem:
+                raise ValueError(f"BackendSpec.socket_path: {problem}")
+            if self.port != 0:
+                raise ValueError(f"BackendSpec.port must be 0 with a socket_path, got {self.port}")
+        elif not 0 < self.port < 65536:
             raise ValueError(f"BackendSpec.port must be 1..65535, got {self.port}")
+
+    @property
+    def address(self) -> str:
+        """Where the backend listens, for messages: ``unix:<path>`` or ``127.0.0.1:<port>``."""
+        return f"unix:{self.socket_path}" if self.socket_path else f"127.0.0.1:{self.port}"
+
+
+#: sun_path holds 108 bytes with its terminating NUL: a socket path must be shorter.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def socket_path_problem(path: str) -> str:
+    """Why ``path`` cannot be a backend's Unix socket ("" when it can)."""
+    raw = path.encode("utf-8", "surrogateescape")
+    if not path.startswith("/"):
+        return f"{path!r} is not absolute"
+    if b"\0" in raw:
+        return f"{path!r} contains a NUL byte"
+    if len(raw) > MAX_SOCKET_PATH_BYTES:
+        return (f"{path!r} is {len(raw)} bytes, over the {MAX_SOCKET_PATH_BYTES}-byte limit of a Unix "
+                "socket path (use a shorter node.state_dir or runtime directory)")
+    return ""
+
+
+def binds_unix_socket(engine: object) -> bool:
+    """Whether the adapter binds ``BackendSpec.socket_path`` (class attribute
+    ``unix_socket: bool``, absent: False); the supervisor then gives it a socket, not a port."""
+    return getattr(engine, "unix_socket", False) is True
+
+
+def takes_api_key(engine: object) -> bool:
+    """Whether the adapter hands ``BackendSpec.api_key_file`` to its engine (class attribute
+    ``api_key: bool``, absent: False). Without it the engine answers any local user
+    (docs/security.md, "Local users")."""
+    return getattr(engine, "api_key", False) is True
 
 
 @dataclass(frozen=True, slots=True)
 class LaunchCommand:
-    """argv to execute and environment added on top of what the supervisor sets."""
+    """argv to execute and environment added on top of what the supervisor sets.
+
+    key_env: for an engine that reads its key from an environment variable (vLLM's
+    ``VLLM_API_KEY``), that variable's name; never the key in ``env``, which ``ps``-like
+    tools and ``systemctl show`` reveal. The supervisor writes ``<name>=<key>`` to the
+    backend's environment file (agent/engine_keys.py) and the runner sets it from there.
+    """
 
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    key_env: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

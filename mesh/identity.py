@@ -21,6 +21,7 @@ public key in a certificate.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import os
@@ -100,17 +101,23 @@ def ensure_state_dir(state_dir: Path) -> Path:
 def write_private_file(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically with mode 0600 (temp file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # left by an earlier failed write of this process (O_EXCL below)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
+        try:
+            os.fchmod(fd, 0o600)
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        # A full disk fails the write: leave no partial temp file behind (the old file stays).
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise
 
 

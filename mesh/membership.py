@@ -50,6 +50,12 @@ Rules (DESIGN §5, §11.7):
   was upgraded). A node publishes in the newest version that every live peer speaks
   (never below the previous one), so during a rolling upgrade everyone reads everyone's
   summaries, and the last old node's departure switches the fleet to the new version.
+- **One node per identity** (:mod:`viiwork.mesh.clones`): each boot of a node id is tracked
+  by the span of its publication times; two boots that both keep publishing, at once, for
+  ``dead_after_ms`` are a ``conflict``. This node reports its own (``identity_conflict``,
+  ``on_identity_conflict``; the higher boot must leave); a peer in conflict shows liveness
+  ``conflict`` in :meth:`Membership.peers` (a view state, never published) and is not routed
+  to while it lasts. A restart or an address change never overlaps.
 - **Bounds**: ``max_peers`` table entries (a tombstone is evicted first, else
   ``too_many_peers``), per-peer message rate (``peer_rate_per_s``, ``peer_burst``), message
   size (``max_message_bytes``; replies fill up to it and leave the rest to later rounds).
@@ -62,10 +68,11 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from viiwork.mesh.clones import BootTracker, IdentityConflict
 from viiwork.mesh.counters import DropReason, MeshCounters
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.ratelimit import PeerRateLimiter
@@ -105,6 +112,9 @@ class Liveness(str, Enum):
     SUSPECT = "suspect"
     DEAD = "dead"
     LEFT = "left"
+    # View only (PeerView, never a record's liveness): two running boots publish this node
+    # id at once (mesh/clones.py); not routed to while it lasts.
+    CONFLICT = "conflict"
 
 
 @dataclass(frozen=True)
@@ -214,6 +224,7 @@ class PeerView:
     rtt_ms: float | None
     certificate_not_after: dt.datetime | None
     gpus: tuple[GpuCapacity, ...] = ()
+    conflict: IdentityConflict | None = None  # while liveness is ``conflict``
 
 
 @dataclass(slots=True)
@@ -228,6 +239,8 @@ class _Record:
     silent: bool = False  # heard_at older than suspect_ms at the last tick
     need_cert: bool = False
     rtt_ms: float | None = None
+    boots: BootTracker = field(default_factory=BootTracker)
+    conflict: IdentityConflict | None = None
 
 
 @dataclass
@@ -269,6 +282,9 @@ class Membership:
     called synchronously and must not block or raise. Callbacks in ``on_silent`` are called
     with a node id when, at a :meth:`tick`, nothing newer of it was heard for
     ``suspect_after_ms`` (see :meth:`silent`); once per silence, whatever its liveness.
+    Callbacks in ``on_identity_conflict`` are called once per other boot found publishing
+    this node's id at once (:attr:`identity_conflict`, :mod:`viiwork.mesh.clones`), under the
+    same rules.
     """
 
     def __init__(self, node_id: NodeId, mesh_id: str, certificate_der: bytes, policy: TrustPolicy,
@@ -304,6 +320,11 @@ class Membership:
         self.on_update: list[Callable[[NodeId], None]] = []
         self.on_liveness: list[Callable[[NodeId, Liveness, Liveness], None]] = []
         self.on_silent: list[Callable[[NodeId], None]] = []
+        # This node's boots and the other boots seen publishing its id (mesh/clones.py).
+        self.self_boots = BootTracker()
+        self.identity_conflict: IdentityConflict | None = None
+        self.on_identity_conflict: list[Callable[[IdentityConflict], None]] = []
+        self._conflicts_reported: set[str] = set()
         rate = settings.peer_rate_per_s or max(40.0, 20 * 1000.0 / settings.gossip_interval_ms)
         burst = settings.peer_burst or int(2 * rate)
         self._limiter = PeerRateLimiter(rate, burst, max_buckets=2 * settings.max_peers)
@@ -321,6 +342,8 @@ class Membership:
         self.orders[self.node_id] = summary.payload.order
         self.self_published_at = self.clock()
         self.counters.summaries_published += 1
+        p = summary.payload
+        self.self_boots.see(p.boot, p.mesh, p.order, self.self_published_at)
 
     def emit_protocol(self) -> int:
         """The version to publish in: the newest one every live peer speaks (by the
@@ -362,11 +385,52 @@ class Membership:
             if silent and not was_silent:
                 for cb in self.on_silent:
                     cb(node_id)
+            if rec.conflict is not None:
+                self._check_peer_identity(node_id, rec, now)
             if new in (Liveness.DEAD, Liveness.LEFT) and now - rec.heard_at > self.settings.tombstone_ttl_ms:
                 reap.append(node_id)
         for node_id in reap:
             del self.records[node_id]
             self.orders.pop(node_id, None)
+        if self.identity_conflict is not None or len(self.self_boots.boots) > 1:
+            self._check_identity(now)
+
+    # --- one node per identity (mesh/clones.py) -----------------------------------------------
+
+    def _check_identity(self, now: float) -> None:
+        """Is another boot publishing this node's id at once? Report each such boot once."""
+        own = self.self_summary
+        if own is None:
+            return
+        found = self.self_boots.conflict(self.node_id, now, self.dead_ms, of=own.payload.boot,
+                                         min_overlap_ms=self.suspect_ms)
+        if found is not None and found.leaves == own.payload.boot and found.overlap_ms < self.dead_ms:
+            # The boot that leaves waits for dead_after_ms of overlap; the one that stays (and
+            # peers) report it from suspect_after_ms, so it has said so before the other goes.
+            found = None
+        self.identity_conflict = found
+        if found is None or found.boot in self._conflicts_reported or len(self._conflicts_reported) >= 64:
+            return
+        self._conflicts_reported.add(found.boot)
+        self.counters.transport["identity_conflicts"] += 1
+        log.error("mesh: this node's id %s is also published by another running agent at %s (boot %s; this "
+                  "boot %s) for %.1f s: two machines run from one state dir; the one with the higher boot "
+                  "(%s) stops (docs/mesh.md, \"One node per identity\")", self.node_id, found.address or "?",
+                  found.boot, found.other_boot, found.overlap_ms / 1000.0, found.leaves,
+                  extra={"other_address": found.address, "other_boot": found.boot})
+        for cb in self.on_identity_conflict:
+            cb(found)
+
+    def _check_peer_identity(self, node_id: NodeId, rec: _Record, now: float) -> None:
+        found = rec.boots.conflict(node_id, now, self.dead_ms, min_overlap_ms=self.suspect_ms)
+        if found is not None and rec.conflict is None:
+            self.counters.transport["peer_identity_conflicts"] += 1
+            log.warning("mesh: peer %s (%s) is published by two running agents at once, at %s and %s: not "
+                        "routed to while it lasts (docs/mesh.md, \"One node per identity\")",
+                        rec.summary.payload.name, node_id, found.address or "?", found.other_address or "?")
+        elif found is None and rec.conflict is not None:
+            log.info("mesh: peer %s (%s) is published by one agent again", rec.summary.payload.name, node_id)
+        rec.conflict = found
 
     def _transition(self, node_id: NodeId, rec: _Record, new: Liveness) -> None:
         old, rec.liveness = rec.liveness, new
@@ -431,7 +495,7 @@ class Membership:
             self._drop(DropReason.UNSUPPORTED_PROTOCOL, p.node_id)
             return False
         if p.node_id == self.node_id:
-            self._own_echo(s)
+            self._own_echo(s, item.age_ms)
             return False
         age = min(max(item.age_ms, 0), MAX_AGE_MS)
         rec = self.records.get(p.node_id)
@@ -497,6 +561,9 @@ class Membership:
             rec.received_at = now
             if rec.liveness is not Liveness.ALIVE and self._liveness_of(rec, now) is Liveness.ALIVE:
                 self._transition(p.node_id, rec, Liveness.ALIVE)
+        rec.boots.see(p.boot, p.mesh, order, heard)
+        if len(rec.boots.boots) > 1:
+            self._check_peer_identity(p.node_id, rec, now)
         self.orders[p.node_id] = order
         if cert_refresh:
             return True
@@ -505,7 +572,7 @@ class Membership:
             cb(p.node_id)
         return True
 
-    def _own_echo(self, s: SignedSummary) -> None:
+    def _own_echo(self, s: SignedSummary, age_ms: int = 0) -> None:
         own = self.self_summary
         if own is None:
             return
@@ -519,10 +586,18 @@ class Membership:
         if not self.policy.verify_signature(cert, signing_input(s.payload_bytes), s.signature):
             self._drop(DropReason.BAD_SIGNATURE, self.node_id, "a forged summary of this node")
             return
+        if s.payload.boot != own.payload.boot:
+            # Another boot of ours that outranks this one: a previous run (published before
+            # this one began) or a clone (keeps publishing): mesh/clones.py tells them apart.
+            now = self.clock()
+            self.self_boots.see(s.payload.boot, s.payload.mesh, s.payload.order,
+                                now - min(max(age_ms, 0), MAX_AGE_MS))
+            self._check_identity(now)
         # A genuine summary of ours at least as new as the current one: our previous run
-        # (the generation file was lost). Outrank it at the next publication.
+        # (the generation file was lost), or a clone. Outrank it at the next publication.
         if s.payload.generation + 1 > self.required_generation:
-            log.warning("mesh: peers hold a summary of this node at generation %d seq %d (previous run); "
+            level = logging.DEBUG if self._conflicts_reported else logging.WARNING
+            log.log(level, "mesh: peers hold a summary of this node at generation %d seq %d (previous run); "
                         "moving to generation %d", s.payload.generation, s.payload.seq, s.payload.generation + 1)
             self.required_generation = s.payload.generation + 1
 
@@ -776,12 +851,18 @@ class Membership:
         for nid, rec in self.records.items():
             p = rec.summary.payload
             out.append(PeerView(
-                node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._liveness_of(rec, now),
+                node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._view_liveness(rec, now),
                 state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
                 generation=p.generation, boot=p.boot, seq=p.seq, models=p.models, rtt_ms=rec.rtt_ms,
-                certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus,
+                certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus, conflict=rec.conflict,
             ))
         return out
+
+    def _view_liveness(self, rec: _Record, now: float) -> Liveness:
+        liveness = self._liveness_of(rec, now)
+        if rec.conflict is not None and liveness in (Liveness.ALIVE, Liveness.SUSPECT):
+            return Liveness.CONFLICT
+        return liveness
 
     def model_conflicts(self) -> dict[str, dict[NodeId, str]]:
         """Models served under one name with different fingerprints by this node and its live

@@ -32,10 +32,12 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
 from viiwork.mesh import tls
-from viiwork.mesh.boot import next_boot, store_generation
+from viiwork.mesh.clones import IdentityConflict
+from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
 from viiwork.mesh.membership import GossipSettings, Liveness, Membership, PeerView
+from viiwork.mesh.persist import PendingWrites, state_dir_fault
 from viiwork.mesh.pins import PINS_FILE, PinStore
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import NodeSigner
@@ -154,8 +156,15 @@ class MeshNode:
         self._loop_task: asyncio.Task[None] | None = None
         self._exchanges: set[asyncio.Task[bool]] = set()
         self._pins: PinStore | None = None
+        # Writes into the state dir that failed while running, retried (mesh/persist.py).
+        self.writes = PendingWrites()
         self._started_at = 0.0
         self._pending: tuple[tuple[ModelCapacity, ...], PublishedState] | None = None
+        # Set when another running agent publishes this node's id and this boot is the one
+        # that leaves (mesh/clones.py): gossip stops at once, stop() announces nothing, and
+        # ``on_refuse`` callbacks get the one line to exit with (the agent stops, non-zero).
+        self.refused: IdentityConflict | None = None
+        self.on_refuse: list[Callable[[str], None]] = []
 
     # --- identity and trust -------------------------------------------------------------------
 
@@ -218,9 +227,14 @@ class MeshNode:
         try:
             identity = await asyncio.to_thread(load_or_create_identity, Path(s.state_dir), s.node_key)
             boot = await asyncio.to_thread(next_boot, Path(s.state_dir))
+            policy, cert_path, ca_pem = await asyncio.to_thread(self._load_trust, identity)
         except IdentityError as exc:
             raise MeshStartError(str(exc)) from None
-        policy, cert_path, ca_pem = await asyncio.to_thread(self._load_trust, identity)
+        except OSError as exc:  # full, read-only, missing: one line naming the file and the fix, no traceback
+            if exc.filename and Path(exc.filename).parent != Path(s.state_dir):
+                raise MeshStartError(f"{exc.filename}: {exc.strerror or exc}") from None
+            raise MeshStartError(str(state_dir_fault(Path(s.state_dir), exc, "write the node's key, boot or "
+                                                                             "certificate"))) from None
         self.policy = policy
         key_path = identity.key_path
         try:
@@ -235,6 +249,7 @@ class MeshNode:
         self.membership = membership
         for route in gossip_routes(membership):
             self.app.router.add_route(route.method, route.path, route.handler)
+        membership.on_identity_conflict.append(self._identity_conflict)
 
         listen_host, listen_port = _hostport(s.listen, "mesh.listen")
         # handler_cancellation: a peer that closes its connection cancels the handler, so a
@@ -243,7 +258,8 @@ class MeshNode:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         self._site = MutualTlsSite(self._runner, listen_host, listen_port, self.server_ssl_context,
-                                   on_handshake_failure=self._handshake_failed)
+                                   on_handshake_failure=self._handshake_failed,
+                                   on_handshake_refused=self._handshake_refused)
         try:
             await self._site.start()
         except OSError as exc:
@@ -266,7 +282,7 @@ class MeshNode:
             membership, NodeSigner(identity, cert_der), s.name, api=self.advertised_api,
             mesh=self.advertised_mesh or _join("0.0.0.0", self.listen_port), version=s.version, boot=boot,
             heartbeat_ms=s.gossip.heartbeat_ms,
-            store_generation=lambda g: store_generation(Path(s.state_dir), g))
+            store_generation=self._store_generation)
         self._refresh_local()
         self.publisher.maybe_publish(force=True)
 
@@ -307,6 +323,33 @@ class MeshNode:
         if self.membership is not None:
             self.membership.counters.transport["handshake_failed"] += 1
 
+    def _handshake_refused(self, host: str) -> None:
+        if self.membership is not None:
+            self.membership.counters.transport["handshake_refused"] += 1
+
+    def _identity_conflict(self, conflict: IdentityConflict) -> None:
+        """Another running agent publishes this node's id (the membership core logged it).
+        The higher boot leaves: stop publishing now (every further summary feeds the race)
+        and tell the agent, with the line to exit with."""
+        pub = self.publisher
+        if pub is None or conflict.leaves != pub.boot_nonce or self.refused is not None:
+            return
+        self.refused = conflict
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        remedy = ("give each machine its own node.state_dir: start this one from an empty state dir (a new key, so a "
+                  "new node id)")
+        if self.settings.trust == "ca":
+            remedy += (" and enrol it: `viiworkctl mesh request`, `viiworkctl mesh sign` on the CA host, "
+                       "`viiworkctl mesh install CERT` (or `viiworkctl mesh enroll --ca DIR` in a lab)")
+        else:
+            remedy += f" and a new node.name, or `viiworkctl mesh forget {self.settings.name}` on its peers"
+        line = (f"mesh: node id {conflict.node_id} is also run by the agent at {conflict.address or '?'} (a copy of "
+                f"this state dir {self.settings.state_dir}); this boot ({conflict.other_boot}) is the higher one and "
+                f"stops: {remedy}")
+        for cb in self.on_refuse:
+            cb(line)
+
     async def stop(self, leave: bool = True, state: PublishedState = PublishedState.LEAVING) -> None:
         """Stop. With ``leave``, first publish ``state`` (``leaving``, or ``restarting`` when
         this node's agent comes back soon) and push it to up to ``fanout`` peers (bounded by
@@ -315,6 +358,8 @@ class MeshNode:
         (the agent's stop path, docs/architecture.md)."""
         if state not in (PublishedState.LEAVING, PublishedState.RESTARTING):
             raise ValueError(f"stop() publishes leaving or restarting, not {state.value}")
+        if self.refused is not None:
+            leave = False  # the id is the other agent's: a `leaving` under it would be its
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -343,7 +388,18 @@ class MeshNode:
             await self._runner.cleanup()
             self._runner = None
         if self._pins is not None:
-            await asyncio.to_thread(self._pins.save)
+            await asyncio.to_thread(self._save_pins)
+
+    def _store_generation(self, generation: int) -> None:
+        # A generation raised while running that cannot be stored is kept and retried: the
+        # next start then reuses a lower one, which the membership core corrects (mesh/boot.py).
+        state_dir = Path(self.settings.state_dir)
+        self.writes.attempt("boot generation", state_dir / BOOT_FILE, lambda: store_generation(state_dir, generation))
+
+    def _save_pins(self) -> None:
+        pins = self._pins
+        if pins is not None and pins.dirty and pins.path is not None:
+            self.writes.attempt("name pins", pins.path, pins.save)
 
     # --- the gossip loop ----------------------------------------------------------------------
 
@@ -362,8 +418,10 @@ class MeshNode:
                 task = asyncio.get_running_loop().create_task(client.exchange(target))
                 self._exchanges.add(task)
                 task.add_done_callback(self._exchanges.discard)
-            if self._pins is not None and self._pins.dirty:
-                await asyncio.to_thread(self._pins.save)
+            if self._pins is not None and self._pins.dirty and not self.writes.pending("name pins"):
+                await asyncio.to_thread(self._save_pins)
+            if self.writes.due():  # a write that failed (full disk): retried, never fatal
+                await asyncio.to_thread(self.writes.retry_due)
             # Jitter keeps nodes started together from gossiping in lockstep.
             await asyncio.sleep(interval_s * self.rng.uniform(0.9, 1.1))
 
@@ -423,8 +481,11 @@ class MeshNode:
         "certificate_not_after", "models": [{"name", "engine", "kind", "slots", "busy",
         "waiting", "ctx_per_slot", "healthy", "total", "fingerprint", "conflict"}]}],
         "conflicts": [{"model", "nodes": {node_id: fingerprint}}], "counters": {...}}``.
-        ``liveness`` (what this node observes) is alive|suspect|dead|left; ``state`` (what
-        the peer publishes) serving|draining|leaving|restarting; ``waiting`` null means unknown.
+        ``liveness`` (what this node observes) is alive|suspect|dead|left, or conflict while
+        two running agents publish that node id (``identity_conflict``: their boots and
+        addresses; not routed to meanwhile, docs/mesh.md "One node per identity"); ``state``
+        (what the peer publishes) serving|draining|leaving|restarting; ``waiting`` null means
+        unknown. ``self.identity_conflict``: another agent publishing this node's id, or null.
         """
         m, pub = self.membership, self.publisher
         if m is None or pub is None or pub.last is None:
@@ -437,10 +498,11 @@ class MeshNode:
             "trust": trust, "protocol": own.protocol, "speaks": own.speaks, "version": own.version,
             "generation": own.generation, "boot": own.boot, "seq": own.seq, "state": own.state.value,
             "listen_port": self.listen_port, "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
+            "identity_conflict": _conflict_doc(m.identity_conflict, self.refused),
             "models": [_model_doc(x, own.node_id, conflicts) for x in own.models],
             "gpus": [_gpu_doc(g) for g in own.gpus],
         }
-        order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.LEFT: 2, Liveness.DEAD: 3}
+        order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.CONFLICT: 2, Liveness.LEFT: 3, Liveness.DEAD: 4}
         nodes = []
         for p in sorted(m.peers(), key=lambda p: (order[p.liveness], p.name, p.node_id)):
             nodes.append({
@@ -451,12 +513,23 @@ class MeshNode:
                 "certificate_not_after": _iso(p.certificate_not_after),
                 "models": [_model_doc(x, p.node_id, conflicts) for x in p.models],
                 "gpus": [_gpu_doc(g) for g in p.gpus],
+                "identity_conflict": None if p.conflict is None else p.conflict.doc(),
             })
         return {
             "self": me, "nodes": nodes,
             "conflicts": [{"model": name, "nodes": fps} for name, fps in sorted(conflicts.items())],
             "counters": self.counters(),
         }
+
+
+def _conflict_doc(current: IdentityConflict | None, refused: IdentityConflict | None) -> dict[str, Any] | None:
+    """This node's identity conflict for the view: the one going on, else the one this
+    boot left over (it is stopping); None when there is none."""
+    conflict = current or refused
+    if conflict is None:
+        return None
+    return {**conflict.doc(), "other_address": conflict.address, "other_boot": conflict.boot,
+            "this_boot": conflict.other_boot, "this_boot_leaves": conflict.leaves == conflict.other_boot}
 
 
 def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any, str]]) -> dict[str, Any]:

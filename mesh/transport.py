@@ -9,6 +9,13 @@ CA's, an expired one, garbage, a timeout) is counted (``transport.handshake_fail
 logged once per address at WARNING, which asyncio's built-in server TLS cannot do. The
 verified peer's node id is put on the request (:func:`peer_of`).
 
+**Pending handshakes are bounded** (docs/security.md, "Connection floods"): each one holds
+asyncio's TLS read buffer (256 KiB, ``SSLProtocol.max_size``; about 300 KiB in all) until it completes or
+``handshake_timeout_s`` passes, so at most ``max_pending_handshakes`` may be pending at once,
+and at most ``max_pending_per_address`` from one source address. A connection beyond either
+is closed at accept, before ``start_tls`` allocates anything, and counted
+(``on_handshake_refused``; the agent counts ``transport.handshake_refused``).
+
 Endpoints (POST, body and answer are :mod:`viiwork.mesh.messages` JSON):
 
 - ``/mesh/v1/exchange``: a digest in, the reply out (200), or 400 when dropped;
@@ -17,7 +24,9 @@ Endpoints (POST, body and answer are :mod:`viiwork.mesh.messages` JSON):
 **Client.** :class:`GossipClient` runs one exchange per target (digest, reply, push) over a
 pooled HTTPS connection presenting this node's certificate, each bounded by
 ``exchange_timeout_s`` (connect ``connect_timeout_s``), all of a round in parallel: a dead
-or slow peer costs one timed-out task, never the round or the event loop.
+or slow peer costs one timed-out task, never the round or the event loop. When the target's
+node id is known (a peer from the table, an mDNS advertisement naming one; not a seed), the
+TLS peer must be that node before the digest is sent (:mod:`viiwork.mesh.dialing`).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from aiohttp import web
 from aiohttp.web_runner import BaseRunner, BaseSite
 
 from viiwork.mesh.counters import DropReason
+from viiwork.mesh.dialing import PeerMismatch, expect_node, peer_session_parts
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import GossipTarget, Membership
 from viiwork.mesh.tls import peer_node_id
@@ -43,6 +53,13 @@ log = logging.getLogger(__name__)
 EXCHANGE_PATH = "/mesh/v1/exchange"
 PUSH_PATH = "/mesh/v1/push"
 HANDSHAKE_TIMEOUT_S = 5.0
+# A pending handshake costs about 300 KiB (measured: tests/bench/bench_floods.py), so 64 of
+# them about 19 MiB under a flood. Peers keep their connections pooled (gossip for 30 s) and
+# a handshake on a LAN is pending for a few milliseconds: even a thousand nodes dialling this
+# one a few times a second keep well under 64 pending. 16 per address leaves room for a
+# peer's burst of parallel forwards.
+MAX_PENDING_HANDSHAKES = 64
+MAX_PENDING_PER_ADDRESS = 16
 PEER_KEY: web.AppKey[Callable[[web.Request], NodeId | None]] = web.AppKey("viiwork_mesh_peer_of")
 
 
@@ -84,11 +101,15 @@ class _TlsGate(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         # No byte of the ClientHello may land here: start_tls takes over reading.
         transport.pause_reading()
-        self._task = asyncio.get_running_loop().create_task(self._handshake(transport))
+        host = _host_of(transport.get_extra_info("peername"))
+        if not self._site.admit_handshake(host):
+            transport.abort()  # nothing was allocated for it yet: an RST, no TIME_WAIT here
+            return
+        self._task = asyncio.get_running_loop().create_task(self._handshake(transport, host))
         self._site._tasks.add(self._task)
         self._task.add_done_callback(self._site._tasks.discard)
 
-    async def _handshake(self, transport: asyncio.Transport) -> None:
+    async def _handshake(self, transport: asyncio.Transport, host: str) -> None:
         loop = asyncio.get_running_loop()
         peer = transport.get_extra_info("peername")
         buffer = _Buffer()
@@ -97,8 +118,13 @@ class _TlsGate(asyncio.Protocol):
                                        ssl_handshake_timeout=self._site.handshake_timeout_s)
         except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError, RuntimeError) as exc:
             self._site.handshake_failed(peer, exc)
+            # The traceback's frames hold asyncio's SSLProtocol (and its 256 KiB buffer) in a
+            # cycle with the exception: without this it waits for a full gc collection.
+            exc.__traceback__ = None
             transport.close()
             return
+        finally:
+            self._site.handshake_done(host)
         if tls is None:  # the peer went away during the handshake
             self._site.handshake_failed(peer, ConnectionError("closed during handshake"))
             return
@@ -122,18 +148,29 @@ class _TlsGate(asyncio.Protocol):
 class MutualTlsSite(BaseSite):
     """An aiohttp site on ``host:port`` whose connections must complete mutual TLS with
     ``ssl_context`` (see the module doc). ``on_handshake_failure(peer, exc)`` is called for
-    every failed handshake. ``port`` 0 binds a free port (see :attr:`port`)."""
+    every failed handshake, ``on_handshake_refused(host)`` for every connection closed at
+    accept because ``max_pending_handshakes`` (all sources) or ``max_pending_per_address``
+    (``host``) handshakes are already pending. ``port`` 0 binds a free port (see :attr:`port`)."""
 
     def __init__(self, runner: BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext,
                  on_handshake_failure: Callable[[Any, BaseException], None] | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, backlog: int = 128):
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, backlog: int = 128,
+                 on_handshake_refused: Callable[[str], None] | None = None,
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+                 max_pending_per_address: int = MAX_PENDING_PER_ADDRESS):
         super().__init__(runner, backlog=backlog)
         self.host, self._port = host, port
         self.ssl_context = ssl_context
         self.handshake_timeout_s = handshake_timeout_s
+        self.max_pending_handshakes = max_pending_handshakes
+        self.max_pending_per_address = max_pending_per_address
         self._on_failure = on_handshake_failure
+        self._on_refused = on_handshake_refused
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: set[str] = set()
+        self._pending: dict[str, int] = {}  # source address -> handshakes pending from it
+        self.pending_handshakes = 0
+        self._refusals_warned = False
 
     @property
     def name(self) -> str:
@@ -151,8 +188,34 @@ class MutualTlsSite(BaseSite):
         assert server is not None, "call runner.setup() before starting the site"
         return server  # type: ignore[return-value]
 
+    def admit_handshake(self, host: str) -> bool:
+        """Take a pending-handshake place for ``host``; False (and counted) when none is free."""
+        from_host = self._pending.get(host, 0)
+        if self.pending_handshakes >= self.max_pending_handshakes or from_host >= self.max_pending_per_address:
+            if not self._refusals_warned:
+                self._refusals_warned = True
+                log.warning("mesh listener: closing new connections at accept: %d TLS handshakes pending (%d from "
+                            "%s; caps %d and %d per address); further refusals are only counted "
+                            "(transport.handshake_refused)", self.pending_handshakes, from_host, host,
+                            self.max_pending_handshakes, self.max_pending_per_address)
+            if self._on_refused is not None:
+                self._on_refused(host)
+            return False
+        self.pending_handshakes += 1
+        self._pending[host] = from_host + 1
+        return True
+
+    def handshake_done(self, host: str) -> None:
+        """Give back the place :meth:`admit_handshake` took (the handshake ended either way)."""
+        self.pending_handshakes -= 1
+        left = self._pending.get(host, 1) - 1
+        if left > 0:
+            self._pending[host] = left
+        else:
+            self._pending.pop(host, None)
+
     def handshake_failed(self, peer: Any, exc: BaseException) -> None:
-        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        host = _host_of(peer)
         if host not in self._warned and len(self._warned) < 10_000:
             self._warned.add(host)
             log.warning("mesh listener: TLS handshake from %s failed: %s", host, exc)
@@ -173,6 +236,11 @@ class MutualTlsSite(BaseSite):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _host_of(peer: Any) -> str:
+    """The address part of a ``peername`` ("?" when there is none)."""
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
 def gossip_routes(membership: Membership) -> list[web.RouteDef]:
@@ -223,9 +291,10 @@ class GossipClient:
         self._warned: set[str] = set()
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(ssl=self.ssl_context, limit=256, limit_per_host=2, keepalive_timeout=30)
+        parts = peer_session_parts(self.ssl_context, counters=self.membership.counters.transport, limit=256,
+                                   limit_per_host=2, keepalive_timeout=30)
         timeout = aiohttp.ClientTimeout(total=self.exchange_timeout_s, sock_connect=self.connect_timeout_s)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False)
+        self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -237,7 +306,8 @@ class GossipClient:
 
     async def exchange(self, target: GossipTarget) -> bool:
         """One exchange with ``target``; True when it completed. Never raises for network
-        or peer faults (counted in ``transport``: exchange_failed, exchange_timeout)."""
+        or peer faults (counted in ``transport``: exchange_failed, exchange_timeout, and
+        peer_mismatch when the TLS peer is not ``target.node_id``)."""
         m = self.membership
         counters = m.counters.transport
         if self._session is None:
@@ -246,8 +316,11 @@ class GossipClient:
             async with asyncio.timeout(self.exchange_timeout_s):
                 started = time.monotonic()
                 digest = m.digest_bytes(target)
+                headers = {"Content-Type": "application/json"}
+                if target.node_id is not None:  # a seed's node is unknown: no check
+                    headers.update(expect_node(target.node_id))
                 async with self._session.post(self._url(target.address, EXCHANGE_PATH), data=digest,
-                                              headers={"Content-Type": "application/json"}) as resp:
+                                              headers=headers) as resp:
                     peer = _response_peer(resp)
                     body = await resp.read()
                     status = resp.status
@@ -261,7 +334,7 @@ class GossipClient:
                 push = m.on_reply_bytes(peer, body, target)
                 if push is not None:
                     async with self._session.post(self._url(target.address, PUSH_PATH), data=push,
-                                                  headers={"Content-Type": "application/json"}) as resp:
+                                                  headers=headers) as resp:
                         await resp.read()
                         if resp.status != 204:
                             counters["push_refused"] += 1
@@ -270,6 +343,8 @@ class GossipClient:
         except TimeoutError:
             counters["exchange_timeout"] += 1
             self._warn(target.address, "timed out", debug=True)
+        except PeerMismatch:  # counted (peer_mismatch) and logged by the connector
+            pass
         except (aiohttp.ClientError, OSError, ssl.SSLError) as exc:
             counters["exchange_failed"] += 1
             self._warn(target.address, f"{type(exc).__name__}: {exc}", debug=True)

@@ -282,7 +282,7 @@ def gpus_cell(gpus: list[dict[str, Any]]) -> str:
     return "\n".join(lines) or "-"
 
 
-_LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
+_LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim", "conflict": "bold red"}
 
 
 def render(doc: dict[str, Any], console: Console) -> None:
@@ -293,6 +293,11 @@ def render(doc: dict[str, Any], console: Console) -> None:
         console.print(f"this node [bold]{me.get('name', '?')}[/bold] ({me.get('id', '?')}), mesh {me.get('mesh_id', '?')} "
                       f"({me.get('trust', '?')} trust), {me.get('state', '?')}, slots busy/total {load}, "
                       f"GPUs: {gpus_cell(me.get('gpus') or []).replace(chr(10), '; ')}")
+        clone = me.get("identity_conflict")
+        if isinstance(clone, dict):
+            console.print(f"[bold red]identity conflict[/bold red]: this node id is also run by the agent at "
+                          f"{clone.get('other_address', '?')}; "
+                          f"{'this agent' if clone.get('this_boot_leaves') else 'that agent'} stops (docs/mesh.md)")
     table = Table()
     for col in ("name", "id", "address", "liveness", "state", "age", "models (busy/slots)", "slots busy/total",
                 "GPUs", "trust"):

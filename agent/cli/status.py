@@ -78,7 +78,7 @@ def render(doc: dict[str, Any], console: Console) -> None:
                 ("unknown" if waiting is None else str(waiting)) if first else "",
                 str(model.get("ctx_per_slot", "")) if first else "",
                 str(b.get("pid") or "-"),
-                str(b.get("port") or "-"),
+                str(b.get("port") or ("socket" if b.get("socket") else "-")),
                 str(b.get("respawns", "")),
             )
             first = False

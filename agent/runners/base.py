@@ -44,6 +44,12 @@ class LaunchRequest:
     labels: recorded with the process/unit and returned on adoption (owner node, model,
     backend index, config hash). log_path: where the process runner writes output.
     Limits are applied where the runner can (systemd), else ignored and reported.
+    private_dir: the backend's own directory (its key file and socket: agent/engine_keys.py),
+    which the engine must be able to write even in a sandbox that makes the rest read-only.
+    environment_file: a file of ``NAME=value`` lines (the backend's key for an engine that
+    reads it from the environment: agent/engine_keys.py) that the runner adds to the engine's
+    environment without showing it: systemd's ``EnvironmentFile=`` (read by the manager, as
+    root for the system one), the process runner in the child's environment only.
     """
 
     name: str
@@ -57,6 +63,8 @@ class LaunchRequest:
     cpu_weight: int | None = None
     tasks_max: int | None = None
     sandbox: str | None = None
+    private_dir: str | None = None
+    environment_file: str | None = None
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from viiwork.agent.engine_keys import EngineKeyError, read_env_file
 from viiwork.agent.runners.base import ExitInfo, LaunchRequest, RunHandle, RunnerError
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,12 @@ class ProcessRunner:
         if not request.argv:
             raise RunnerError(f"{request.name}: empty command line")
         binary = _resolve_binary(request.argv[0], request.env)
+        env = dict(request.env)
+        if request.environment_file:  # the key, in the child's environment only
+            try:
+                env.update(read_env_file(request.environment_file))
+            except EngineKeyError as exc:
+                raise RunnerError(f"{request.name}: {exc}") from exc
         log_file = None
         if request.log_path is not None:
             try:
@@ -173,7 +180,7 @@ class ProcessRunner:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
-                env=dict(request.env),
+                env=env,
                 start_new_session=True,
                 preexec_fn=_parent_death_signal(os.getpid()),
             )

@@ -745,6 +745,10 @@ class SystemdRunner:
             ("Type", "s", "exec"),
             ("ExecStart", "a(sasb)", [[argv0, list(request.argv), False]]),
             ("Environment", "as", environment),
+            # NAME=value lines read by the manager at start (the key of an engine that reads
+            # it from the environment): not in Environment=, which `systemctl show` prints.
+            *([("EnvironmentFiles", "a(sb)", [[request.environment_file, False]])]
+              if request.environment_file else []),
             ("KillMode", "s", "control-group"),
             ("TimeoutStopUSec", "t", max(1, int(request.stop_timeout_s * 1_000_000))),
             ("SyslogIdentifier", "s", name.removesuffix(".service")),
@@ -771,6 +775,9 @@ class SystemdRunner:
         if sandbox not in SANDBOX_PROFILES:
             raise RunnerError(f"unknown sandbox profile {sandbox!r}; known: {', '.join(SANDBOX_PROFILES)}")
         props.extend(SANDBOX_PROFILES[sandbox])
+        if sandbox != "none" and request.private_dir:
+            # ProtectSystem makes /run and /var read-only: the engine binds its socket here.
+            props.append(("ReadWritePaths", "as", [request.private_dir]))
         return [(key, Variant(sig, value)) for key, sig, value in props]
 
     async def start(self, request: LaunchRequest) -> SystemdHandle:

@@ -55,7 +55,13 @@ class LlamaCppEngine:
     options_model: ClassVar[type[LlamaCppOptions]] = LlamaCppOptions
     default_startup_timeout_s: ClassVar[float] = 600.0
     # 2: --pooling mean for an embedding GGUF that declares no pooling type.
-    command_version: ClassVar[int] = 2
+    command_version: ClassVar[int] = 3
+    # 3: --api-key-file (the agent's per-backend key), CORS limited to localhost, and a Unix
+    # socket (--host <path>.sock) instead of a loopback port.
+    # Binds BackendSpec.socket_path (llama-server: a --host ending in ".sock").
+    unix_socket: ClassVar[bool] = True
+    # Takes BackendSpec.api_key_file (--api-key-file).
+    api_key: ClassVar[bool] = True
     # A non-streamed generation is not reliably stopped by a closed connection (measured:
     # tests/bench/bench_disconnect.py, docs/engines.md "When the client goes away").
     nonstream_stops_on_disconnect: ClassVar[bool] = False
@@ -75,8 +81,7 @@ class LlamaCppEngine:
             opts.binary,
             "--model", spec.path,
             "--alias", spec.model,
-            "--host", "127.0.0.1",
-            "--port", str(spec.port),
+            *bind_args(spec),
             "--ctx-size", str(spec.ctx_per_slot * spec.parallel),
             "--parallel", str(spec.parallel),
             "--threads", str(threads),
@@ -90,6 +95,7 @@ class LlamaCppEngine:
             argv += pooling_args(spec)
         if opts.metrics:
             argv.append("--metrics")
+        argv += key_args(spec)
         argv += list(spec.args)
         return LaunchCommand(argv=tuple(argv), env=self.device_env(spec))
 
@@ -168,6 +174,25 @@ class LlamaCppEngine:
             raise EngineUnavailable(f"GET /metrics: {exc.__class__.__name__}: {exc}") from exc
         value = parse_gauges(text).get("llamacpp:requests_deferred")
         return None if value is None else int(value)
+
+
+def bind_args(spec: BackendSpec) -> tuple[str, ...]:
+    """``--host <socket>`` (llama-server binds a Unix socket when --host ends in ".sock")
+    for a spec with a socket path, else ``--host 127.0.0.1 --port <port>``."""
+    if spec.socket_path:
+        return ("--host", spec.socket_path)
+    return ("--host", "127.0.0.1", "--port", str(spec.port))
+
+
+def key_args(spec: BackendSpec) -> tuple[str, ...]:
+    """``--api-key-file`` for the agent's per-backend key (docs/security.md, "Local users"),
+    and CORS cut down from llama-server's default ``*`` (any web page may read answers) to
+    ``--cors-origins localhost --no-cors-credentials``: llama-server has no flag that turns
+    CORS off, and the key is needed on every request anyway."""
+    args: tuple[str, ...] = ("--cors-origins", "localhost", "--no-cors-credentials")
+    if spec.api_key_file:
+        args += ("--api-key-file", spec.api_key_file)
+    return args
 
 
 def pooling_args(spec: BackendSpec) -> tuple[str, ...]:

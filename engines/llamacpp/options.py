@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Bounds (docs/configuration.md): no host has more CPUs than this, and no model more layers
+# (operators write 999 to mean "all of them").
+MAX_THREADS = 4096
+MAX_GPU_LAYERS = 10_000
 
 
 class LlamaCppOptions(BaseModel):
@@ -20,10 +25,19 @@ class LlamaCppOptions(BaseModel):
     metrics: pass --metrics so waiting requests (llamacpp:requests_deferred) are known.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     binary: str = Field(default="llama-server", min_length=1)
-    threads: int | None = Field(default=None, ge=1)
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     gpu_layers: int | Literal["all"] = "all"
     device_selection: Literal["env", "vulkan"] = "env"
     metrics: bool = True
+
+    @field_validator("gpu_layers")
+    @classmethod
+    def _layers_in_range(cls, v: int | str) -> int | str:
+        # A validator, not Field(ge, le): a constraint on the int of the union would report
+        # one error per union member.
+        if isinstance(v, int) and not 0 <= v <= MAX_GPU_LAYERS:
+            raise ValueError(f"gpu_layers must be 0..{MAX_GPU_LAYERS} or \"all\", got {v}")
+        return v

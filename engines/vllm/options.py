@@ -23,12 +23,12 @@ class VllmOptions(BaseModel):
         None leaves it to vLLM. Ignored for GPU backends.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     binary: str = Field(default="vllm", min_length=1)
     python: str | None = Field(default=None, min_length=1)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    cpu_kv_cache_gib: int | None = Field(default=None, ge=1)
+    cpu_kv_cache_gib: int | None = Field(default=None, ge=1, le=16384)
 
     @model_validator(mode="after")
     def _one_launcher(self) -> VllmOptions:

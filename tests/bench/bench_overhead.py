@@ -4,10 +4,14 @@ usage: .venv/bin/python tests/bench/bench_overhead.py [-n 1000] [--wrk-s 5] [--p
        [--litellm-python PATH] [--out FILE]
 
 One instant upstream (``instant_upstream.py``, started by the agent as its llama.cpp engine)
-and, in front of that same port: nginx (plain reverse proxy, keep-alive upstream, buffering
+and, in front of that same process: nginx (plain reverse proxy, keep-alive upstream, buffering
 off, one worker), a bare aiohttp pass-through (``bare_proxy.py``), one viiwork agent
 (``viiwork-agent --config``, process runner), and LiteLLM's proxy (one worker, no database)
 when ``--litellm-python`` names an interpreter that has it. Every system is warmed up first.
+An engine answers only the agent (docs/security.md): the upstream listens on the agent's
+Unix socket and needs the backend's key, which the agent, nginx and the bare proxy use; it
+also listens on a loopback port (an operator arg) with the same key for the TCP-only clients:
+direct (the raw client, wrk) and LiteLLM.
 
 Figures, all from one run:
 
@@ -27,6 +31,7 @@ Prints a Markdown section (and writes it to --out when given).
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import platform
@@ -47,6 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 
+from support.agent import Agent  # noqa: E402
 from support.procs import free_port, stop_process  # noqa: E402
 
 CHUNKS = 20
@@ -64,8 +70,9 @@ PATH = "/v1/chat/completions"
 class RawClient:
     """A blocking HTTP/1.1 keep-alive client: one request at a time, timings per request."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, headers: dict[str, str] | None = None) -> None:
         self.port = port
+        self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.sock: socket.socket | None = None
 
     def _connect(self) -> socket.socket:
@@ -81,7 +88,7 @@ class RawClient:
     def request(self, body: bytes, stream: bool) -> tuple[float, float, int, int]:
         """Returns (ttfb_s, total_s, status, sse_events). Retries once on a stale socket."""
         req = (f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+               f"{self.extra}Content-Length: {len(body)}\r\n\r\n").encode() + body
         for attempt in (0, 1):
             if self.sock is None:
                 self.sock = self._connect()
@@ -190,8 +197,8 @@ def pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
 
-def run_c1(port: int, n: int, stream: bool, into: C1, warmup: int) -> None:
-    client = RawClient(port)
+def run_c1(port: int, n: int, stream: bool, into: C1, warmup: int, headers: dict[str, str] | None = None) -> None:
+    client = RawClient(port, headers)
     body = SBODY if stream else BODY
     try:
         for i in range(warmup + n):
@@ -264,10 +271,11 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def run_wrk(port: int, body: bytes, seconds: float, conns: int, work: Path,
-            pids: list[int] | None = None) -> WrkResult:
-    script = work / f"wrk-{len(body)}.lua"
+            pids: list[int] | None = None, headers: dict[str, str] | None = None) -> WrkResult:
+    script = work / f"wrk-{len(body)}-{port}.lua"
+    extra = "".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}\n" for k, v in (headers or {}).items())
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                      f"wrk.body = {json.dumps(body.decode())}\n")
+                      f"{extra}wrk.body = {json.dumps(body.decode())}\n")
     cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "--latency", "--timeout", "10s",
            "-s", str(script), f"http://127.0.0.1:{port}{PATH}"]
     cpu0 = cpu_seconds(pids or [])
@@ -296,7 +304,8 @@ def run_wrk(port: int, body: bytes, seconds: float, conns: int, work: Path,
 # -- the systems -------------------------------------------------------------------------------
 
 
-def wait_post(port: int, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_post(port: int, deadline_s: float, proc: subprocess.Popen | None = None,
+              headers: dict[str, str] | None = None) -> None:
     end = time.monotonic() + deadline_s
     last: Exception | None = None
     while time.monotonic() < end:
@@ -304,7 +313,7 @@ def wait_post(port: int, deadline_s: float, proc: subprocess.Popen | None = None
             raise RuntimeError(f"process exited with {proc.returncode}")
         try:
             req = urllib.request.Request(f"http://127.0.0.1:{port}{PATH}", data=BODY,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **(headers or {})})
             with urllib.request.urlopen(req, timeout=5) as r:
                 if r.status == 200:
                     return
@@ -315,7 +324,7 @@ def wait_post(port: int, deadline_s: float, proc: subprocess.Popen | None = None
 
 
 def agent_config(work: Path, name: str, port: int, engine: Path, models: bool,
-                 mesh: tuple[int, int] | None = None) -> Path:
+                 mesh: tuple[int, int] | None = None, engine_port: int | None = None) -> Path:
     text = f"""
 [node]
 name = "{name}"
@@ -349,6 +358,7 @@ parallel = 64
 ctx_per_slot = 512
 backends = 1
 startup_timeout_s = 60
+args = {json.dumps(["--port", str(engine_port or free_port())])}
 
 [models.llamacpp]
 binary = {json.dumps(str(engine))}
@@ -364,7 +374,8 @@ def start_mesh_pair(work: Path, engine: Path, notes: list[str]) -> list[System]:
     every request to B over the mesh (mutual TLS, open trust). Returns [A, B] or []."""
     pa, pb, ma, mb = free_port(), free_port(), free_port(), free_port()
     try:
-        agb, _ = start_agent(agent_config(work, "hop-b", pb, engine, True, (mb, ma)), pb, work / "hop-b.log")
+        agb, _ = start_agent(agent_config(work, "hop-b", pb, engine, True, (mb, ma), free_port()), pb,
+                             work / "hop-b.log")
     except (RuntimeError, TimeoutError) as exc:
         notes.append(f"mesh pair: agent B did not start: {exc}")
         return []
@@ -385,7 +396,16 @@ def agent_binary() -> Path:
     return Path(sys.executable).parent / "viiwork-agent"
 
 
-def start_agent(cfg: Path, port: int, log: Path) -> tuple[subprocess.Popen, int]:
+@dataclass
+class Upstream:
+    """The agent's engine: its loopback port (an operator arg), its socket and its key."""
+
+    port: int
+    socket: str
+    headers: dict[str, str]
+
+
+def start_agent(cfg: Path, port: int, log: Path, engine_port: int = 0) -> tuple[subprocess.Popen, Upstream]:
     proc = subprocess.Popen([str(agent_binary()), "--config", str(cfg), "--log-level", "warning"],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
     end = time.monotonic() + 60
@@ -396,7 +416,8 @@ def start_agent(cfg: Path, port: int, log: Path) -> tuple[subprocess.Popen, int]
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=1) as r:
                 b = json.load(r)["models"][0]["backends"][0]
             if b["state"] == "healthy":
-                return proc, int(b["port"])
+                handle = Agent(proc, f"http://127.0.0.1:{port}", log, cfg.parent / cfg.stem)
+                return proc, Upstream(engine_port, handle.engine_socket("m"), handle.engine_headers("m"))
         except (OSError, KeyError, IndexError, ValueError):
             pass
         time.sleep(0.1)
@@ -404,7 +425,10 @@ def start_agent(cfg: Path, port: int, log: Path) -> tuple[subprocess.Popen, int]
     raise TimeoutError("agent not healthy within 60 s")
 
 
+# user: workers of a root nginx would run as nobody, which cannot reach the engine's socket
+# (its directory is 0700, the agent's user: docs/security.md).
 NGINX_CONF = """
+user {user};
 worker_processes 1;
 daemon off;
 pid {work}/nginx.pid;
@@ -417,13 +441,14 @@ http {{
     fastcgi_temp_path {work}/nginx-fcgi;
     uwsgi_temp_path {work}/nginx-uwsgi;
     scgi_temp_path {work}/nginx-scgi;
-    upstream engine {{ server 127.0.0.1:{upstream}; keepalive 64; }}
+    upstream engine {{ server unix:{socket}; keepalive 64; }}
     server {{
         listen 127.0.0.1:{port};
         location / {{
             proxy_pass http://engine;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+            proxy_set_header Authorization "{authorization}";
             proxy_buffering off;
         }}
     }}
@@ -435,7 +460,7 @@ LITELLM_CONF = """model_list:
     litellm_params:
       model: openai/m
       api_base: http://127.0.0.1:{upstream}/v1
-      api_key: bench
+      api_key: {key}
 litellm_settings:
   telemetry: false
   drop_params: true
@@ -448,6 +473,7 @@ class System:
     port: int
     proc: subprocess.Popen | None = None
     note: str = ""
+    headers: dict[str, str] = field(default_factory=dict)  # the engine's key, for direct
     tree: bool = False  # count CPU of child processes too (nginx workers, uvicorn workers)
 
     own: list[int] | None = None  # explicit pids (the upstream, a child of the agent)
@@ -458,7 +484,7 @@ class System:
         return _tree(self.proc.pid, self.tree) if self.proc is not None else []
 
 
-def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: list[str],
+def start_systems(work: Path, upstream: Upstream, litellm_python: str | None, logs: list[str],
                   systems: list[System]) -> list[System]:
     """Start nginx, the bare proxy and LiteLLM in front of ``upstream``, appending each to
     ``systems`` as soon as it runs, so the caller stops them even if a later one fails."""
@@ -466,7 +492,8 @@ def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: l
     if nginx:
         port = free_port()
         conf = work / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(work=work, upstream=upstream, port=port))
+        conf.write_text(NGINX_CONF.format(work=work, socket=upstream.socket, port=port, user=getpass.getuser(),
+                                          authorization=upstream.headers["Authorization"]))
         proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work)], stdout=subprocess.DEVNULL,
                                 stderr=open(work / "nginx.out", "ab"), start_new_session=True)
         try:
@@ -478,8 +505,10 @@ def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: l
     else:
         logs.append("nginx not installed (Debian package nginx or nginx-light): row skipped")
     port = free_port()
+    key_file = Path(upstream.socket).parent / "key"  # agent/engine_keys.py
     proc = subprocess.Popen([sys.executable, str(HERE / "bare_proxy.py"), "--port", str(port),
-                             "--upstream", f"http://127.0.0.1:{upstream}"],
+                             "--upstream", "http://localhost", "--upstream-socket", upstream.socket,
+                             "--key-file", str(key_file)],
                             stdout=subprocess.DEVNULL, stderr=open(work / "bare.out", "ab"), start_new_session=True)
     wait_post(port, 30, proc)
     systems.append(System("bare aiohttp", port, proc))
@@ -488,7 +517,8 @@ def start_systems(work: Path, upstream: int, litellm_python: str | None, logs: l
     elif litellm_python:
         port = free_port()
         conf = work / "litellm.yaml"
-        conf.write_text(LITELLM_CONF.format(upstream=upstream))
+        conf.write_text(LITELLM_CONF.format(upstream=upstream.port,
+                                            key=upstream.headers["Authorization"].removeprefix("Bearer ")))
         # No auth, as for the other systems: LiteLLM >= 1.108 refuses to start without a master
         # key unless told this is deliberate.
         env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False",
@@ -766,14 +796,16 @@ def main() -> int:
         engine.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'instant_upstream.py'} \"$@\"\n")
         engine.chmod(0o755)
         aport = free_port()
-        agent, upstream = start_agent(agent_config(work, "bench", aport, engine, True), aport, work / "agent.log")
+        eport = free_port()
+        agent, upstream = start_agent(agent_config(work, "bench", aport, engine, True, engine_port=eport),
+                                      aport, work / "agent.log", eport)
         systems: list[System] = []
         pair: list[System] = []
         extra: list[System] = []
         try:
             wait_post(aport, 30, agent)
             engine_pids = [p for p in _tree(agent.pid, True) if p != agent.pid]
-            systems = [System("direct", upstream, own=engine_pids)]
+            systems = [System("direct", upstream.port, own=engine_pids, headers=upstream.headers)]
             start_systems(work, upstream, args.litellm_python, notes, extra)
             systems += [s for s in extra if s.name in ("nginx", "bare aiohttp")]
             systems.append(System("viiwork (1 agent)", aport, agent))
@@ -783,21 +815,22 @@ def main() -> int:
             c1 = {s.name: C1() for s in systems}
             c1s = {s.name: C1() for s in systems}
             for s in systems:  # warm-up: c=1 both kinds, and a short burst at c=32
-                run_c1(s.port, 0, False, C1(), 50)
-                run_c1(s.port, 0, True, C1(), 20)
-                run_wrk(s.port, BODY, 1, 32, work)
+                run_c1(s.port, 0, False, C1(), 50, s.headers)
+                run_c1(s.port, 0, True, C1(), 20, s.headers)
+                run_wrk(s.port, BODY, 1, 32, work, headers=s.headers)
             for _round in range(ROUNDS):
                 for s in systems:
                     slow = s.name.startswith("LiteLLM")
                     n = (args.n // 4 if slow else args.n) // ROUNDS
-                    run_c1(s.port, n, False, c1[s.name], 5)
-                    run_c1(s.port, (args.stream_n // 3 if slow else args.stream_n) // ROUNDS, True, c1s[s.name], 2)
+                    run_c1(s.port, n, False, c1[s.name], 5, s.headers)
+                    run_c1(s.port, (args.stream_n // 3 if slow else args.stream_n) // ROUNDS, True, c1s[s.name], 2,
+                           s.headers)
             wrk: dict[str, list[WrkResult]] = {s.name: [] for s in systems}
             wrks: dict[str, list[WrkResult]] = {s.name: [] for s in systems}
             for _round in range(2):
                 for s in systems:
-                    wrk[s.name].append(run_wrk(s.port, BODY, args.wrk_s, 32, work, s.pids()))
-                    wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s, 32, work, s.pids()))
+                    wrk[s.name].append(run_wrk(s.port, BODY, args.wrk_s, 32, work, s.pids(), s.headers))
+                    wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s, 32, work, s.pids(), s.headers))
             profile = profile_agent(agent.pid, aport, work, 6) if args.profile else []
             startup, rss, snote = startup_and_rss(work, args.startup_runs)
             rss_peers, pnote = rss_with_peers(work)
@@ -824,7 +857,9 @@ def main() -> int:
              "Command: `.venv/bin/python tests/bench/bench_overhead.py --litellm-python .bench-venv/bin/python "
              "--profile` (run by `make bench`).", "",
              "Upstream: `tests/bench/instant_upstream.py` (raw asyncio, answers in microseconds), started by "
-             "the agent as its engine; every proxy points at that same port. c=1: blocking raw-socket client, "
+             "the agent as its engine; every proxy points at that same process, with the engine's key (the agent, "
+             "nginx and the bare proxy over its Unix socket; direct and LiteLLM over the loopback port it also "
+             "listens on). c=1: blocking raw-socket client, "
              "pooled samples, "
              f"{args.n} non-streamed and {args.stream_n} streamed requests per system (a quarter / a third for "
              f"LiteLLM), interleaved in {ROUNDS} rounds after warm-up. c=32: `wrk -t1 -c32`, best of 2 runs of "

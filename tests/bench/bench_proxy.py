@@ -5,7 +5,8 @@ and streamed chunk throughput, all in the same run.
 usage: .venv/bin/python tests/bench/bench_proxy.py [-n 500] [--out FILE]
 
 Starts its own agents (``viiwork-agent --config``) on loopback with the process runner; the
-direct figures go to the same backend the agent routes to (its port from /v1/status).
+direct figures go to the same backend the agent routes to (its Unix socket from /v1/status,
+with its key: an engine answers only the agent, docs/security.md).
 Prints a Markdown section (and writes it to --out when given).
 """
 
@@ -27,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 
 from bench.loadgen import Series, chat_body, ms, run_series  # noqa: E402
+from support.agent import ENGINE_URL, Agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
 from support.procs import free_port, stop_process, wait_http  # noqa: E402
 
@@ -146,7 +148,8 @@ def measure_hop(work: Path, llama: str, gguf: Path, n: int) -> list[str]:
     return lines + [""]
 
 
-def start_agent(config: Path, port: int, log: Path) -> tuple[subprocess.Popen, int]:
+def start_agent(config: Path, port: int, log: Path) -> tuple[subprocess.Popen, Agent]:
+    """The agent and, once its backend is healthy, a handle to reach that engine directly."""
     agent = Path(sys.executable).parent / "viiwork-agent"
     proc = subprocess.Popen([str(agent), "--config", str(config), "--log-level", "warning"],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
@@ -159,7 +162,7 @@ def start_agent(config: Path, port: int, log: Path) -> tuple[subprocess.Popen, i
                 doc = json.load(r)
             b = doc["models"][0]["backends"][0]
             if b["state"] == "healthy":
-                return proc, int(b["port"])
+                return proc, Agent(proc, f"http://127.0.0.1:{port}", log, config.parent / config.stem)
         except (OSError, KeyError, IndexError, ValueError):
             pass
         time.sleep(0.1)
@@ -167,19 +170,20 @@ def start_agent(config: Path, port: int, log: Path) -> tuple[subprocess.Popen, i
     raise TimeoutError(f"agent not healthy within 90 s; see {log}")
 
 
-async def measure(direct_port: int, agent_port: int, n: int, tokens: int, stream_tokens: int
+async def measure(direct: Agent, agent_port: int, n: int, tokens: int, stream_tokens: int
                   ) -> dict[str, Series]:
     out: dict[str, Series] = {}
     body = chat_body("m", False, tokens)
     sbody = chat_body("m", True, stream_tokens)
     for round_ in range(2):  # interleave to spread drift over both
-        for label, port in (("direct", direct_port), ("agent", agent_port)):
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            s = await run_series(label, url, body, n // 2, warmup=20 if round_ == 0 else 5)
+        engine = {"unix_socket": direct.engine_socket("m"), "extra_headers": direct.engine_headers("m")}
+        for label, url, target in (("direct", f"{ENGINE_URL}/v1/chat/completions", engine),
+                                   ("agent", f"http://127.0.0.1:{agent_port}/v1/chat/completions", {})):
+            s = await run_series(label, url, body, n // 2, warmup=20 if round_ == 0 else 5, **target)
             out.setdefault(label, Series(label)).samples += s.samples
             out[label].errors += s.errors
             st = await run_series(label + "-stream", url, sbody, max(50, n // 10), warmup=5,
-                                  fresh_connections=True)
+                                  fresh_connections=True, **target)
             out.setdefault(label + "-stream", Series(label + "-stream")).samples += st.samples
             out[label + "-stream"].errors += st.errors
     return out
@@ -231,9 +235,9 @@ def main() -> int:
         for i, (title, binary, model_path, env, tokens, stream_tokens) in enumerate(cases):
             port = free_port()
             cfg = agent_config(work, f"bench{i}", binary, model_path, port, env)
-            proc, backend_port = start_agent(cfg, port, work / f"agent{i}.log")
+            proc, direct = start_agent(cfg, port, work / f"agent{i}.log")
             try:
-                res = asyncio.run(measure(backend_port, port, args.n, tokens, stream_tokens))
+                res = asyncio.run(measure(direct, port, args.n, tokens, stream_tokens))
             finally:
                 stop_process(proc, 15)
             lines += table(title, res)

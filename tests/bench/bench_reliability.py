@@ -26,7 +26,8 @@ Rounds (``-n`` each, min / median / max reported):
 (c) A client that leaves once its request runs (streamed: after the first event; not
     streamed: 0.3 s after the engine shows it busy): seconds from the close until the agent
     that owns the slot shows the model's ``busy`` at 0 in /v1/status, and until the engine's
-    own count is 0 (the fake engine's ``/fake/stats``, llama-server's ``GET /slots``), polled
+    own count is 0 (the fake engine's ``/fake/stats``, llama-server's ``GET /slots``, read over
+    the engine's Unix socket with its key: support.agent.Agent.engine_session), polled
     every 20 ms. Locally (client -> B) and across a hop (client -> A ``?host=node-b``) with the
     fake engine; locally with the real llama-server (``.venv/bin/llama-server``, the demo's
     SmolLM2-135M, ``parallel`` 1, ``max_tokens`` 2000 with ``ignore_eos``). "still busy" when
@@ -61,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 
-from support.agent import Agent, run_agent  # noqa: E402
+from support.agent import ENGINE_URL, Agent, run_agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
 from support.procs import free_port  # noqa: E402
 
@@ -119,17 +120,13 @@ async def agent_busy(http: aiohttp.ClientSession, agent: Agent, model: str) -> i
     return next(m["busy"] for m in doc["models"] if m["name"] == model)
 
 
-async def backend_port(http: aiohttp.ClientSession, agent: Agent, model: str) -> int:
-    doc = await get_json(http, f"{agent.url}/v1/status")
-    return next(m for m in doc["models"] if m["name"] == model)["backends"][0]["port"]
+# An engine answers only the agent: its Unix socket and key (support.agent.Agent.engine_session).
+async def fake_engine_busy(engine: aiohttp.ClientSession) -> int:
+    return (await get_json(engine, f"{ENGINE_URL}/fake/stats"))["busy"]
 
 
-async def fake_engine_busy(http: aiohttp.ClientSession, port: int) -> int:
-    return (await get_json(http, f"http://127.0.0.1:{port}/fake/stats"))["busy"]
-
-
-async def llama_busy(http: aiohttp.ClientSession, port: int) -> int:
-    return sum(1 for slot in await get_json(http, f"http://127.0.0.1:{port}/slots") if slot.get("is_processing"))
+async def llama_busy(engine: aiohttp.ClientSession) -> int:
+    return sum(1 for slot in await get_json(engine, f"{ENGINE_URL}/slots") if slot.get("is_processing"))
 
 
 async def peer(http: aiohttp.ClientSession, viewer: Agent, name: str) -> dict | None:
@@ -246,7 +243,12 @@ async def sigterm_round(http: aiohttp.ClientSession, mesh: Mesh) -> dict:
 async def sigstop_round(http: aiohttp.ClientSession, mesh: Mesh) -> dict:
     a, b = mesh.agents["a"], mesh.agents["b"]
     url = f"{a.url}/v1/chat/completions"
-    port = await backend_port(http, b, "shared")
+    async with b.engine_session("shared") as engine:
+        return await _sigstop_round(http, a, b, url, engine)
+
+
+async def _sigstop_round(http: aiohttp.ClientSession, a: Agent, b: Agent, url: str,
+                         engine: aiohttp.ClientSession) -> dict:
     streaming = await open_stream(http, url, chat("shared", 1000, True))
     if streaming.headers.get("X-Viiwork-Node") != "node-b":
         raise SystemExit(f"the stream ran on {streaming.headers.get('X-Viiwork-Node')}, not node-b")
@@ -257,7 +259,7 @@ async def sigstop_round(http: aiohttp.ClientSession, mesh: Mesh) -> dict:
             return r.status, r.headers.get("X-Viiwork-Node", ""), time.monotonic()
 
     waiting = asyncio.create_task(whole())
-    await must(lambda: _at_least(fake_engine_busy(http, port), 2), 10, "the non-streamed request on B's engine")
+    await must(lambda: _at_least(fake_engine_busy(engine), 2), 10, "the non-streamed request on B's engine")
     os.kill(b.proc.pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -340,13 +342,14 @@ async def fake_part(args: argparse.Namespace, tmp: Path) -> dict:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
             await mesh.settled(http)
             a, b = mesh.agents["a"], mesh.agents["b"]
-            port = await backend_port(http, b, "shared")
+            engine = b.engine_session("shared")
             for stream in (False, True):
                 for where, url, in (("local", f"{b.url}/v1/chat/completions"),
                                     ("across a hop", f"{a.url}/v1/chat/completions?host=node-b")):
                     runs = [await leave_once(http, url, chat("shared", 1000, stream), b, "shared",
-                                             lambda: fake_engine_busy(http, port)) for _ in range(args.n)]
+                                             lambda: fake_engine_busy(engine)) for _ in range(args.n)]
                     out["disconnect"][("fake llama-server", where, stream)] = runs
+            await engine.close()
             print("  (c) disconnects with the fake engine measured", flush=True)
             for _ in range(args.n):
                 await mesh.settled(http)
@@ -370,13 +373,13 @@ async def real_part(args: argparse.Namespace, tmp: Path) -> dict:
     out: dict = {}
     with run_agent(tmp, [model], name="node-real") as agent:
         agent.wait_healthy("real", timeout_s=180)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-            port = await backend_port(http, agent, "real")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http, \
+                agent.engine_session("real") as engine:
             for stream in (False, True):
                 body = chat("real", 2000, stream, ignore_eos=True, temperature=0, seed=1)
                 out[("llama-server", "local", stream)] = [
                     await leave_once(http, f"{agent.url}/v1/chat/completions", body, agent, "real",
-                                     lambda: llama_busy(http, port)) for _ in range(args.n)]
+                                     lambda: llama_busy(engine)) for _ in range(args.n)]
     print("  (c) disconnects with llama-server measured", flush=True)
     return out
 

@@ -1,10 +1,14 @@
 """An instant OpenAI-style upstream for the proxy benchmarks: raw asyncio, no framework.
 
 usage: python tests/bench/instant_upstream.py --port PORT [-np SLOTS] [--chunks 20] [...]
+       python tests/bench/instant_upstream.py --host PATH.sock [--port PORT] [--api-key-file F]
 
 It takes llama-server's command line (unknown options are ignored), so a viiwork agent can
-start it as its llama.cpp engine; nginx, the bare aiohttp proxy and LiteLLM are pointed at
-the same port. Answers, over HTTP/1.1 keep-alive:
+start it as its llama.cpp engine: like llama-server, a ``--host`` ending in ``.sock`` is a
+Unix socket (the agent's ``engine.sock``), and ``--api-key-file`` makes every request but
+``/health`` need ``Authorization: Bearer <key>`` (else 401). With a socket, ``--port`` (an
+operator arg in the benchmark's config) also listens on that loopback port, for the clients
+that speak only TCP (wrk, LiteLLM), with the same key. Answers, over HTTP/1.1 keep-alive:
 
 - ``GET /health`` -> 200 ``{"status":"ok"}``; ``GET /slots`` -> SLOTS idle slot entries;
   ``GET /v1/models`` -> one model;
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 _COMPLETION = json.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000, "model": "m",
@@ -70,14 +75,21 @@ class _Conn(asyncio.Protocol):
             lines = head.split("\r\n")
             method, path = lines[0].split(" ")[:2]
             length = 0
+            authorized = self.server.key is None or path == "/health"
             for line in lines[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
+                name = name.strip().lower()
+                if name == "content-length":
                     length = int(value.strip())
+                elif name == "authorization" and not authorized:
+                    authorized = value.strip() == f"Bearer {self.server.key}"
             if len(self.buf) < end + 4 + length:
                 return
             body = self.buf[end + 4:end + 4 + length]
             self.buf = self.buf[end + 4 + length:]
+            if not authorized:
+                self.transport.write(_UNAUTHORIZED)  # type: ignore[union-attr]
+                continue
             if method == "POST" and self.server.wants_stream(body):
                 self.busy = True
                 asyncio.get_running_loop().create_task(self._stream())
@@ -103,8 +115,12 @@ class _Conn(asyncio.Protocol):
             self._parse()
 
 
+_UNAUTHORIZED = _response("401 Unauthorized", b'{"error":{"message":"Invalid API Key","code":401}}')
+
+
 class _Server:
-    def __init__(self, slots: int, chunks: int) -> None:
+    def __init__(self, slots: int, chunks: int, key: str | None = None) -> None:
+        self.key = key
         self.slots_body = json.dumps([{"id": i, "n_ctx": 512, "is_processing": False} for i in range(slots)]).encode()
         self.events = [_chunk_event(i, i == chunks - 1) for i in range(chunks)]
         self.models_body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
@@ -132,17 +148,28 @@ class _Server:
 
 
 async def amain(args: argparse.Namespace) -> None:
-    server = _Server(args.parallel, args.chunks)
+    key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    server = _Server(args.parallel, args.chunks, key)
     loop = asyncio.get_running_loop()
-    srv = await loop.create_server(lambda: _Conn(server), args.host, args.port, reuse_address=True, backlog=1024)
-    async with srv:
-        await srv.serve_forever()
+    servers = []
+    if args.host.endswith(".sock"):
+        servers.append(await loop.create_unix_server(lambda: _Conn(server), args.host, backlog=1024))
+        host = "127.0.0.1"
+    else:
+        host = args.host
+    if args.port is not None:
+        servers.append(await loop.create_server(lambda: _Conn(server), host, args.port, reuse_address=True,
+                                                backlog=1024))
+    if not servers:
+        raise SystemExit("instant-upstream: give --port, or a --host ending in .sock")
+    await asyncio.gather(*(srv.serve_forever() for srv in servers))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="instant-upstream")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--api-key-file", default=None)
     p.add_argument("-np", "--parallel", type=int, default=64)
     p.add_argument("--chunks", type=int, default=20)
     args, _unknown = p.parse_known_args(argv)

@@ -54,16 +54,22 @@ def chat_body(model: str, stream: bool, max_tokens: int) -> bytes:
 
 
 async def run_series(name: str, url: str, body: bytes, n: int, concurrency: int = 1,
-                     warmup: int = 20, fresh_connections: bool = False) -> Series:
+                     warmup: int = 20, fresh_connections: bool = False,
+                     unix_socket: str | None = None, extra_headers: dict[str, str] | None = None) -> Series:
     """Send ``n`` requests (after ``warmup``) at ``concurrency``; time headers and body.
+
+    ``unix_socket`` and ``extra_headers``: to reach an engine itself, which answers only the
+    agent (its socket and ``Authorization`` key: support.agent.Agent.engine_socket/_headers).
 
     ``fresh_connections``: one TCP connection per request, for streams: llama-server (and
     the fake engine) close the connection after a stream while answering keep-alive, so a
     pooled client would fail every other direct request.
     """
     series = Series(name)
-    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
-    headers = {"Content-Type": "application/json"}
+    connector: aiohttp.BaseConnector = (
+        aiohttp.UnixConnector(path=unix_socket, limit=0, force_close=fresh_connections) if unix_socket
+        else aiohttp.TCPConnector(limit=0, force_close=fresh_connections))
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as http:
 
         async def one(record: bool) -> None:

@@ -66,6 +66,8 @@ KNOWN: list[Bench] = [
     Bench("bench_crash_detection.py", 120, ["-n", "10"], title="Crash detection"),
     # Three real agents (SIGTERM, SIGSTOP, client disconnects x 3 rounds) and one on llama-server: ~40 s here.
     Bench("bench_reliability.py", 120, ["-n", "3"], title="Reliability: faults and bad inputs (issue 13)"),
+    # An in-process listener (2,000 silent connections, 20 s kept up) and one real agent: ~55 s here.
+    Bench("bench_floods.py", 150, [], title="Connection floods (issue 14)"),
 ]
 DEFAULT_BUDGET_S = 90
 

@@ -84,6 +84,28 @@ class WrongPort(LlamaCppEngine):
         return replace(cmd, argv=tuple("8080" if a == str(spec.port) else a for a in cmd.argv))
 
 
+class IgnoresKeyFile(LlamaCppEngine):
+    """Declares api_key but never passes the key file: the engine would answer anyone."""
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        return super().build_command(replace(spec, api_key_file=None))
+
+
+class KeyEnvAlsoInEnv(LlamaCppEngine):
+    """Names a key_env (as vLLM does) but also puts it in env, which `systemctl show` prints."""
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        cmd = super().build_command(spec)
+        return replace(cmd, env={**cmd.env, "ENGINE_API_KEY": "the-key"}, key_env="ENGINE_API_KEY")
+
+
+class SocketButBindsPort(LlamaCppEngine):
+    """Declares unix_socket but listens on a TCP port whatever the spec says."""
+
+    def build_command(self, spec: BackendSpec) -> LaunchCommand:
+        return super().build_command(replace(spec, socket_path=None, port=spec.port or 8080))
+
+
 class GuessesUnknownLoad(LlamaCppEngine):
     """Returns the spec's figures and zero busy when /slots cannot be read."""
 
@@ -271,6 +293,9 @@ class GpuOnlyRefusesCpu(GpuOnlyButBuildsCpu):
 BROKEN: list[tuple[type, set[str]]] = [
     (BindsAllInterfaces, {"command.bind"}),
     (WrongPort, {"command.bind"}),
+    (IgnoresKeyFile, {"command.key"}),
+    (KeyEnvAlsoInEnv, {"command.key"}),
+    (SocketButBindsPort, {"command.bind"}),
     (OperatorArgsNotLast, {"command.args_last"}),
     (AnswersToFilePath, {"command.model"}),
     (GuessesUnknownLoad, {"load.unknown"}),
@@ -363,7 +388,10 @@ def test_http_replay_rejects_what_is_not_a_capture(raw: bytes) -> None:
 
 def test_default_shapes_cover_cpu_gpu_multi_gpu_and_embedding() -> None:
     shapes = default_spec_shapes(LlamaCppEngine())
-    assert [len(s.gpus) for s in shapes] == [0, 1, 2, 1]
+    # The last: a Unix socket backend (llama.cpp declares unix_socket), as the supervisor launches it.
+    assert [len(s.gpus) for s in shapes] == [0, 1, 2, 1, 1]
+    assert [s.socket_path is not None for s in shapes] == [False] * 4 + [True]
+    assert all(s.api_key_file for s in shapes)
     assert {s.kind.value for s in shapes} == {"chat", "embedding"}
     assert all(s.args for s in shapes)
 

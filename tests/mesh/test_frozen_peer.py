@@ -70,9 +70,7 @@ def free_in(origin: Agent, node: str) -> int:
 
 
 def engine_stats(agent: Agent) -> dict:
-    port = agent.model("shared")["backends"][0]["port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/fake/stats", timeout=5) as r:
-        return json.load(r)
+    return agent.engine_stats("shared")
 
 
 class Mesh:

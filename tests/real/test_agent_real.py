@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from support.agent import Agent, run_agent
+from support.agent import ENGINE_URL, Agent, run_agent
 
 pytestmark = pytest.mark.engine
 
@@ -37,23 +37,18 @@ def sse(raw: bytes) -> list[str]:
     return [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
 
 
-def backend_port(agent: Agent, model: str, index: int = 0) -> int:
-    return int(agent.model(model)["backends"][index]["port"])
-
-
 async def test_chat_through_agent_matches_engine(tmp_path: Path, llama_server: Path, tiny_gguf: Path) -> None:
     with run_agent(tmp_path, [llama_model(llama_server, tiny_gguf)]) as agent:
         agent.wait_healthy("tiny")
-        direct = f"http://127.0.0.1:{backend_port(agent, 'tiny')}"
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{direct}/v1/chat/completions", json=chat()) as r:
+        async with aiohttp.ClientSession() as http, agent.engine_session("tiny") as engine:
+            async with engine.post(f"{ENGINE_URL}/v1/chat/completions", json=chat()) as r:
                 d = await r.json()
             async with http.post(f"{agent.url}/v1/chat/completions", json=chat()) as r:
                 assert r.status == 200 and r.headers["X-Viiwork-Backend"]
                 a = await r.json()
             assert a["model"] == d["model"] == "tiny"
             assert a["choices"][0]["message"]["content"] == d["choices"][0]["message"]["content"] != ""
-            async with http.post(f"{direct}/v1/chat/completions", json=chat(stream=True)) as r:
+            async with engine.post(f"{ENGINE_URL}/v1/chat/completions", json=chat(stream=True)) as r:
                 ds = sse(await r.read())
             async with http.post(f"{agent.url}/v1/chat/completions", json=chat(stream=True)) as r:
                 assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -173,18 +168,17 @@ async def test_client_disconnect_frees_slot(tmp_path: Path, llama_server: Path, 
     # generating when the client leaves.
     with run_agent(tmp_path, [llama_model(llama_server, tiny_gguf, parallel=1, ctx_per_slot=8192)]) as agent:
         agent.wait_healthy("tiny")
-        direct = f"http://127.0.0.1:{backend_port(agent, 'tiny')}"
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession() as http, agent.engine_session("tiny") as engine:
             resp = await http.post(f"{agent.url}/v1/chat/completions",
                                    json=chat(stream=True, max_tokens=100000, ignore_eos=True))
             await resp.content.readline()
-            async with http.get(f"{direct}/slots") as r:
+            async with engine.get(f"{ENGINE_URL}/slots") as r:
                 assert any(s["is_processing"] for s in await r.json())
             resp.close()
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 2.5
             while True:
-                async with http.get(f"{direct}/slots") as r:
+                async with engine.get(f"{ENGINE_URL}/slots") as r:
                     if not any(s["is_processing"] for s in await r.json()):
                         break
                 assert loop.time() < deadline, "slot still processing after the client left"

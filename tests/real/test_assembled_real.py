@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from support.agent import Agent, run_agent
+from support.agent import ENGINE_URL, Agent, run_agent
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
@@ -46,10 +46,6 @@ def agent(tmp_path_factory: pytest.TempPathFactory, llama_server: Path, smollm2_
         yield a
 
 
-def engine_url(agent: Agent) -> str:
-    return f"http://127.0.0.1:{agent.model('smol')['backends'][0]['port']}"
-
-
 def shape(value: Any) -> Any:
     """Keys and JSON types, recursively (lists by their first item)."""
     if isinstance(value, dict):
@@ -65,8 +61,9 @@ def without(doc: dict[str, Any], keys: set[str]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("path", sorted(BODIES))
 async def test_assembled_answer_matches_the_engines_own(agent: Agent, path: str) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.post(engine_url(agent) + path, json=BODIES[path]) as r:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http, \
+            agent.engine_session("smol") as engine:
+        async with engine.post(ENGINE_URL + path, json=BODIES[path]) as r:
             assert r.status == 200, await r.text()
             native = await r.json()
         async with http.post(agent.url + path, json=BODIES[path]) as r:
@@ -94,9 +91,9 @@ async def test_engine_error_in_answer_keeps_its_status(agent: Agent) -> None:
 async def test_nonstreamed_client_that_leaves_frees_the_slot(agent: Agent) -> None:
     """A non-streamed request of 2,000 tokens whose client leaves: the slot frees at once
     (the answer would take many seconds on the CPU)."""
-    slots = engine_url(agent) + "/slots"
+    slots = ENGINE_URL + "/slots"
     body = {**BODIES["/v1/chat/completions"], "max_tokens": 2000, "ignore_eos": True}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+    async with agent.engine_session("smol") as http:
         async def busy() -> int:
             async with http.get(slots) as r:
                 return sum(1 for s in await r.json() if s["is_processing"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from support.procs import free_port, stop_process
 
@@ -47,10 +51,60 @@ def render_config(sections: dict[str, dict[str, Any]], models: list[dict[str, An
 class Agent:
     """A running agent: ``url``, ``status()``, ``wait_for(predicate)``, ``log_text()``."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, state_dir: Path | None = None) -> None:
         self.proc = proc
         self.url = url
         self.log = log
+        self.state_dir = state_dir
+
+    def engine_headers(self, model: str, index: int = 0) -> dict[str, str]:
+        """The ``Authorization`` header that backend ``index`` of ``model`` accepts (its key
+        file under the state dir: viiwork.agent.engine_keys), for tests that call an engine
+        directly."""
+        assert self.state_dir is not None
+        from viiwork.agent.engine_keys import auth_headers, read_key
+        from viiwork.agent.supervisor import escape_name
+
+        return auth_headers(read_key(self.state_dir / "engines" / f"{escape_name(model)}-{index}"))
+
+    def engine_socket(self, model: str, index: int = 0) -> str:
+        """The Unix socket backend ``index`` of ``model`` listens on (llama.cpp engines)."""
+        path = self.model(model)["backends"][index]["socket"]
+        assert path, f"backend {index} of {model} has no socket: {self.model(model)['backends'][index]}"
+        return str(path)
+
+    def engine_session(self, model: str, index: int = 0, *, key: bool = True,
+                       timeout_s: float = 60) -> aiohttp.ClientSession:
+        """An aiohttp session to the engine itself (base URL ``ENGINE_URL``) over its socket,
+        with its key unless ``key`` is False."""
+        return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.engine_socket(model, index)),
+                                     headers=self.engine_headers(model, index) if key else {},
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    def engine_request(self, model: str, method: str, path: str, body: dict[str, Any] | None = None,
+                       index: int = 0, headers: dict[str, str] | None = None,
+                       key: bool = True) -> tuple[int, bytes]:
+        """One request to the engine itself over its socket (blocking): (status, body)."""
+        conn = UnixHTTPConnection(self.engine_socket(model, index), timeout=10)
+        try:
+            all_headers = {**(self.engine_headers(model, index) if key else {}), **(headers or {})}
+            data = None
+            if body is not None:
+                data = json.dumps(body).encode()
+                all_headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=data, headers=all_headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def engine_stats(self, model: str, index: int = 0) -> dict[str, Any]:
+        """The fake engine's ``/fake/stats`` (support/fake_engine.py)."""
+        status, raw = self.engine_request(model, "GET", "/fake/stats", index=index)
+        assert status == 200, raw
+        return json.loads(raw)
+
+
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.url}/v1/status", timeout=5) as r:
@@ -107,7 +161,7 @@ def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
         with open(log, "ab") as out:
             proc = subprocess.Popen([str(agent_bin), "--config", str(config), "--log-level", "debug"],
                                     stdout=out, stderr=subprocess.STDOUT)
-        agent = Agent(proc, f"http://127.0.0.1:{port}", log)
+        agent = Agent(proc, f"http://127.0.0.1:{port}", log, workdir / name)
         try:
             agent.wait_for(lambda doc: True, 30, "the API to answer")
         except AssertionError:
@@ -136,3 +190,21 @@ def write_config(workdir: Path, models: list[dict[str, Any]], name: str,
     config = workdir / f"{name}.toml"
     config.write_text(render_config(sections, models))
     return config
+
+
+#: The base URL of an engine session (a Unix socket: the host is only a label).
+ENGINE_URL = "http://localhost"
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket."""
+
+    def __init__(self, path: str, timeout: float = 10) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock

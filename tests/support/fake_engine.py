@@ -3,7 +3,12 @@
 Run it as ``python fake_engine.py --model M --alias NAME --port P ...`` (or through the
 wrapper script of ``support.engines.fake_engine_binary``). It takes the flags the llamacpp
 adapter builds (``--model --alias --host --port --ctx-size --parallel --threads
---n-gpu-layers --device --embedding --metrics``) and ignores any others.
+--n-gpu-layers --device --embedding --metrics --api-key-file``) and ignores any others.
+A ``--host`` ending in ``.sock`` binds that Unix socket instead of a TCP port (as llama-server).
+With ``--api-key-file`` it refuses (401) every request without one of the file's keys as
+``Authorization: Bearer``, except ``/health``, ``/models``, ``/v1/models`` (llama-server's
+public routes) and ``/fake/stats``, which counts the refusals (``unauthorized``) and lists
+the ``Authorization`` headers of the last 50 POSTs (``authorizations``).
 
 What it mimics (shapes as captured from a real llama-server build):
 
@@ -128,6 +133,9 @@ class Engine:
     slot_freed: asyncio.Condition | None = None
     requests_total: int = 0
     cancelled: int = 0
+    api_keys: frozenset[str] = frozenset()
+    refused_unauthorized: int = 0
+    authorizations: list[str] = field(default_factory=list)
 
     def loaded(self) -> bool:
         return time.monotonic() - self.started >= self.knobs.load_s
@@ -282,7 +290,28 @@ async def _generate(engine: Engine, n_tokens: int) -> None:
 async def stats(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     return web.json_response({"cancelled": engine.cancelled, "in_flight": engine.in_flight,
-                              "busy": sum(engine.busy), "requests": engine.requests_total})
+                              "busy": sum(engine.busy), "requests": engine.requests_total,
+                              "unauthorized": engine.refused_unauthorized,
+                              "authorizations": engine.authorizations[-50:]})
+
+
+# As llama-server: with --api-key-file every route but these needs "Authorization: Bearer <key>"
+# (401 {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}).
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/fake/stats"})
+
+
+@web.middleware
+async def require_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    engine = request.app[ENGINE_KEY]
+    if request.method == "POST":
+        engine.authorizations.append(request.headers.get("Authorization", ""))
+    if engine.api_keys and request.path not in PUBLIC_PATHS:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        if given not in engine.api_keys:
+            engine.refused_unauthorized += 1
+            return web.json_response({"error": {"code": 401, "message": "Invalid API Key",
+                                                "type": "authentication_error"}}, status=401)
+    return await handler(request)
 
 
 def _text(n_tokens: int) -> list[str]:
@@ -412,6 +441,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-dev", "--device", default="")
     p.add_argument("--embedding", "--embeddings", action="store_true")
     p.add_argument("--metrics", action="store_true")
+    p.add_argument("--api-key-file", default="")
     args, _unknown = p.parse_known_args(argv)
     return args
 
@@ -423,10 +453,13 @@ async def amain(args: argparse.Namespace, knobs: Knobs) -> int:
         embedding=args.embedding, metrics=args.metrics, knobs=knobs,
     )
     engine.busy = [False] * parallel
+    if args.api_key_file:
+        with open(args.api_key_file) as f:  # as llama-server: one key a line, '#' comments
+            engine.api_keys = frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
     engine.slot_freed = asyncio.Condition()
 
     # llama-server takes large bodies (long prompts); aiohttp's default would cap them at 1 MiB.
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[require_key])
     app[ENGINE_KEY] = engine
     app.router.add_get("/health", health)
     app.router.add_get("/slots", slots)
@@ -445,9 +478,14 @@ async def amain(args: argparse.Namespace, knobs: Knobs) -> int:
     # as llama-server stops generating for a closed connection.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
+    unix = args.host.endswith(".sock")  # as llama-server: a --host ending in .sock is a Unix socket
     try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((args.host, args.port))
+        if unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(args.host)
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((args.host, args.port))
     except OSError as exc:
         print(f"E srv start: couldn't bind HTTP server socket, hostname: {args.host}, port: {args.port}: {exc}",
               file=sys.stderr, flush=True)
@@ -455,7 +493,8 @@ async def amain(args: argparse.Namespace, knobs: Knobs) -> int:
     site = web.SockSite(runner, sock)
     await site.start()
     print(f"I srv load_model: loading model '{args.model}'", file=sys.stderr, flush=True)
-    print(f"I srv llama_server: listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    where = f"unix:{args.host}" if unix else f"http://{args.host}:{args.port}"
+    print(f"I srv llama_server: listening on {where}", file=sys.stderr, flush=True)
 
     stop = asyncio.Event()
     exit_code = 0

@@ -197,3 +197,24 @@ def test_agent_unit_restart_keeps_engines_watchdog_restarts_stop_stops(systemd_u
         assert unit_show(um, engine["unit"], "LoadState") == "not-found"
     finally:
         um.systemctl("stop", AGENT_UNIT, check=False)
+
+
+def test_second_agent_for_the_node_leaves_the_first_agents_units_running(systemd_user: UserManager,
+                                                                          tmp_path: Path) -> None:
+    """Issue 14: the same config started twice. The second agent used to bind (unlink) the
+    admin socket, adopt the first agent's engine units, fail on the API port and stop those
+    units on its way out; now it exits at the state dir's lock, naming the holder."""
+    binary = fake_engine_binary(tmp_path / "bin")
+    with run_agent(tmp_path, [fake_model("alpha", binary)], extra=systemd_extra(systemd_user)) as agent:
+        before = backends(agent.wait_healthy("alpha"))["alpha-0"]
+        second = subprocess.run([str(AGENT_BIN), "--config", str(tmp_path / "node-a.toml")], capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode != 0
+        assert f"in use by another agent (pid {agent.proc.pid})" in second.stderr, second.stderr
+        assert unit_show(systemd_user, before["unit"], "ActiveState") == "active"
+        assert unit_show(systemd_user, before["unit"], "MainPID") == str(before["pid"])
+        after = backends(agent.wait_healthy("alpha", timeout_s=10))["alpha-0"]
+        assert after["pid"] == before["pid"] and chat(agent.url, "alpha") == 200
+        ctl = subprocess.run([str(AGENT_BIN.parent / "viiworkctl"), "models", "--socket",
+                              str(tmp_path / "node-a" / "admin.sock")], capture_output=True, text=True, timeout=30)
+        assert ctl.returncode == 0, ctl.stderr

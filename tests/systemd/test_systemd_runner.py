@@ -410,3 +410,77 @@ async def test_runner_follows_systemd_across_daemon_reexec(user_runner: SystemdR
     again = await user_runner.start(request_for(("/usr/bin/true",), tmp_path, index=1))
     async with asyncio.timeout(10):
         assert (await again.wait()).result == "success"
+
+
+async def test_strict_sandbox_engine_binds_its_socket_in_its_private_dir(user_runner: SystemdRunner,
+                                                                          systemd_user: UserManager,
+                                                                          tmp_path: Path) -> None:
+    """ProtectSystem=strict makes everything read-only: the runner adds ReadWritePaths= for the
+    backend's private directory (agent/engine_keys.py), where the engine binds its socket."""
+    import shutil
+    import tempfile
+
+    private = Path(tempfile.mkdtemp(prefix="viiwork-rw-", dir=Path.home()))  # not under PrivateTmp
+    sock = private / "engine.sock"
+    try:
+        argv = (sys.executable, str(FAKE_ENGINE), "--alias", "m", "--host", str(sock))
+        request = dataclasses.replace(request_for(argv, tmp_path, sandbox="strict", private_dir=str(private)),
+                                      log_path=None)
+        handle = await user_runner.start(request)
+        try:
+            assert unit_show(systemd_user, handle.unit, "ReadWritePaths") == str(private)
+            deadline = time.monotonic() + 20
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as http:
+                while True:
+                    assert handle.running(), await handle.wait()
+                    try:
+                        async with http.get("http://localhost/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    assert time.monotonic() < deadline, "the engine never served on its socket"
+                    await asyncio.sleep(0.05)
+        finally:
+            await handle.stop(2.0)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+async def test_environment_file_key_reaches_the_engine_not_the_unit_properties(
+        user_runner: SystemdRunner, systemd_user: UserManager, tmp_path: Path) -> None:
+    """An engine that reads its key from the environment (vLLM's VLLM_API_KEY) gets it from
+    EnvironmentFile= (agent/engine_keys.py write_env_file, 0600): the engine sees it, while
+    ExecStart= and Environment=, which `systemctl show` prints to anyone, do not carry it."""
+    import shutil
+    import tempfile
+
+    from viiwork.agent.engine_keys import write_env_file
+
+    private = Path(tempfile.mkdtemp(prefix="viiwork-key-", dir=Path.home()))
+    try:
+        key = "k3y-" + os.urandom(12).hex()
+        env_file = write_env_file(private, "VLLM_API_KEY", key)
+        assert env_file.stat().st_mode & 0o777 == 0o600
+        seen = private / "seen"
+        argv = (sys.executable, "-c", f"import os, time; open({str(seen)!r} + '.tmp', 'w').write("
+                f"os.environ.get('VLLM_API_KEY', '')); os.rename({str(seen)!r} + '.tmp', {str(seen)!r}); "
+                "time.sleep(60)")
+        request = dataclasses.replace(request_for(argv, tmp_path, environment_file=str(env_file)), log_path=None)
+        handle = await user_runner.start(request)
+        try:
+            deadline = time.monotonic() + 20
+            while not seen.exists():
+                assert handle.running(), await handle.wait()
+                assert time.monotonic() < deadline, "the engine never wrote what it saw"
+                await asyncio.sleep(0.05)
+            assert seen.read_text() == key
+            shown = {prop: unit_show(systemd_user, handle.unit, prop)
+                     for prop in ("ExecStart", "Environment", "EnvironmentFiles")}
+            assert "VIIWORK_OWNER=node1" in shown["Environment"]  # the unit is there to be shown
+            assert key not in shown["ExecStart"] and key not in shown["Environment"], shown
+            assert str(env_file) in shown["EnvironmentFiles"], shown
+        finally:
+            await handle.stop(2.0)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -210,10 +210,13 @@ def test_real_agent_under_the_shipped_unit(tmp_path: Path) -> None:
             assert str(engine["pid"]) == unit_show(system, unit, "MainPID")
             assert unit_show(system, unit, "Slice") == "viiwork-engines.slice"
             assert unit_show(system, unit, "ProtectSystem") == "full"  # the default profile, basic
+            # The engine's socket and key live in the agent's runtime dir (docs/security.md).
+            assert engine["port"] is None and engine["socket"] == "/run/viiwork/engines/alpha-0/engine.sock"
 
             system.systemctl("restart", "viiwork.service")
             again = _wait_alpha_healthy(url)
-            assert again["pid"] == engine["pid"]
+            # Adopted: RuntimeDirectoryPreserve=restart kept its key and socket.
+            assert again["pid"] == engine["pid"] and again["socket"] == engine["socket"]
             assert "stopping for a restart" in system.journal("viiwork.service")
 
             system.systemctl("stop", "viiwork.service")

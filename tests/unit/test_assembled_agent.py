@@ -11,9 +11,7 @@ engine's error answer; the embeddings route is never assembled.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,9 +44,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 
 
 def engine_busy(agent: Agent, name: str) -> int:
-    port = agent.model(name)["backends"][0]["port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/fake/stats", timeout=5) as r:
-        return json.load(r)["busy"]
+    return int(agent.engine_stats(name)["busy"])
 
 
 def chat(name: str, **extra: object) -> dict:

@@ -40,9 +40,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 
 
 def engine_stats(agent: Agent) -> dict:
-    port = agent.model("long")["backends"][0]["port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/fake/stats", timeout=5) as r:
-        return json.load(r)
+    return agent.engine_stats("long")
 
 
 def test_stream_client_that_stops_reading_frees_the_slot(agent: Agent) -> None:

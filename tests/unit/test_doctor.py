@@ -392,6 +392,32 @@ def test_agent_checks(tmp_path, doc, expected):
     assert found(r for r in report.results if r.verdict in (D, F)) == expected
 
 
+@pytest.mark.parametrize(("conflict", "verdict", "words"), [
+    (None, OK, "no other agent publishes node id n1"),
+    ({"other_address": "10.0.0.2:8087", "other_boot": "ff", "this_boot": "11", "this_boot_leaves": False}, F,
+     "also run by the agent at 10.0.0.2:8087"),
+], ids=["alone", "copied state dir"])
+def test_mesh_identity_conflict_is_reported(tmp_path, conflict, verdict, words):
+    doc = status([]) | {"mesh": {"self": {"id": "n1", "identity_conflict": conflict}}}
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.mesh_identity"]
+    assert result.verdict is verdict and words in result.summary
+    if verdict is F:
+        assert "own node.state_dir" in result.remedy and "the other agent stops" in result.summary
+
+
+@pytest.mark.parametrize(("pending", "verdict", "words"), [
+    ([], OK, "every write into /s succeeded"),
+    ([{"what": "name pins", "path": "/s/known_nodes.json", "error": "No space left on device", "errno": "ENOSPC",
+       "since": 1.0, "attempts": 3}], D, "1 write into /s pending: name pins: No space left on device (ENOSPC"),
+], ids=["none", "disk full"])
+def test_pending_state_dir_writes_are_reported(tmp_path, pending, verdict, words):
+    doc = status([]) | {"state_dir": {"path": "/s", "pending_writes": pending}}
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.state_dir"]
+    assert result.verdict is verdict and words in result.summary, result.summary
+
+
 def test_starting_backend_shows_phase_and_progress(tmp_path):
     doc = AGENT[5][1]
     facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
@@ -411,7 +437,8 @@ def test_agent_down_is_degraded_and_its_checks_skip(tmp_path):
                       agent=AgentFacts("http://127.0.0.1:1", False, None, "Connection refused"))
     report = run_checks(facts, [c for c in REGISTRY if c.agent])
     assert [(r.check, r.verdict) for r in report.results] == [
-        ("agent.reachable", D), ("agent.backends", S), ("agent.config", S), ("agent.gpus", S)]
+        ("agent.reachable", D), ("agent.backends", S), ("agent.config", S), ("agent.state_dir", S), ("agent.gpus", S),
+        ("agent.mesh_identity", S)]
 
 
 # -- verdicts, exit codes, crashing checks --------------------------------------------------

@@ -118,3 +118,29 @@ async def test_parser_refusals_are_400_and_logged_once(caplog: pytest.LogCapture
     finally:
         logging.getLogger(protocol_log.SERVER_LOGGER).removeFilter(installed)
         await runner.cleanup()
+
+
+def test_malformed_requests_warn_once_per_address_per_minute() -> None:
+    """One WARNING per source address per minute (an injected clock), every one counted."""
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    now = [0.0]
+    log_filter = protocol_log.ProtocolErrorLog(clock=lambda: now[0])
+
+    def refused(remote: str) -> int:
+        record = logging.LogRecord(protocol_log.SERVER_LOGGER, logging.ERROR, __file__, 1,
+                                   "Error handling request from %s", (remote,), None)
+        record.exc_info = (BadHttpMessage, BadHttpMessage("Invalid header"), None)
+        log_filter.filter(record)
+        assert record.exc_info is None
+        return record.levelno
+
+    assert refused("192.0.2.1") == logging.WARNING
+    now[0] = 30.0
+    assert refused("192.0.2.1") == logging.DEBUG
+    assert refused("192.0.2.2") == logging.WARNING  # another address has its own minute
+    now[0] = 60.5
+    assert refused("192.0.2.1") == logging.WARNING
+    assert refused("192.0.2.2") == logging.DEBUG
+    assert log_filter.count == 5
+    assert log_filter.metrics_lines()[-1] == "viiwork_http_malformed_requests_total 5"

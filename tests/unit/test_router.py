@@ -132,6 +132,7 @@ def test_unmeasured_rtt_is_neither_preferred_nor_excluded():
     pytest.param(dict(state=PublishedState.LEAVING), False, id="leaving"),
     pytest.param(dict(state=PublishedState.RESTARTING), True, id="restarting"),
     pytest.param(dict(state=PublishedState.RESTARTING, liveness=Liveness.SUSPECT), True, id="restarting-silent"),
+    pytest.param(dict(liveness=Liveness.CONFLICT), False, id="identity-conflict"),
 ])
 def test_stale_suspect_dead_left_and_draining_peers_are_not_routed_to(bad, queued):
     good = peer("good", cap(busy=3))
@@ -349,6 +350,11 @@ def test_host_unknown_is_404_naming_the_known_nodes():
     d = router().route(M, local(1), [peer("a"), peer("b")], host="zeta")
     assert isinstance(d, Refuse) and d.status == 404 and d.param == "host" and d.code == "host_not_found"
     assert "'zeta'" in d.message and "a, b, self" in d.message
+
+
+def test_host_in_identity_conflict_is_503_naming_the_copied_state_dir():
+    d = router().route(M, local(0), [peer("a", cap(), liveness=Liveness.CONFLICT)], host="a")
+    assert isinstance(d, Refuse) and d.status == 503 and "two agents" in d.message and d.retry_after_s
 
 
 def test_host_ambiguous_name_is_404_listing_the_ids():

@@ -159,7 +159,8 @@ async def test_starting_shows_loading_phase_then_healthy(tmp_path, binary, super
     b = backend_of(sup)
     await eventually(lambda: b.state is BackendState.STARTING and b.phase == "loading model", 10,
                      "the engine's loading phase")
-    assert b.pid is not None and b.port is not None
+    # llama.cpp binds a Unix socket in the backend's private directory, not a port.
+    assert b.pid is not None and b.port is None and b.socket_path == str(tmp_path / "state/engines/m-0/engine.sock")
     assert sup.status()[0]["backends"][0]["phase"] == "loading model"
     await healthy(b)
     assert rec.states()[-1] is BackendState.HEALTHY
@@ -172,7 +173,7 @@ async def test_starting_shows_loading_phase_then_healthy(tmp_path, binary, super
     assert (status["slots"], status["busy"], status["waiting"], status["ctx_per_slot"]) == (2, 0, 0, 512)
     assert status["backends"][0]["pid"] == b.pid and status["backends"][0]["respawns"] == 0
     log = (tmp_path / "state" / "logs" / "m-0.log").read_text()
-    assert f"listening on http://127.0.0.1:{b.port}" in log
+    assert f"listening on unix:{b.socket_path}" in log
 
 
 async def test_engine_environment_is_pinned_and_free_of_agent_secrets(tmp_path, binary, supervise):
@@ -357,7 +358,9 @@ async def test_down_drains_in_flight_requests_first(tmp_path, binary, http, supe
     async def request_like_routing() -> dict:
         b.in_flight += 1
         try:
-            async with http.post(f"{b.base_url}/v1/chat/completions", json={"messages": []}) as resp:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=b.socket_path)) as own, \
+                    own.post(f"{b.base_url}/v1/chat/completions", json={"messages": []},
+                             headers={"Authorization": f"Bearer {b.api_key}"}) as resp:
                 assert resp.status == 200
                 return await resp.json()
         finally:

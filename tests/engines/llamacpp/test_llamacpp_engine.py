@@ -38,72 +38,86 @@ HEAD = (
     "--host", "127.0.0.1", "--port", "8101", "--ctx-size", "4096", "--parallel", "2",
 )
 
+# llama-server's CORS default is "*": cut to localhost (it has no flag that turns CORS off).
+CORS = ("--cors-origins", "localhost", "--no-cors-credentials")
+
 GOLDEN: list[tuple[str, BackendSpec, tuple[str, ...], dict[str, str]]] = [
     (
         "cpu",
         make_spec(),
-        (*HEAD, "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics"),
+        (*HEAD, "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS),
         {},
     ),
     (
         "one-gpu",
         make_spec(gpus=("0",), vendor="nvidia"),
-        (*HEAD, "--threads", "8", "--n-gpu-layers", "all", "--metrics"),
+        (*HEAD, "--threads", "8", "--n-gpu-layers", "all", "--metrics", *CORS),
         {},
     ),
     (
         "two-gpu-backend-of-two",
         make_spec(gpus=("2", "3"), vendor="nvidia", backends_on_node=2),
-        (*HEAD, "--threads", "4", "--n-gpu-layers", "all", "--metrics"),
+        (*HEAD, "--threads", "4", "--n-gpu-layers", "all", "--metrics", *CORS),
         {},
     ),
     (
         "embedding",
         make_spec(kind=Kind.EMBEDDING, gpus=("0",)),
-        (*HEAD, "--threads", "8", "--n-gpu-layers", "all", "--embedding", "--metrics"),
+        (*HEAD, "--threads", "8", "--n-gpu-layers", "all", "--embedding", "--metrics", *CORS),
         {},
     ),
     (
         "operator-args-last",
         make_spec(args=("--n-gpu-layers", "20", "--flash-attn", "on")),
-        (*HEAD, "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics",
+        (*HEAD, "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS,
          "--n-gpu-layers", "20", "--flash-attn", "on"),
         {},
     ),
     (
         "fair-thread-share",
         make_spec(host_cpus=8, backends_on_node=3),
-        (*HEAD, "--threads", "2", "--n-gpu-layers", "0", "--device", "none", "--metrics"),
+        (*HEAD, "--threads", "2", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS),
         {},
     ),
     (
         "thread-share-never-below-one",
         make_spec(host_cpus=2, backends_on_node=5),
-        (*HEAD, "--threads", "1", "--n-gpu-layers", "0", "--device", "none", "--metrics"),
+        (*HEAD, "--threads", "1", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS),
         {},
     ),
     (
         "explicit-threads-option",
         make_spec(options=LlamaCppOptions(threads=3), backends_on_node=4),
-        (*HEAD, "--threads", "3", "--n-gpu-layers", "0", "--device", "none", "--metrics"),
+        (*HEAD, "--threads", "3", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS),
         {},
     ),
     (
         "vulkan-device-selection",
         make_spec(gpus=("1", "3"), options=LlamaCppOptions(device_selection="vulkan")),
-        (*HEAD, "--threads", "8", "--n-gpu-layers", "all", "--metrics"),
+        (*HEAD, "--threads", "8", "--n-gpu-layers", "all", "--metrics", *CORS),
         {"GGML_VK_VISIBLE_DEVICES": "1,3"},
     ),
     (
         "vulkan-on-cpu-selects-no-device",
         make_spec(options=LlamaCppOptions(device_selection="vulkan")),
-        (*HEAD, "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics"),
+        (*HEAD, "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS),
         {},
     ),
     (
         "options-binary-layers-no-metrics",
         make_spec(gpus=("0",), options=LlamaCppOptions(binary="/opt/llama/llama-server", gpu_layers=20, metrics=False)),
-        ("/opt/llama/llama-server", *HEAD[1:], "--threads", "8", "--n-gpu-layers", "20"),
+        ("/opt/llama/llama-server", *HEAD[1:], "--threads", "8", "--n-gpu-layers", "20", *CORS),
+        {},
+    ),
+    (
+        # What the supervisor launches: a Unix socket instead of host:port, and the key file.
+        "socket-and-key",
+        make_spec(port=0, socket_path="/run/viiwork/engines/smollm2-0/engine.sock",
+                  api_key_file="/run/viiwork/engines/smollm2-0/key"),
+        ("llama-server", "--model", "/models/smollm2.gguf", "--alias", "smollm2",
+         "--host", "/run/viiwork/engines/smollm2-0/engine.sock", "--ctx-size", "4096", "--parallel", "2",
+         "--threads", "8", "--n-gpu-layers", "0", "--device", "none", "--metrics", *CORS,
+         "--api-key-file", "/run/viiwork/engines/smollm2-0/key"),
         {},
     ),
 ]
