@@ -72,9 +72,11 @@ class ClientApi:
         extra_status: dict[str, Callable[[], Any]] | None = None,
         forward_retry: int = 1,
         body_read_timeout_s: float = 30.0,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
+        self.body_timeout_s = body_timeout_s
         # More /metrics lines (the listener's connection counters, malformed requests).
         self.metric_sources: list[Callable[[], list[str]]] = []
         self.forward_retry = forward_retry
@@ -154,7 +156,8 @@ class ClientApi:
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
         try:
-            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s)
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s,
+                                   self.body_timeout_s)
             payload = parse_json_object(body)
         except BodyError as exc:
             return self._count("-", error_response(exc.status, str(exc), code=exc.code))
@@ -368,7 +371,8 @@ class ClientApi:
         # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
         # listener's client_max_size, which bounds gossip's request.read()).
         try:
-            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s)
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s,
+                                   self.body_timeout_s)
             payload = parse_json_object(body)
         except BodyError as exc:
             return error_response(exc.status, f"forwarded request is malformed: {exc}", code=exc.code)

@@ -9,8 +9,11 @@ many such connections may be open. :class:`ApiSite` serves the runner's applicat
 :class:`_GuardedConnection` (docs/security.md, "Connection floods"):
 
 - **Connection cap.** At most ``max_connections`` open at once, and at most
-  ``max_connections_per_address`` from one source address (0: no per-address cap). Beyond
-  either, the connection gets a minimal ``HTTP/1.1 503`` with ``Retry-After`` and an
+  ``max_connections_per_address`` from one source address (0: no per-address cap). The last
+  :data:`RESERVED_FRACTION` of ``max_connections`` is kept for addresses that hold fewer than
+  :data:`RESERVED_PER_ADDRESS` connections: a flood from a few addresses fills at most the
+  rest, and a client on another address still gets in (docs/security.md gives the bound).
+  Beyond either, the connection gets a minimal ``HTTP/1.1 503`` with ``Retry-After`` and an
   OpenAI-shaped body (code ``too_many_connections``) before any aiohttp state exists, is
   half-closed, and is dropped at the client's EOF or after :data:`REFUSAL_LINGER_S` (so the
   kernel does not reset the answer away with the client's unread request bytes). Counted.
@@ -45,6 +48,11 @@ log = logging.getLogger(__name__)
 # many may do so at once (beyond it they are closed at once: the answer may then be lost).
 REFUSAL_LINGER_S = 1.0
 MAX_LINGERING_REFUSALS = 1024
+# The last eighth of max_connections (512 of 4096) only admits an address that holds fewer
+# than 4 connections now: k flooding addresses take at most min(k x per-address cap, 7/8 of
+# the cap) + 4k of it, so filling it all takes max_connections / 8 / 4 = 128 addresses.
+RESERVED_FRACTION = 8
+RESERVED_PER_ADDRESS = 4
 _HEAD_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 
@@ -59,8 +67,13 @@ class ConnectionLimits:
 
     head_timeout_s: float = 10.0
     max_connections: int = 4096
-    max_connections_per_address: int = 1024
+    max_connections_per_address: int = 256
     retry_after_s: int = 1
+
+    @property
+    def reserved(self) -> int:
+        """Places kept for addresses holding fewer than RESERVED_PER_ADDRESS connections."""
+        return self.max_connections // RESERVED_FRACTION
 
 
 class ConnectionGuard:
@@ -106,6 +119,8 @@ class ConnectionGuard:
         from_address = self._by_address.get(address, 0)
         if limits.max_connections_per_address and from_address >= limits.max_connections_per_address:
             return "per_address"
+        if self.open >= limits.max_connections - limits.reserved and from_address >= RESERVED_PER_ADDRESS:
+            return "reserved"
         self.open += 1
         self._by_address[address] = from_address + 1
         self.counters["accepted"] += 1
@@ -122,9 +137,13 @@ class ConnectionGuard:
     def refusal(self, reason: str, address: str) -> bytes:
         """The bytes of a refusal (a whole HTTP/1.1 503 answer), counted and logged once."""
         limits = self.limits
-        self.counters["refused_max_connections" if reason == "max_connections" else "refused_per_address"] += 1
+        self.counters["refused_per_address" if reason == "per_address" else "refused_max_connections"] += 1
         if reason == "max_connections":
             what = f"{self.open} connections are open (api.max_connections = {limits.max_connections})"
+        elif reason == "reserved":
+            what = (f"{self.open} connections are open and {self._by_address.get(address, 0)} from {address}; the "
+                    f"last {limits.reserved} of api.max_connections = {limits.max_connections} are kept for "
+                    f"addresses holding fewer than {RESERVED_PER_ADDRESS}")
         else:
             what = (f"{self._by_address.get(address, 0)} connections from {address} are open "
                     f"(api.max_connections_per_address = {limits.max_connections_per_address})")

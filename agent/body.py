@@ -28,6 +28,9 @@ from viiwork.agent.errors import ErrorCode
 MAX_JSON_DEPTH = 64
 # The default for a read of a body that gets no byte (api.body_read_timeout_s, docs/configuration.md).
 BODY_READ_TIMEOUT_S = 30.0
+# The default for a whole body (api.body_timeout_s): a client that sends a byte just before
+# each read deadline would otherwise hold its connection for as long as it likes.
+BODY_TIMEOUT_S = 60.0
 
 # A JSON string (RFC 8259 §7), unrolled so the regex engine does not backtrack per character.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -47,7 +50,7 @@ class BodyError(Exception):
 
 
 async def read_body(request: web.Request, limit: int, setting: str,
-                    read_timeout_s: float = BODY_READ_TIMEOUT_S) -> bytes:
+                    read_timeout_s: float = BODY_READ_TIMEOUT_S, total_timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The whole body of ``request``, at most ``limit`` bytes.
 
     ``setting`` names the limit in the error (e.g. "api.max_body_bytes"). Raises
@@ -55,13 +58,17 @@ async def read_body(request: web.Request, limit: int, setting: str,
     ``limit`` (nothing more is read), 400 ``invalid_body`` when the body cannot be
     decoded (bad chunked framing, a Content-Encoding that does not decode) or ends early,
     408 ``body_read_timeout`` when one read gets no byte for ``read_timeout_s`` (a client
-    that stalls mid-body, or a chunked body that never ends and never sends).
+    that stalls mid-body, or a chunked body that never ends and never sends), or when the
+    whole body has not arrived ``total_timeout_s`` after the first read (a client that
+    dribbles a byte per read deadline).
     """
     length = request.content_length
     if length is not None and length > limit:
         raise BodyError(413, ErrorCode.BODY_TOO_LARGE,
                         f"request body is {length} bytes; the limit is {limit} ({setting})")
     content = request.content
+    deadline = asyncio.get_running_loop().time() + total_timeout_s
+    whole = False  # which deadline fired
     try:
         async with asyncio.timeout(read_timeout_s):
             first = await content.read(limit + 1)
@@ -70,7 +77,8 @@ async def read_body(request: web.Request, limit: int, setting: str,
         else:
             parts = bytearray(first)
             while len(parts) <= limit:
-                async with asyncio.timeout(read_timeout_s):
+                whole = asyncio.get_running_loop().time() + read_timeout_s > deadline
+                async with asyncio.timeout_at(min(deadline, asyncio.get_running_loop().time() + read_timeout_s)):
                     chunk = await content.read(limit + 1 - len(parts))
                 if not chunk:
                     break
@@ -81,6 +89,9 @@ async def read_body(request: web.Request, limit: int, setting: str,
     except ConnectionError:
         raise BodyError(400, ErrorCode.INVALID_BODY, "request body ended early: the connection closed") from None
     except TimeoutError:
+        if whole:
+            raise BodyError(408, ErrorCode.BODY_READ_TIMEOUT, f"the request body did not arrive in full within "
+                            f"{total_timeout_s:g} s (api.body_timeout_s)") from None
         raise BodyError(408, ErrorCode.BODY_READ_TIMEOUT, f"no byte of the request body arrived for "
                         f"{read_timeout_s:g} s (api.body_read_timeout_s)") from None
     if len(body) > limit:

@@ -28,6 +28,21 @@ from pydantic import (
 from viiwork.agent.toml_lines import line_of
 from viiwork.engines.contract import Kind
 from viiwork.engines.registry import ENGINES, engine_names
+from viiwork.mesh.identity import NodeId
+from viiwork.mesh.summary import (
+    MAX_ADDRESS_CHARS,
+    MAX_INT,
+    MAX_LABEL_CHARS,
+    MAX_MODELS,
+    MAX_NAME_CHARS,
+    MAX_SUMMARY_BYTES,
+    PROTOCOL_VERSION,
+    STATES_OF_PROTOCOL,
+    ModelCapacity,
+    SummaryPayload,
+    canonical_json,
+    payload_to_obj,
+)
 
 MiB = 1024 * 1024
 DEFAULT_CONFIG_PATH = Path("/etc/viiwork/viiwork.toml")
@@ -42,6 +57,13 @@ MAX_PARALLEL = 1024
 # a 32-bit int.
 MAX_CTX_TOTAL = 2**31
 MAX_GPU_INDEX = 1023
+# Strings that reach the mesh (docs/configuration.md): a mesh id peers compare (mDNS TXT,
+# every gossip message), a Linux interface name (IFNAMSIZ - 1 bytes), at most as many
+# models as a summary carries. The summary itself must fit MAX_SUMMARY_BYTES (_check_summary_fits).
+MAX_MESH_ID_CHARS = 64
+_MESH_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_IFNAME_BYTES = 15
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Strict(BaseModel):
@@ -66,10 +88,10 @@ def parse_hostport(value: str, field: str = "address", *, allow_port_zero: bool 
         host = host[1:-1]
     if not host:
         raise ValueError(f"{field} has an empty host in {value!r}")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"{field} port must be a number, got {port_text!r}") from None
+    # ASCII digits only: int() also takes "8_0_8_6", " 8086" and other scripts' digits.
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ValueError(f"{field} port must be a number, got {port_text!r}")
+    port = int(port_text)
     low = 0 if allow_port_zero else 1
     if not low <= port < 65536:
         raise ValueError(f"{field} port must be {low}..65535, got {port}")
@@ -94,6 +116,8 @@ class NodeConfig(_Strict):
             raise ValueError("node name may contain letters, digits, '-', '_' and '.' only")
         return v
 
+    _state_dir = field_validator("state_dir")(classmethod(lambda cls, v: _absolute(v, "state_dir")))
+
 
 class ApiConfig(_Strict):
     """The client API (HTTP) and the admin socket."""
@@ -105,12 +129,14 @@ class ApiConfig(_Strict):
     # Connection limits (agent/api_listener.py; docs/configuration.md gives the reasons).
     head_timeout_s: float = Field(default=10.0, gt=0, le=3600.0)
     body_read_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    body_timeout_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
     keepalive_timeout_s: float = Field(default=75.0, gt=0, le=MAX_DURATION_S)
     max_connections: int = Field(default=4096, ge=1, le=1_000_000)
-    max_connections_per_address: int = Field(default=1024, ge=0, le=1_000_000)  # 0: no per-address cap
+    max_connections_per_address: int = Field(default=256, ge=0, le=1_000_000)  # 0: no per-address cap
     admin_socket: Path = Field(default=Path("/run/viiwork/admin.sock"), strict=False)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
+    _admin_socket = field_validator("admin_socket")(classmethod(lambda cls, v: _absolute(v, "admin_socket")))
 
 
 class HealthConfig(_Strict):
@@ -138,6 +164,8 @@ class SupervisorConfig(_Strict):
     load_stale_after_s: float = Field(default=3.0, gt=0, le=MAX_DURATION_S)
     log_dir: Path | None = Field(default=None, strict=False)
 
+    _log_dir = field_validator("log_dir")(classmethod(lambda cls, v: v if v is None else _absolute(v, "log_dir")))
+
 
 class RoutingConfig(_Strict):
     """Admission and routing (DESIGN §6)."""
@@ -162,10 +190,12 @@ class MeshConfig(_Strict):
     ca_certificate: Path | None = Field(default=None, strict=False)
     node_certificate: Path | None = Field(default=None, strict=False)
     node_key: Path | None = Field(default=None, strict=False)
-    gossip_interval_ms: int = Field(default=500, ge=10, le=MAX_DURATION_MS)
+    # Rounds vs timeouts: suspect_after_ms >= 2 rounds, dead_after_ms >= 3 (_trust_needs), so a
+    # round is at most a third of a day.
+    gossip_interval_ms: int = Field(default=500, ge=10, le=MAX_DURATION_MS // 3)
     fanout: int = Field(default=3, ge=1, le=1024)
-    suspect_after_ms: int = Field(default=2000, ge=1, le=MAX_DURATION_MS)
-    dead_after_ms: int = Field(default=10000, ge=1, le=MAX_DURATION_MS)
+    suspect_after_ms: int = Field(default=2000, ge=20, le=MAX_DURATION_MS)
+    dead_after_ms: int = Field(default=10000, ge=30, le=MAX_DURATION_MS)
     max_peers: int = Field(default=1024, ge=1, le=65536)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
@@ -175,6 +205,32 @@ class MeshConfig(_Strict):
     def _seeds(cls, v: list[str]) -> list[str]:
         for seed in v:
             parse_hostport(seed, "seed", allow_port_zero=False)
+        return v
+
+    @field_validator("advertise")
+    @classmethod
+    def _advertise(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_advertise(v)
+        return v
+
+    @field_validator("mesh_id")
+    @classmethod
+    def _mesh_id(cls, v: str | None) -> str | None:
+        if v is not None and not (len(v) <= MAX_MESH_ID_CHARS and _MESH_ID_RE.fullmatch(v)):
+            raise ValueError(f"mesh_id must be 1-{MAX_MESH_ID_CHARS} characters: letters, digits, '.', '_', '-' "
+                             f"(starting with a letter or digit), got {_short(v)}")
+        return v
+
+    @field_validator("interfaces")
+    @classmethod
+    def _interfaces(cls, v: list[str]) -> list[str]:
+        for i, name in enumerate(v):
+            if not name or len(name.encode()) > MAX_IFNAME_BYTES or name in (".", "..") \
+                    or any(c == "/" or c.isspace() or not c.isprintable() for c in name):
+                raise _PathError((i,), (
+                    f"not an interface name or IPv4 address: {_short(name)} (a Linux interface name is "
+                    f"1-{MAX_IFNAME_BYTES} bytes without '/', whitespace or control characters)"))
         return v
 
     @model_validator(mode="before")
@@ -200,6 +256,13 @@ class MeshConfig(_Strict):
             ))
         if self.dead_after_ms <= self.suspect_after_ms:
             raise _PathError(("dead_after_ms",), "dead_after_ms must be greater than suspect_after_ms")
+        # A heartbeat needs rounds to spread (docs/mesh.md, "Larger meshes"): a timeout
+        # shorter than a few rounds would mark every peer suspect or dead between two rounds.
+        for key, rounds in (("suspect_after_ms", 2), ("dead_after_ms", 3)):
+            if getattr(self, key) < rounds * self.gossip_interval_ms:
+                raise _PathError((key,), (
+                    f"{key} = {getattr(self, key)} must be at least {rounds} gossip rounds "
+                    f"({rounds} * gossip_interval_ms = {rounds * self.gossip_interval_ms})"))
         return self
 
 
@@ -216,7 +279,7 @@ class ModelConfig(_Strict):
     it is stored in ``options``.
     """
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     engine: str
     path: str = Field(min_length=1)
     kind: Kind = Field(default=Kind.CHAT, strict=False)
@@ -290,8 +353,8 @@ class ModelConfig(_Strict):
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for key in v:
-            if not key or "=" in key or "\0" in key:
-                raise ValueError(f"invalid environment variable name {key!r}")
+            if not _ENV_NAME_RE.fullmatch(key):
+                raise ValueError(f"invalid environment variable name {_short(key)} (letters, digits and '_', not starting with a digit)")
         return v
 
     @model_validator(mode="after")
@@ -365,7 +428,68 @@ class Config(_Strict):
                 if str(g) in owner:
                     raise _PathError(("models", i, "gpus"), f"GPU {g} already belongs to model {owner[str(g)]!r}; a GPU belongs to one model")
                 owner[str(g)] = m.name
+        if self.mesh is not None:
+            _check_summary_fits(self)
         return self
+
+
+_HOST_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _check_advertise(value: str) -> None:
+    """``advertise``: an IP address, or a DNS name or IPv4 address with an optional ``:port``
+    (mesh/node.py splits a single colon off as the port). It goes into every summary and
+    into mDNS, so it is refused here, not by a resolver at start."""
+    try:
+        ipaddress.ip_address(value)
+        return
+    except ValueError:
+        pass
+    host = value
+    if value.count(":") == 1:
+        host, _ = parse_hostport(value, "advertise", allow_port_zero=False)
+    if len(host) > 253 or not all(_HOST_LABEL_RE.fullmatch(label) for label in host.rstrip(".").split(".")):
+        raise ValueError(f"advertise must be an IP address or a host name, optionally with :port, got {_short(value)}")
+
+
+def _absolute(value: Path, field: str) -> Path:
+    # An empty or relative path would resolve against the agent's working directory.
+    if not str(value) or not value.is_absolute():
+        raise ValueError(f"{field} must be an absolute path, got {_short(str(value))}")
+    return value
+
+
+def largest_summary_bytes(config: Config) -> int:
+    """The canonical size of the largest summary ``config`` can publish, built with the real
+    encoder (mesh/summary.py) from the worst case of every value the config does not fix:
+    the longest addresses, version and boot nonce, counters at their decoders' bounds, a
+    fingerprint for every model. GPUs are not counted: they come from the host, and the
+    publisher drops them from a summary that would not fit (mesh/publisher.py)."""
+    worst_int = MAX_INT
+    models = tuple(ModelCapacity(
+        name=m.name, engine=m.engine, kind=m.kind.value, slots=1 << 20, busy=1 << 20, waiting=worst_int,
+        ctx_per_slot=1 << 30, healthy=1 << 16, total=1 << 16, fingerprint="f" * 16) for m in config.models)
+    payload = SummaryPayload(
+        protocol=PROTOCOL_VERSION, mesh_id=(config.mesh.mesh_id if config.mesh and config.mesh.mesh_id else "m" * 16),
+        node_id=NodeId("n" * 16), name=config.node.name, api="a" * MAX_ADDRESS_CHARS,
+        mesh="a" * MAX_ADDRESS_CHARS, version="v" * MAX_LABEL_CHARS, generation=worst_int,
+        boot="b" * MAX_LABEL_CHARS, seq=worst_int, speaks=1 << 16, models=models,
+        state=max(STATES_OF_PROTOCOL[PROTOCOL_VERSION], key=lambda st: len(st.value)))
+    return len(canonical_json(payload_to_obj(payload)))
+
+
+def _check_summary_fits(config: Config) -> None:
+    if len(config.models) > MAX_MODELS:  # peers refuse a summary with more (mesh/summary.py)
+        raise _PathError(("models", MAX_MODELS), (
+            f"{len(config.models)} [[models]]: a node in a mesh serves at most {MAX_MODELS} "
+            "(its summary carries no more)"))
+    size = largest_summary_bytes(config)
+    if size > MAX_SUMMARY_BYTES:
+        longest = max(range(len(config.models)), key=lambda i: len(config.models[i].name))
+        raise _PathError(("models", longest, "name"), (
+            f"the node's mesh summary could reach {size} bytes with these {len(config.models)} models, over the "
+            f"{MAX_SUMMARY_BYTES}-byte limit: shorten the model names (this one is "
+            f"{len(config.models[longest].name)} characters) or serve fewer models"))
 
 
 class _PathError(ValueError):
@@ -482,13 +606,37 @@ def _fix_engine_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
     return tuple(p for p in loc if p not in ("function-after[_shape(), ModelConfig]",))
 
 
+def _nul_issues(value: Any, text: str, path: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
+    """Every string (key or value) holding a NUL byte: one check for all of them, engine
+    blocks included. Strings become argv, environment entries and paths, where a NUL is an
+    error only when the backend starts (``ValueError: embedded null byte``)."""
+    issues: list[ConfigIssue] = []
+    if isinstance(value, str):
+        if "\0" in value:
+            issues.append(ConfigIssue(path, "may not contain a NUL character (\\u0000)", line_of(text, path) if text else None))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if "\0" in key:
+                issues.extend(_nul_issues(key, text, path))
+            else:
+                issues.extend(_nul_issues(item, text, path + (key,)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            issues.extend(_nul_issues(item, text, path + (i,)))
+    return issues
+
+
 def _validate(data: dict[str, Any], text: str) -> Config:
+    nul = _nul_issues(data, text)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError("config", _issues_from(exc, text)) from None
+        raise ConfigError("config", nul + _issues_from(exc, text)) from None
     except _PathError as exc:
-        raise ConfigError("config", [ConfigIssue(exc.path, exc.message, line_of(text, exc.path))]) from None
+        raise ConfigError("config", nul + [ConfigIssue(exc.path, exc.message, line_of(text, exc.path))]) from None
+    if nul:
+        raise ConfigError("config", nul)
+    return config
 
 
 def parse_config(text: str, source: str = "<config>") -> Config:

@@ -679,8 +679,9 @@ def check_agent_config(facts: HostFacts) -> CheckResult:
 @check("agent.state_dir", "Writes into the state dir the agent could not make", agent=True)
 def check_agent_state_dir(facts: HostFacts) -> CheckResult:
     """What the running agent could not persist into `node.state_dir` (a disk that filled or
-    turned read-only while it ran): the boot generation, open-mode name pins. The agent
-    keeps them in memory and retries every 5 s; it never stops over them.
+    turned read-only while it ran): the boot generation, open-mode name pins, and engine key
+    files a backend's launch could not write (that backend waits, spending no respawn). The
+    agent keeps them in memory and retries every 5 s; it never stops over them.
 
     - **degraded**: writes are pending: they are lost if the agent stops before the disk
       is fixed (a lower boot generation is corrected by the mesh; lost pins are pinned afresh).

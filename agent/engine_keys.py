@@ -4,7 +4,14 @@ Every launch of a backend gets a fresh random key (``secrets.token_urlsafe(32)``
 to ``<engine dir>/<model>-<index>/key`` before the engine starts. The directory is mode
 0700 and the file 0600, both owned by the user the engine runs as (the systemd runner's
 ``viiwork`` user when the agent is root, else the agent's own user), so no other local
-user can read the key. The engine is given the file (llama-server ``--api-key-file``;
+user can read the key. The engine dir itself belongs to the agent (0711, checked at every
+launch), so the engine user can replace nothing in it but what is inside its own backend
+dir; there the agent writes only to a fresh name (``O_CREAT | O_EXCL | O_NOFOLLOW``, then a
+rename) and reads with ``O_NOFOLLOW``, a regular file of one link only, so a symlink, FIFO or
+hard link the engine user leaves there is never followed, waited on or read by the agent.
+The environment file of an engine that reads its key from a variable (vLLM) is read by
+systemd as root: it lives in the agent's own engine dir (``<model>-<index>.env``), where the
+engine user cannot swap it for a link to a root-only file. The engine is given the file (llama-server ``--api-key-file``;
 ``BackendSpec.api_key_file``), and the agent sends ``Authorization: Bearer <key>`` on
 every request it makes to that backend (probes, load reads, proxied requests). A client's
 own ``Authorization`` header never reaches an engine (agent/proxy.py passes only
@@ -29,13 +36,19 @@ from pathlib import Path
 #: Bytes of randomness in a key (token_urlsafe: 43 characters).
 KEY_BYTES = 32
 KEY_FILE = "key"
-#: ``NAME=<key>`` for an engine that reads its key from the environment (write_env_file).
+#: Where versions before issue 14 wrote the environment file: in the backend dir (now env_file_path).
 ENV_FILE = "key.env"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class EngineKeyError(Exception):
-    """The key file could not be written or read; the message names the path and the cause."""
+    """The key file could not be written or read; the message names the path and the cause.
+    ``errno``: the OSError's errno when a write failed (ENOSPC: a full disk), else None."""
+
+    def __init__(self, message: str, errno: int | None = None, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.path = path
 
 
 def engine_dir(state_dir: Path, environ: Mapping[str, str] | None = None) -> Path:
@@ -60,8 +73,27 @@ def _owner(user: str | None) -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
+def env_file_path(directory: Path) -> Path:
+    """Where write_env_file puts the environment file of the backend dir ``directory``."""
+    return directory.parent / f"{directory.name}.env"
+
+
+def _agent_dir(root: Path) -> None:
+    """Make sure the engine dir ``root`` exists and is the agent's: a real directory (not a
+    symlink) owned by the agent's user, mode 0711 (the engine user may only traverse it)."""
+    root.mkdir(mode=0o711, parents=True, exist_ok=True)
+    info = root.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise EngineKeyError(f"the engine dir {root} is not a directory (a symlink or a file: remove it)")
+    if info.st_uid != os.geteuid():
+        raise EngineKeyError(f"the engine dir {root} is owned by uid {info.st_uid}, not by the agent's user "
+                             f"{os.geteuid()}: its owner could swap the engines' keys; fix: chown {os.geteuid()} {root}")
+    if stat.S_IMODE(info.st_mode) != 0o711:
+        os.chmod(root, 0o711, follow_symlinks=False)
+
+
 def _private_dir(path: Path, owner: tuple[int, int] | None) -> None:
-    path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+    _agent_dir(path.parent)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     info = path.lstat()
@@ -83,7 +115,8 @@ def write_key(directory: Path, engine_user: str | None = None) -> tuple[str, Pat
         _private_dir(directory, owner)
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # The dir may belong to the engine user: a fresh name, never a link it left there.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, f"{key}\n".encode())
             if owner is not None:
@@ -95,22 +128,27 @@ def write_key(directory: Path, engine_user: str | None = None) -> tuple[str, Pat
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise EngineKeyError(f"cannot write the engine key {path}: {exc.strerror or exc}") from exc
+        raise EngineKeyError(f"cannot write the engine key {path}: {exc.strerror or exc}", exc.errno, path) from exc
     return key, path
 
 
 def write_env_file(directory: Path, name: str, key: str) -> Path:
-    """``directory/key.env`` holding ``name=key`` (0600, owned by the agent: root under the
-    system manager, which reads an ``EnvironmentFile=`` as root), for an engine that reads its
-    key from the environment (``LaunchCommand.key_env``). Raises EngineKeyError."""
+    """``<engine dir>/<backend>.env`` (env_file_path of the backend dir ``directory``) holding
+    ``name=key``, for an engine that reads its key from the environment
+    (``LaunchCommand.key_env``). 0600, owned by the agent (root under the system manager, which
+    reads an ``EnvironmentFile=`` as root), in the agent's engine dir, not in the backend dir
+    that the engine user owns (module docstring). Raises EngineKeyError."""
     if not _ENV_NAME.fullmatch(name) or "\n" in key:
         raise EngineKeyError(f"cannot put the engine key in variable {name!r}")
-    path = directory / ENV_FILE
-    tmp = directory / f".{ENV_FILE}.{os.getpid()}"
+    path = env_file_path(directory)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
+        _agent_dir(path.parent)
+        with contextlib.suppress(OSError):  # where an earlier version wrote it: the engine user's dir
+            os.unlink(directory / ENV_FILE)
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, f"{name}={key}\n".encode())
             os.fchmod(fd, 0o600)
@@ -120,7 +158,8 @@ def write_env_file(directory: Path, name: str, key: str) -> Path:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise EngineKeyError(f"cannot write the engine environment file {path}: {exc.strerror or exc}") from exc
+        raise EngineKeyError(f"cannot write the engine environment file {path}: {exc.strerror or exc}",
+                             exc.errno, path) from exc
     return path
 
 
@@ -145,10 +184,15 @@ def read_env_file(path: str | Path) -> dict[str, str]:
 
 
 def read_key(directory: Path) -> str | None:
-    """The key an earlier launch wrote to ``directory/key``; None when missing or unreadable."""
+    """The key an earlier launch wrote to ``directory/key``; None when missing, unreadable or
+    not a regular file of one link (``directory`` may belong to the engine user: a symlink, a
+    FIFO or a hard link it put there is neither followed, waited on nor read)."""
     try:
-        fd = os.open(directory / KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(directory / KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+                return None
             text = f.read(4096).decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None

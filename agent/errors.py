@@ -49,7 +49,7 @@ class ErrorCode(StrEnum):
     JSON_TOO_DEEP = "json_too_deep"                # 400: nested deeper than 64 levels
     INVALID_BODY = "invalid_body"                  # 400: framing or Content-Encoding broken, or cut short
     BODY_TOO_LARGE = "body_too_large"              # 413: over api.max_body_bytes (or a message limit)
-    BODY_READ_TIMEOUT = "body_read_timeout"        # 408: no byte of the body for api.body_read_timeout_s
+    BODY_READ_TIMEOUT = "body_read_timeout"        # 408: api.body_read_timeout_s / api.body_timeout_s
     TOO_MANY_CONNECTIONS = "too_many_connections"  # 503: api.max_connections (or per address) reached
     MISSING_MODEL = "missing_model"                # 400: no "model" string
     WRONG_MODEL_KIND = "wrong_model_kind"          # 400: chat endpoint, embedding model (or the reverse)

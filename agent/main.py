@@ -105,6 +105,9 @@ async def _cancel(task: asyncio.Task) -> None:
         await task
 
 
+DEMO_SOURCE = "<embedded demo config>"
+
+
 async def run_agent(config: Config, *, source: str = "config", text: str | None = None,
                     config_path: Path | None = None, ready_banner: bool = True) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code.
@@ -126,8 +129,13 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
     try:
         state_lock = await asyncio.to_thread(take_state_dir, config.node.state_dir)
     except (StateDirLocked, StateDirFault) as exc:
-        log.error("%s", exc)
-        notifier.status(str(exc))
+        line = str(exc)
+        if isinstance(exc, StateDirLocked) and source == DEMO_SOURCE:
+            # The demo has no config to give another state dir: one demo per user.
+            line = (f"another demo agent of this user runs (pid {exc.holder_pid}, state dir {exc.state_dir}): "
+                    "one demo per user; stop it first")
+        log.error("%s", line)
+        notifier.status(line)
         return 1
 
     async with contextlib.AsyncExitStack() as stack:
@@ -159,6 +167,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             extra_status={"gpus": gpus.status_section},
             forward_retry=config.routing.forward_retry,
             body_read_timeout_s=config.api.body_read_timeout_s,
+            body_timeout_s=config.api.body_timeout_s,
         )
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, draining=lambda: api.draining, gpus=lambda: gpus.inventory)
@@ -177,8 +186,9 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 return 1
             stack.push_async_callback(mesh.stop)
         writes = api.mesh.node.writes if api.mesh is not None else PendingWrites()
+        key_writes = supervisor.writes  # engine key files a launch could not write (agent/supervisor.py)
         api.extra_status["state_dir"] = lambda: {"path": str(config.node.state_dir),
-                                                 "pending_writes": writes.status()}
+                                                 "pending_writes": writes.status() + key_writes.status()}
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
                                    keepalive_timeout=config.api.keepalive_timeout_s)
         await app_runner.setup()
@@ -311,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             except DemoUnavailable as exc:
                 print(f"viiwork-agent --demo: {exc}", file=sys.stderr)
                 return 1
-            source, text = "<embedded demo config>", None
+            source, text = DEMO_SOURCE, None
         else:
             path = args.config or DEFAULT_CONFIG_PATH
             config = load_config(path)

@@ -6,9 +6,17 @@ without Brotli) is answered 400 text/plain by aiohttp before any of our handlers
 (docs/routing.md, "Status codes"), and aiohttp logs it on the ``aiohttp.server`` logger at
 ERROR with a full traceback: about 20 journal lines for a 100-byte request any client can send.
 
+A body whose ``Content-Encoding`` (gzip, deflate) does not decode, or whose chunked framing
+breaks mid-body, is refused by our handlers (400, agent/body.py), but aiohttp then drains the
+rest of the body after the handler returned, meets the payload's error again and logs it as
+``Unhandled exception`` at ERROR with a three-part traceback (a
+:class:`aiohttp.web_protocol.RequestPayloadError` whose ``__cause__`` is the parser's
+``ContentEncodingError``): the same cheap flood of the journal, by another path.
+
 :class:`ProtocolErrorLog`, a :class:`logging.Filter` on that logger, turns such a record
-(its ``exc_info`` is an :class:`aiohttp.http.HttpProcessingError`) into one line without a
-traceback: at WARNING for the first from a source address in :data:`WARN_INTERVAL_S`, every
+(its ``exc_info``, or that exception's ``__cause__``/``__context__``, is an
+:class:`aiohttp.http.HttpProcessingError` or a ``RequestPayloadError``) into one line without
+a traceback: at WARNING for the first from a source address in :data:`WARN_INTERVAL_S`, every
 other one at DEBUG (dropped unless ``aiohttp.server`` logs DEBUG), all counted in ``count``
 (``viiwork_http_malformed_requests_total`` on /metrics). Any other record of that logger
 (an unhandled exception in a handler) passes unchanged.
@@ -19,8 +27,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from types import TracebackType
 
 from aiohttp.http import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 SERVER_LOGGER = "aiohttp.server"
 WARN_INTERVAL_S = 60.0  # one WARNING per source address per minute
@@ -41,15 +51,20 @@ class ProtocolErrorLog(logging.Filter):
         self._warned_at: dict[str, float] = {}  # source address -> when it was last logged at WARNING
 
     def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
+        exc = _protocol_error(record.exc_info[1] if record.exc_info else None)
+        if exc is None:
             return True
         self.count += 1
-        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-        first = self._first_in_window(str(remote))
-        reason = (exc.message.strip().splitlines() or [type(exc).__name__])[0][:200]
+        if isinstance(record.args, tuple) and record.args:  # "Error handling request from %s"
+            remote = str(record.args[0])
+        else:  # "Unhandled exception" (no arguments): the handler's peer, from the traceback
+            remote = _remote_from_traceback(record.exc_info[2] if record.exc_info else None)
+        first = self._first_in_window(remote)
+        text = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+        reason = (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+        code = (exc.code or 400) if isinstance(exc, HttpProcessingError) else 400
         record.msg = "client %s: refused a request the HTTP parser cannot take: %s (HTTP %s)%s"
-        record.args = (remote, reason, exc.code or 400,
+        record.args = (remote, reason, code,
                        f"; further ones from it within {WARN_INTERVAL_S:g} s are logged at DEBUG" if first else "")
         record.exc_info = None
         record.exc_text = None
@@ -76,6 +91,33 @@ class ProtocolErrorLog(logging.Filter):
                 "on any listener of the agent.",
                 "# TYPE viiwork_http_malformed_requests_total counter",
                 f"viiwork_http_malformed_requests_total {self.count}"]
+
+
+def _protocol_error(exc: BaseException | None) -> HttpProcessingError | RequestPayloadError | None:
+    """The parser's error behind ``exc``: itself, or its ``__cause__``/``__context__`` chain
+    (a few links deep), an HttpProcessingError first; None when it is none of them."""
+    found: RequestPayloadError | None = None
+    for _ in range(4):
+        if exc is None:
+            break
+        if isinstance(exc, HttpProcessingError):
+            return exc
+        if isinstance(exc, RequestPayloadError) and found is None:
+            found = exc
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _remote_from_traceback(tb: TracebackType | None) -> str:
+    """The peer address of the aiohttp RequestHandler whose frame is in ``tb`` ("?" if none)."""
+    while tb is not None:
+        handler = tb.tb_frame.f_locals.get("self")
+        if isinstance(handler, RequestHandler):
+            transport = handler.transport
+            peer = transport.get_extra_info("peername") if transport is not None else None
+            return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        tb = tb.tb_next
+    return "?"
 
 
 def install() -> ProtocolErrorLog:

@@ -72,6 +72,7 @@ from viiwork.engines.contract import (
     socket_path_problem,
 )
 from viiwork.engines.registry import ENGINES
+from viiwork.mesh.persist import DISK_ERRNOS, PendingWrites
 
 import aiohttp
 
@@ -179,6 +180,9 @@ class _Failure:
     reason: str
     exit: ExitInfo | None = None
     quick_exit: bool = False
+    # The backend's key file could not be written (a full or read-only disk): not the engine's
+    # fault, so no respawn is spent; the launch is retried every PendingWrites.retry_s.
+    disk: bool = False
 
 
 @dataclass(eq=False)
@@ -232,6 +236,9 @@ class Supervisor:
         self._gate = asyncio.Semaphore(self.max_parallel_loads)
         self.log_dir = config.supervisor.log_dir or (config.node.state_dir / "logs")
         self.engine_dir = engine_dir(config.node.state_dir, environ)
+        # Key files a launch could not write (a full disk): shown with the state dir's pending
+        # writes in /v1/status and doctor, retried by the backend's own task.
+        self.writes = PendingWrites()
         self.host_cpus = max(1, len(os.sched_getaffinity(0)))
         self.models: dict[str, ModelRuntime] = {}
         self._controls: list[_Control] = []
@@ -395,6 +402,8 @@ class Supervisor:
         await self._stop_controls(controls)
         for ctrl in controls:
             self._controls.remove(ctrl)
+            for what in ("engine key", "engine environment file"):
+                self.writes.discard(f"{what} of {ctrl.backend.id}")
 
     async def down(self, model: str) -> None:
         """Drain and stop ``model``'s backends and keep them stopped until ``up``.
@@ -583,10 +592,13 @@ class Supervisor:
             port = 0 if sock else free_loopback_port(used)
             try:
                 key, _ = write_key(key_dir, getattr(self.runner, "engine_user", None))
+                self.writes.succeeded(f"engine key of {backend.id}", key_dir / "key")
                 if sock:  # a socket file left by an engine that died: the new one binds afresh
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(sock)
-            except (EngineKeyError, OSError) as exc:
+            except EngineKeyError as exc:
+                return self._key_failure(ctrl, f"engine key of {backend.id}", exc)
+            except OSError as exc:
                 return _Failure(reason=str(exc))
         spec = BackendSpec(
             model=model.name,
@@ -609,8 +621,9 @@ class Supervisor:
         if command.key_env and adopted is None:  # an engine that reads its key from the environment (vLLM)
             try:
                 env_file = str(write_env_file(key_dir, command.key_env, key))
+                self.writes.succeeded(f"engine environment file of {backend.id}", Path(env_file))
             except EngineKeyError as exc:
-                return _Failure(reason=str(exc))
+                return self._key_failure(ctrl, f"engine environment file of {backend.id}", exc)
         env = engine_environment(
             os.environ if self._environ is None else self._environ,
             vendor=spec.vendor, gpus=spec.gpus, model_env=model.env, engine_env=command.env,
@@ -802,6 +815,12 @@ class Supervisor:
         """Unhealthy: stop what is left, then respawn after a backoff, or die."""
         backend = ctrl.backend
         health = self.config.health
+        if failure.disk:  # no engine ran: wait for the disk, spending no respawn
+            backend.healthy_since = None
+            self._set(ctrl, BackendState.UNHEALTHY, reason=failure.reason, phase="", progress=-1.0)
+            self._update_model_state(ctrl.runtime)
+            await self._until(ctrl, None, timeout=self.writes.retry_s)
+            return
         now = time.monotonic()
         if backend.healthy_since is not None and now - backend.healthy_since >= health.healthy_refill_s:
             ctrl.budget_used = 0
@@ -828,6 +847,16 @@ class Supervisor:
                  ctrl.budget_used, health.max_respawns)
 
     # ----------------------------------------------------------------- helpers
+
+    def _key_failure(self, ctrl: _Control, what: str, exc: EngineKeyError) -> _Failure:
+        """A key file that could not be written: a disk fault is a pending write, retried
+        without spending a respawn (docs/reliability.md, "The state dir"); anything else fails
+        the launch like an engine would."""
+        if exc.errno is None or exc.errno not in DISK_ERRNOS or exc.path is None:
+            return _Failure(reason=str(exc))
+        self.writes.failed(what, exc.path, OSError(exc.errno, os.strerror(exc.errno)),
+                           kept=f"backend {ctrl.backend.id} waits")
+        return _Failure(reason=f"{exc}; retried every {self.writes.retry_s:g} s", disk=True)
 
     def _key_dir(self, ctrl: _Control) -> Path:
         """The backend's private directory (its key file): agent/engine_keys.py."""

@@ -7,8 +7,11 @@ generation past them (:mod:`viiwork.mesh.boot`), so they race each other without
 peers' view of the node flips between the two.
 
 The rule, pure and shared by the node itself and its peers: record, per boot of a node id,
-the span of publication times seen (``first_ms`` .. ``last_ms``, local monotonic estimates:
-receive time minus the relayed ``age_ms``). Two boots are **in conflict** when both were
+the span of publication times seen (``first_ms`` .. ``last_ms``, local monotonic ms).
+``first_ms`` is when this node first *received* a summary of that boot and never moves
+earlier; ``last_ms`` the newest estimate (receive time minus the relayed ``age_ms``, never
+before ``first_ms``). The ``age_ms`` a relay adds is not signed: trusted to start a span,
+any member could stretch a restarted node's new boot back over its old one. Two boots are **in conflict** when both were
 heard within ``dead_ms`` of now and their spans overlap by at least ``dead_ms``: both kept
 publishing, at once, for longer than a peer is allowed to be silent before it is dead. Peers
 mark the id ``conflict`` sooner, once the overlap reaches ``suspect_ms``, and so does the boot
@@ -21,7 +24,10 @@ that stays: they stop routing to it, and it reports the clone, before the other 
 - A clone overlaps by as long as both run: detected ``dead_ms`` after the later one started.
 - Nothing a member can send makes a stored summary count: the node itself only counts
   another boot's summaries that outrank its own current one (a stash of its previous run's
-  summaries cannot, once it moved past them), and peers only accept newer summaries.
+  summaries cannot, once it moved past them, one publication later), and peers only accept
+  newer summaries. With spans starting at receive time, every summary of an old boot a peer
+  accepts is received before the first one of the boot that outranks it, so no age, delay or
+  replay a member chooses makes a restart overlap (docs/security.md, "Mesh members").
 
 Between the two boots, the higher ``boot`` (compared as text: 16 hex digits) is the one that
 leaves; both sides compute the same answer without talking.
@@ -92,17 +98,20 @@ class BootTracker:
         seen = self.boots.get(boot)
         return seen is None or order > seen.order
 
-    def see(self, boot: str, address: str, order: tuple[int, int], published_ms: float) -> None:
-        """A verified summary of ``boot`` published at ``published_ms`` (local estimate)."""
+    def see(self, boot: str, address: str, order: tuple[int, int], published_ms: float,
+            received_ms: float | None = None) -> None:
+        """A verified summary of ``boot`` published at ``published_ms`` (local estimate from a
+        relayed age) and received at ``received_ms`` (default ``published_ms``: a summary of
+        this node's own). A boot's span starts when it was first received, whatever the age."""
         seen = self.boots.get(boot)
         if seen is None:
             if len(self.boots) >= MAX_BOOTS:
                 del self.boots[min(self.boots.values(), key=lambda s: s.last_ms).boot]
-            self.boots[boot] = BootSighting(boot, address, order, published_ms, published_ms)
+            first = published_ms if received_ms is None else received_ms
+            self.boots[boot] = BootSighting(boot, address, order, first, first)
             return
         seen.address = address
         seen.order = max(seen.order, order)
-        seen.first_ms = min(seen.first_ms, published_ms)
         seen.last_ms = max(seen.last_ms, published_ms)
 
     def conflict(self, node_id: NodeId, now: float, dead_ms: float, of: str | None = None,

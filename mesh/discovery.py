@@ -117,7 +117,10 @@ class MdnsDiscovery:
         try:
             ip = ipaddress.IPv4Address(self.advertise_host)
         except ValueError:
-            infos = await asyncio.get_running_loop().getaddrinfo(self.advertise_host, None, family=socket.AF_INET)
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(self.advertise_host, None, family=socket.AF_INET)
+            except UnicodeError:  # not a host name at all (idna refuses it); OSError goes to the caller
+                infos = []
             if not infos:
                 raise DiscoveryError(f"cannot resolve advertised host {self.advertise_host!r}") from None
             ip = ipaddress.IPv4Address(infos[0][4][0])

@@ -561,7 +561,7 @@ class Membership:
             rec.received_at = now
             if rec.liveness is not Liveness.ALIVE and self._liveness_of(rec, now) is Liveness.ALIVE:
                 self._transition(p.node_id, rec, Liveness.ALIVE)
-        rec.boots.see(p.boot, p.mesh, order, heard)
+        rec.boots.see(p.boot, p.mesh, order, heard, now)  # the span starts at receive time (mesh/clones.py)
         if len(rec.boots.boots) > 1:
             self._check_peer_identity(p.node_id, rec, now)
         self.orders[p.node_id] = order
@@ -591,7 +591,7 @@ class Membership:
             # this one began) or a clone (keeps publishing): mesh/clones.py tells them apart.
             now = self.clock()
             self.self_boots.see(s.payload.boot, s.payload.mesh, s.payload.order,
-                                now - min(max(age_ms, 0), MAX_AGE_MS))
+                                now - min(max(age_ms, 0), MAX_AGE_MS), now)
             self._check_identity(now)
         # A genuine summary of ours at least as new as the current one: our previous run
         # (the generation file was lost), or a clone. Outrank it at the next publication.

@@ -42,7 +42,7 @@ from viiwork.mesh.pins import PINS_FILE, PinStore
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import NodeSigner
 from viiwork.mesh.summary import PROTOCOL_VERSION, GpuCapacity, ModelCapacity, PublishedState
-from viiwork.mesh.transport import GossipClient, MutualTlsSite, gossip_routes
+from viiwork.mesh.transport import KEEPALIVE_TIMEOUT_S, GossipClient, MutualTlsSite, gossip_routes
 from viiwork.mesh.trust import (
     NODE_CERT_FILE,
     OPEN_NODE_CERT_FILE,
@@ -255,11 +255,15 @@ class MeshNode:
         # handler_cancellation: a peer that closes its connection cancels the handler, so a
         # forward whose client went away frees its slot here too (docs/engines.md, "When the
         # client goes away").
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
+        # keepalive_timeout: aiohttp's default is 3630 s; idle established connections are
+        # bounded (mesh/transport.py, "Established connections are bounded too").
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await self._runner.setup()
         self._site = MutualTlsSite(self._runner, listen_host, listen_port, self.server_ssl_context,
                                    on_handshake_failure=self._handshake_failed,
-                                   on_handshake_refused=self._handshake_refused)
+                                   on_handshake_refused=self._handshake_refused,
+                                   on_connection_event=self._connection_event)
         try:
             await self._site.start()
         except OSError as exc:
@@ -268,7 +272,11 @@ class MeshNode:
         self.listen_port = self._site.port
 
         api_host, api_port = _hostport(s.api_listen, "api.listen")
-        adv_host, adv_port = self._advertise(listen_host)
+        try:
+            adv_host, adv_port = self._advertise(listen_host)
+        except DiscoveryError as exc:  # a mesh.interfaces entry that is no interface here
+            await self._runner.cleanup()
+            raise MeshStartError(str(exc)) from None
         if adv_host is None:
             log.warning("mesh: no advertisable address (wildcard, loopback and link-local are never advertised): "
                         "set mesh.advertise; peers cannot dial this node, it only dials out")
@@ -326,6 +334,10 @@ class MeshNode:
     def _handshake_refused(self, host: str) -> None:
         if self.membership is not None:
             self.membership.counters.transport["handshake_refused"] += 1
+
+    def _connection_event(self, name: str) -> None:
+        if self.membership is not None:
+            self.membership.counters.transport[name] += 1
 
     def _identity_conflict(self, conflict: IdentityConflict) -> None:
         """Another running agent publishes this node's id (the membership core logged it).

@@ -71,6 +71,14 @@ def state_dir_fault(state_dir: Path, exc: OSError, doing: str) -> StateDirFault:
     return StateDirFault(message, Path(state_dir), name)
 
 
+#: errnos of a disk that filled up, turned read-only or failed: retried, never an engine's fault.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def _caller_retries() -> None:
+    """The ``write`` of a pending write that its caller retries itself."""
+
+
 @dataclass
 class PendingWrite:
     """A write that failed: ``what`` it holds, its ``path``, the last error, and when."""
@@ -105,22 +113,38 @@ class PendingWrites:
         try:
             write()
         except OSError as exc:
-            name = errno.errorcode.get(exc.errno or 0)
-            with self._lock:
-                old = self._pending.get(what)
-                self._pending[what] = PendingWrite(
-                    what, Path(path), write, exc.strerror or str(exc), name,
-                    old.first_failed if old else time.time(), (old.attempts if old else 0) + 1,
-                    self.clock() + self.retry_s)
-            (log.debug if old else log.warning)(
-                "could not persist the %s to %s: %s (%s); kept in memory, retried every %g s (fix: %s)",
-                what, path, exc.strerror or exc, name, self.retry_s, fix_for(exc.errno, Path(path).parent))
+            self.failed(what, path, exc, write)
             return False
+        self.succeeded(what, path)
+        return True
+
+    def failed(self, what: str, path: Path, exc: OSError, write: Callable[[], None] | None = None,
+               kept: str = "kept in memory") -> None:
+        """Record that the write of ``what`` to ``path`` failed with ``exc``. Without ``write``
+        the caller retries it itself (``retry_due`` skips it) and reports the outcome here and
+        to :meth:`succeeded` (an engine's key file: agent/supervisor.py)."""
+        name = errno.errorcode.get(exc.errno or 0)
+        with self._lock:
+            old = self._pending.get(what)
+            self._pending[what] = PendingWrite(
+                what, Path(path), write or _caller_retries, exc.strerror or str(exc), name,
+                old.first_failed if old else time.time(), (old.attempts if old else 0) + 1,
+                self.clock() + self.retry_s if write else float("inf"))
+        (log.debug if old else log.warning)(
+            "could not persist the %s to %s: %s (%s); %s, retried every %g s (fix: %s)",
+            what, path, exc.strerror or exc, name, kept, self.retry_s, fix_for(exc.errno, Path(path).parent))
+
+    def succeeded(self, what: str, path: Path) -> None:
+        """The write of ``what`` worked: nothing of it is pending any more."""
         with self._lock:
             old = self._pending.pop(what, None)
         if old is not None:
             log.info("persisted the %s to %s after %d failed attempt(s)", what, path, old.attempts)
-        return True
+
+    def discard(self, what: str) -> None:
+        """Forget a pending write whose file is no longer wanted (a backend removed by a reload)."""
+        with self._lock:
+            self._pending.pop(what, None)
 
     def pending(self, what: str) -> bool:
         with self._lock:
@@ -149,4 +173,4 @@ class PendingWrites:
                  "since": round(p.first_failed, 3), "attempts": p.attempts} for p in items]
 
 
-__all__ = ["RETRY_S", "PendingWrites", "StateDirFault", "fix_for", "state_dir_fault"]
+__all__ = ["DISK_ERRNOS", "RETRY_S", "PendingWrites", "StateDirFault", "fix_for", "state_dir_fault"]

@@ -22,6 +22,7 @@ from viiwork.mesh.signing import Signer
 from viiwork.mesh.summary import (
     GpuCapacity,
     ModelCapacity,
+    OversizedSummary,
     PublishedState,
     SignedSummary,
     SummaryPayload,
@@ -70,6 +71,19 @@ class LocalPublisher:
             self.models, self.state, self.gpus = models, state, new_gpus
             self._changed = True
 
+    def _sign(self, payload: SummaryPayload) -> SignedSummary | None:
+        """The signed summary, or None (counted, logged once at WARNING, then DEBUG: it
+        repeats every round while the content stays) when it is over MAX_SUMMARY_BYTES."""
+        try:
+            return sign_payload(payload, self.signer.sign, self.signer.certificate_der)
+        except OversizedSummary as exc:
+            counters = self.membership.counters.transport
+            counters["summary_oversized"] += 1
+            level = logging.WARNING if counters["summary_oversized"] == 1 else logging.DEBUG
+            log.log(level, "mesh: %s (%d GPUs): not published%s", exc, len(payload.gpus),
+                    "; retrying without the GPU list" if payload.gpus else "; peers keep the last summary")
+            return None
+
     def maybe_publish(self, force: bool = False) -> SignedSummary | None:
         """Publish when the content changed, the heartbeat is due, the protocol version to
         speak changed, or the core demands a higher generation; returns the new summary or None."""
@@ -95,7 +109,14 @@ class LocalPublisher:
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
             state=state_for_protocol(self.state, protocol), models=models, gpus=self.gpus if protocol >= 2 else (),
         )
-        summary = sign_payload(payload, self.signer.sign, self.signer.certificate_der)
+        summary = self._sign(payload)
+        if summary is None and payload.gpus:
+            # The config's models fit (agent/config.py checks the largest summary they can
+            # make); the host's GPUs are not in that bound: publish without them.
+            summary = self._sign(dataclasses.replace(payload, gpus=()))
+        if summary is None:  # peers keep the last summary; it is dead after dead_after_ms
+            self.seq -= 1
+            return None
         m.publish(summary)
         self._changed = False
         self._last_protocol = protocol

@@ -16,6 +16,17 @@ and at most ``max_pending_per_address`` from one source address. A connection be
 is closed at accept, before ``start_tls`` allocates anything, and counted
 (``on_handshake_refused``; the agent counts ``transport.handshake_refused``).
 
+**Established connections are bounded too.** In open trust anyone who knows the mesh id can
+make a certificate and complete the handshake; each connection then holds the same TLS
+buffers (about 270 KiB). So at most ``max_connections`` connections may be open at once
+(pending handshakes included) and ``max_connections_per_address`` from one source address:
+beyond either a connection is closed at accept (``on_connection_event("connection_refused")``).
+A connection whose first request head has not arrived ``first_request_timeout_s`` after its
+handshake is closed (``"first_request_timeout"``; a peer sends its request at once), and the
+agent's runner closes one idle between requests after :data:`KEEPALIVE_TIMEOUT_S`, longer
+than the clients' pools keep an idle connection (30 s: :class:`GossipClient`,
+agent/mesh_link.py), so a peer never reuses a connection the listener is closing.
+
 Endpoints (POST, body and answer are :mod:`viiwork.mesh.messages` JSON):
 
 - ``/mesh/v1/exchange``: a digest in, the reply out (200), or 400 when dropped;
@@ -35,6 +46,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +72,16 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # peer's burst of parallel forwards.
 MAX_PENDING_HANDSHAKES = 64
 MAX_PENDING_PER_ADDRESS = 16
+# Established (and pending) connections: 1024 x ~270 KiB is at most about 280 MiB under a
+# flood from 8+ addresses of an open mesh. A peer keeps 2 pooled gossip connections and as
+# many forwards as this node serves at once (its slots plus routing.queue_max): far below 128.
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_ADDRESS = 128
+FIRST_REQUEST_TIMEOUT_S = 5.0
+# Idle time between requests before the listener closes a connection: above the 30 s for
+# which GossipClient and agent/mesh_link.py keep an idle connection pooled.
+KEEPALIVE_TIMEOUT_S = 40.0
+POOL_KEEPALIVE_S = 30.0
 PEER_KEY: web.AppKey[Callable[[web.Request], NodeId | None]] = web.AppKey("viiwork_mesh_peer_of")
 
 
@@ -89,6 +111,54 @@ class _Buffer(asyncio.Protocol):
         self.lost = exc if exc is not None else True
 
 
+class _Established(asyncio.Protocol):
+    """aiohttp's request handler on an established TLS connection, behind the first-request
+    deadline; gives the connection's place back when it closes."""
+
+    def __init__(self, site: MutualTlsSite, handler: Any, host: str) -> None:
+        self._site, self.handler, self._host = site, handler, host
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._site._awaiting[self.handler] = self
+        self._timer = asyncio.get_running_loop().call_later(self._site.first_request_timeout_s,
+                                                            self._first_request_timeout)
+        self.handler.connection_made(transport)
+
+    def request_arrived(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._site._awaiting.pop(self.handler, None)
+
+    def _first_request_timeout(self) -> None:
+        self._timer = None
+        self._site._awaiting.pop(self.handler, None)
+        self._site.connection_event("first_request_timeout")
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()  # type: ignore[no-any-return]
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.request_arrived()  # cancels the timer
+        self._site.connection_closed(self._host)
+        self.handler.connection_lost(exc)
+
+
 class _TlsGate(asyncio.Protocol):
     """Accepts one TCP connection, performs the server-side TLS handshake, then hands the
     TLS transport to aiohttp's request handler."""
@@ -102,7 +172,11 @@ class _TlsGate(asyncio.Protocol):
         # No byte of the ClientHello may land here: start_tls takes over reading.
         transport.pause_reading()
         host = _host_of(transport.get_extra_info("peername"))
+        if not self._site.admit_connection(host):
+            transport.abort()
+            return
         if not self._site.admit_handshake(host):
+            self._site.connection_closed(host)
             transport.abort()  # nothing was allocated for it yet: an RST, no TIME_WAIT here
             return
         self._task = asyncio.get_running_loop().create_task(self._handshake(transport, host))
@@ -122,13 +196,18 @@ class _TlsGate(asyncio.Protocol):
             # cycle with the exception: without this it waits for a full gc collection.
             exc.__traceback__ = None
             transport.close()
+            self._site.connection_closed(host)
             return
+        except BaseException:  # cancelled (the site stops)
+            self._site.connection_closed(host)
+            raise
         finally:
             self._site.handshake_done(host)
         if tls is None:  # the peer went away during the handshake
             self._site.handshake_failed(peer, ConnectionError("closed during handshake"))
+            self._site.connection_closed(host)
             return
-        handler = self._site.server_factory()
+        handler = _Established(self._site, self._site.server_factory(), host)
         tls.set_protocol(handler)
         handler.connection_made(tls)
         for chunk in buffer.chunks:
@@ -157,7 +236,11 @@ class MutualTlsSite(BaseSite):
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, backlog: int = 128,
                  on_handshake_refused: Callable[[str], None] | None = None,
                  max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
-                 max_pending_per_address: int = MAX_PENDING_PER_ADDRESS):
+                 max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                 first_request_timeout_s: float = FIRST_REQUEST_TIMEOUT_S,
+                 on_connection_event: Callable[[str], None] | None = None):
         super().__init__(runner, backlog=backlog)
         self.host, self._port = host, port
         self.ssl_context = ssl_context
@@ -171,6 +254,15 @@ class MutualTlsSite(BaseSite):
         self._pending: dict[str, int] = {}  # source address -> handshakes pending from it
         self.pending_handshakes = 0
         self._refusals_warned = False
+        self.max_connections = max_connections
+        self.max_connections_per_address = max_connections_per_address
+        self.first_request_timeout_s = first_request_timeout_s
+        self._on_event = on_connection_event
+        self.connections_open = 0
+        self._open: dict[str, int] = {}  # source address -> connections open from it
+        self._awaiting: dict[Any, _Established] = {}  # aiohttp handler -> its connection, until a request
+        self.counters: Counter[str] = Counter()
+        self._connection_refusals_warned = False
 
     @property
     def name(self) -> str:
@@ -187,6 +279,36 @@ class MutualTlsSite(BaseSite):
         server = self._runner.server
         assert server is not None, "call runner.setup() before starting the site"
         return server  # type: ignore[return-value]
+
+    def admit_connection(self, host: str) -> bool:
+        """Take a connection place for ``host``; False (and counted) when none is free."""
+        from_host = self._open.get(host, 0)
+        if self.connections_open >= self.max_connections or from_host >= self.max_connections_per_address:
+            if not self._connection_refusals_warned:
+                self._connection_refusals_warned = True
+                log.warning("mesh listener: closing new connections at accept: %d open (%d from %s; caps %d and %d "
+                            "per address); further refusals are only counted (transport.connection_refused)",
+                            self.connections_open, from_host, host, self.max_connections,
+                            self.max_connections_per_address)
+            self.connection_event("connection_refused")
+            return False
+        self.connections_open += 1
+        self._open[host] = from_host + 1
+        return True
+
+    def connection_closed(self, host: str) -> None:
+        """Give back the place :meth:`admit_connection` took."""
+        self.connections_open -= 1
+        left = self._open.get(host, 1) - 1
+        if left > 0:
+            self._open[host] = left
+        else:
+            self._open.pop(host, None)
+
+    def connection_event(self, name: str) -> None:
+        self.counters[name] += 1
+        if self._on_event is not None:
+            self._on_event(name)
 
     def admit_handshake(self, host: str) -> bool:
         """Take a pending-handshake place for ``host``; False (and counted) when none is free."""
@@ -226,6 +348,20 @@ class MutualTlsSite(BaseSite):
 
     async def start(self) -> None:
         await super().start()
+        # aiohttp calls request_factory once per parsed request head (a malformed one
+        # included): the first request has arrived. RequestHandler copies the attribute at
+        # creation, so the wrapper is in place before the first connection.
+        server = self._runner.server
+        assert server is not None, "call runner.setup() before starting the site"
+        inner = server.request_factory
+
+        def request_factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> Any:
+            conn = self._awaiting.get(protocol)
+            if conn is not None:
+                conn.request_arrived()
+            return inner(message, payload, protocol, writer, task)
+
+        server.request_factory = request_factory
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _TlsGate(self), self.host, self._port,
                                                 backlog=self._backlog, reuse_address=True)
@@ -292,7 +428,7 @@ class GossipClient:
 
     async def start(self) -> None:
         parts = peer_session_parts(self.ssl_context, counters=self.membership.counters.transport, limit=256,
-                                   limit_per_host=2, keepalive_timeout=30)
+                                   limit_per_host=2, keepalive_timeout=POOL_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=self.exchange_timeout_s, sock_connect=self.connect_timeout_s)
         self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False)
 

@@ -1,7 +1,7 @@
 """Connection floods: memory per pending TLS handshake, and other clients' latency meanwhile.
 
 usage: .venv/bin/python tests/bench/bench_floods.py [--mesh-conns 8000] [--api-conns 5000]
-       [-n 300] [--out FILE]
+       [--tls-conns 1500] [-n 300] [--out FILE]
 
 1. **Memory per pending handshake** (in this process, a real :class:`MutualTlsSite` on
    127.0.0.1): ``--pending`` silent TCP connections (from 127.0.2.x, 16 per address), once
@@ -16,6 +16,10 @@ usage: .venv/bin/python tests/bench/bench_floods.py [--mesh-conns 8000] [--api-c
    port (from 80 addresses), during ``--api-conns`` slowloris connections to the API (one
    header line, then nothing, from 127.0.0.2), and during both; with the agent's peak RSS
    over its idle RSS (/proc/PID/status VmHWM - VmRSS).
+3. **Idle established TLS** (the same agent; in open trust anyone can make a certificate):
+   ``--tls-conns`` completed handshakes from 10 addresses that then send nothing: how many
+   are established (the rest refused at accept), the agent's RSS growth, and how many are
+   still open after 8 s (the first-request deadline is 5 s).
 
 Prints a Markdown section (and writes it to --out when given).
 """
@@ -157,11 +161,48 @@ async def agent_floods(args: argparse.Namespace, agent) -> list[str]:
     return rows
 
 
+async def idle_tls(args: argparse.Namespace, agent, tmp: Path) -> list[str]:
+    from cryptography.hazmat.primitives import serialization
+
+    from viiwork.mesh.identity import load_or_create_identity
+    from viiwork.mesh.tls import client_context
+    from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
+
+    doc = agent.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "the mesh address")
+    mport = int(doc["mesh"]["self"]["mesh"].rpartition(":")[2])
+    pid = agent.proc.pid
+    rogue = tmp / "rogue"
+    rogue.mkdir()
+    ident = load_or_create_identity(rogue)
+    (rogue / "node.crt").write_bytes(issue_open_certificate(ident, "rogue", MESH["mesh_id"]))
+    ctx = client_context(rogue / "node.crt", ident.key_path,
+                         open_mesh_ca(MESH["mesh_id"])[1].public_bytes(serialization.Encoding.PEM))
+    before = status_kb(pid, "VmRSS")
+    writers = []
+    for i in range(args.tls_conns):
+        try:
+            _, w = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", mport, ssl=ctx, server_hostname="x", local_addr=(f"127.0.3.{1 + i % 10}", 0)), 5)
+            writers.append(w)
+        except (OSError, ssl.SSLError, TimeoutError):
+            pass
+    await asyncio.sleep(0.5)
+    established = sum(1 for w in writers if not w.transport.is_closing())
+    grown = status_kb(pid, "VmRSS") - before
+    await asyncio.sleep(8)
+    still = sum(1 for w in writers if not w.transport.is_closing())
+    for w in writers:
+        w.close()
+    return [f"| {args.tls_conns} | {established} | {grown / 1024:.1f} MiB | {grown / max(established, 1):.0f} KiB "
+            f"| {still} |"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh-conns", type=int, default=8000)
     parser.add_argument("--api-conns", type=int, default=5000)
     parser.add_argument("--pending", type=int, default=2000)
+    parser.add_argument("--tls-conns", type=int, default=1500)
     parser.add_argument("-n", type=int, default=300)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -171,6 +212,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         with run_agent(Path(tmp), [], name="floods", extra={"mesh": MESH}) as agent:
             flood_rows = asyncio.run(agent_floods(args, agent))
+            tls_rows = asyncio.run(idle_tls(args, agent, Path(tmp)))
     cmd = "python tests/bench/bench_floods.py " + " ".join(sys.argv[1:])
     text = "\n".join([
         "## Connection floods (issue 14)", "",
@@ -182,6 +224,9 @@ def main() -> int:
         f"Other clients during floods: {args.n} sequential `GET /v1/status` (new connection each) on a real agent "
         "(default limits), milliseconds; the agent's peak RSS over idle:", "",
         "| flood | p50 ms | p99 ms | max ms | agent peak RSS (VmHWM, so far) - idle |", "|---|---|---|---|---|", *flood_rows, "",
+        "Idle established TLS connections to the mesh port (open trust, 10 source addresses; the agent's VmRSS):", "",
+        "| handshakes tried | established | agent RSS growth | per connection | still open after 8 s |",
+        "|---|---|---|---|---|", *tls_rows, "",
     ])
     print(text)
     if args.out:

@@ -129,3 +129,59 @@ def test_restart_or_address_change_is_never_a_conflict(generation, mesh):
         new[0].handle_push(c.node_id, Push(3, mc.mesh_id, (RelayedSummary(stash[i % len(stash)], 0),)))
     assert not reports and new[0].identity_conflict is None
     assert view.mesh == mesh and view.liveness is Liveness.ALIVE
+
+
+# --- what a mesh member can do to the rule (docs/security.md, "Mesh members") ----------------
+
+
+@pytest.mark.parametrize("age_ms", [0, SETTINGS.suspect_after_ms, DEAD_MS - 100, 10 * DEAD_MS])
+def test_a_member_relaying_a_restarted_boot_with_a_forged_age_makes_no_conflict(age_ms):
+    """The relayed ``age_ms`` is not signed: a member (c) relays the first summary of the
+    honestly restarted node's new boot as if published long ago. The peer's span of the new
+    boot starts when it received it, so it never overlaps the old boot's: never ``conflict``."""
+    ca, clock = TestCA(), ManualClock()
+    a, c, p = ca.node("a"), ca.node("c"), ca.node("p")
+    old = boot_core(a, ca, clock, HIGH)
+    mp, _ = boot_core(p, ca, clock, "p" * 16, seed=2)
+    for _ in range(30):
+        round_of(clock, [old], mp)
+    clock.advance(300)  # the restart
+    new = boot_core(a, ca, clock, LOW, generation=2, seed=3)
+    assert new[0].self_summary is not None
+    mp.handle_push(c.node_id, Push(3, mp.mesh_id, (RelayedSummary(new[0].self_summary, age_ms),)))
+    for _ in range(3 * DEAD_MS // 100):
+        round_of(clock, [new], mp)
+        view = next(v for v in mp.peers() if v.node_id == a.node_id)
+        assert view.liveness is Liveness.ALIVE and view.conflict is None
+    assert mp.counters.transport["peer_identity_conflicts"] == 0
+
+
+def test_a_member_replaying_the_previous_run_with_forged_ages_cannot_make_the_node_leave():
+    """The boot file was lost: the restarted node (the higher boot: the one that would leave)
+    publishes below its previous run. A member holding that run's summaries pushes two of them
+    at once, the second aged to look published since before the new boot began (stretching
+    the span the first one opened), then keeps replaying them. The node moves past them and
+    neither reports a clone nor leaves."""
+    ca, clock = TestCA(), ManualClock()
+    a, c = ca.node("a"), ca.node("c")
+    old = boot_core(a, ca, clock, LOW)
+    stash = [old[1].maybe_publish(force=True) for _ in range(60)]
+    clock.advance(300)  # the restart, boot file lost: generation 1 again, seq from 1
+    new, pub = boot_core(a, ca, clock, HIGH, seed=3)
+    reports: list = []
+    new.on_identity_conflict.append(reports.append)
+    for _ in range(20):  # 2 s alone, longer than dead_after
+        clock.advance(100)
+        pub.maybe_publish()
+        new.tick()
+    forged = (RelayedSummary(stash[40], 0), RelayedSummary(stash[50], 10 * DEAD_MS))
+    new.handle_push(c.node_id, Push(3, new.mesh_id, forged))
+    for i in range(3 * DEAD_MS // 100):
+        clock.advance(100)
+        pub.maybe_publish()
+        new.tick()
+        new.handle_push(c.node_id, Push(3, new.mesh_id, (RelayedSummary(stash[i % len(stash)], 10 * DEAD_MS),
+                                                          RelayedSummary(stash[-1], 0))))
+        assert new.identity_conflict is None
+    assert not reports and new.counters.transport["identity_conflicts"] == 0
+    assert pub.generation == 2  # it did move past its previous run

@@ -178,3 +178,66 @@ async def test_a_peer_that_never_answers_does_not_stall_gossip(tmp_path):
             w.close()
         blackhole.close()
         await blackhole.wait_closed()
+
+
+async def test_idle_tls_connections_in_an_open_mesh_are_capped_and_closed(tmp_path):
+    """Anyone who knows an open mesh's id can make a certificate and complete handshakes:
+    established connections are capped (overall and per source address) and one that sends
+    no request within the first-request deadline is closed, its place given back; a real
+    peer's gossip goes on meanwhile."""
+    import asyncio
+    import ssl
+
+    from cryptography.hazmat.primitives import serialization
+
+    from viiwork.mesh.identity import load_or_create_identity
+    from viiwork.mesh.tls import client_context
+    from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
+
+    rogue = tmp_path / "rogue"
+    rogue.mkdir()
+    ident = load_or_create_identity(rogue)
+    (rogue / "node.crt").write_bytes(issue_open_certificate(ident, "rogue", "lab"))
+    ctx = client_context(rogue / "node.crt", ident.key_path,
+                         open_mesh_ca("lab")[1].public_bytes(serialization.Encoding.PEM))
+    b = MeshNode(loopback_settings(tmp_path / "b", "b", trust="open", mesh_id="lab"))
+    await b.start()
+    site = b._site
+    site.first_request_timeout_s, site.max_connections, site.max_connections_per_address = 1.0, 50, 30
+    held: list[asyncio.StreamWriter] = []
+    a = None
+
+    async def one(source: str) -> asyncio.StreamReader | None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", b.listen_port, ssl=ctx, server_hostname="x", local_addr=(source, 0)), 5)
+        except (OSError, ssl.SSLError):
+            return None
+        held.append(writer)
+        return reader
+
+    try:
+        readers = [await one("127.0.2.1") for _ in range(35)] + [await one("127.0.2.2") for _ in range(35)]
+        established = [r for r in readers if r is not None]
+        # 30 from the first address, 20 from the second (50 in all): the rest closed at accept.
+        assert site.connections_open == 50 and len(established) <= 50
+        assert b.membership.counters.transport["connection_refused"] == 20
+        # Sending nothing: all closed after the deadline, every place given back.
+        ends = await asyncio.gather(*(asyncio.wait_for(r.read(), 5) for r in established), return_exceptions=True)
+        assert all(e == b"" or isinstance(e, (OSError, ssl.SSLError)) for e in ends), ends[:3]
+        await wait_for(lambda: site.connections_open == 0, 2, "every place to be given back")
+        assert b.membership.counters.transport["first_request_timeout"] == 50
+        # A real peer gossips with b under the same deadline.
+        a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id="lab",
+                                       seeds=(f"127.0.0.1:{b.listen_port}",)))
+        await a.start()
+        await wait_for(lambda: alive_peers(a) == {"b"} and alive_peers(b) == {"a"}, 5, "a and b to gossip")
+        before = a.membership.counters.transport["exchanges_ok"]
+        await wait_for(lambda: a.membership.counters.transport["exchanges_ok"] >= before + 5, 5, "gossip to go on")
+        assert a.membership.counters.transport["exchange_failed"] == 0
+    finally:
+        for w in held:
+            w.close()
+        if a is not None:
+            await a.stop(leave=False)
+        await b.stop(leave=False)

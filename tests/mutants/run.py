@@ -43,7 +43,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 #: What the scratch copy leaves out (besides the ignored names below, at any depth).
-TOP_LEVEL_EXCLUDED = {".git", ".venv", ".bench-venv", "build", "dist", ".cache", ".whl", ".gl", ".hypothesis"}
+TOP_LEVEL_EXCLUDED = {".git", ".venv", ".bench-venv", "build", "dist", ".cache", ".whl", ".gl", ".hypothesis",
+                      ".mutants"}
+#: Where the scratch copies go: inside the checkout, not under /tmp, because engine units with
+#: PrivateTmp= and containers with a fresh /tmp cannot see /tmp (the systemd tiers would skip).
+SCRATCH_PARENT = REPO / ".mutants"
+SKIPPED = re.compile(r"(\d+) skipped")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
 #: The import packages mapped from top-level folders (pyproject.toml, [tool.setuptools] package-dir).
 MAPPED = ("agent", "mesh", "engines")
@@ -121,7 +126,7 @@ def check_imports_from(tree: Path) -> None:
 
 
 def run_tests(tree: Path, tests: tuple[str, ...], timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", *tests, "-x", "-q", "--no-header", "-rfE"],
+    return subprocess.run([sys.executable, "-m", "pytest", *tests, "-x", "-q", "--no-header", "-rfEs"],
                           cwd=tree, env=test_env(tree), capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -179,6 +184,11 @@ def baseline(mutants: list[Mutant], scratch: Path, timeout_s: float) -> Outcome:
         except subprocess.TimeoutExpired:
             return Outcome("(unpatched)", "timeout", time.monotonic() - started)
         seconds = time.monotonic() - started
+        skipped = SKIPPED.search(done.stdout)
+        if done.returncode == 0 and skipped:
+            # A named test that skips here would "survive" every mutant without running.
+            return Outcome("(unpatched)", "error", seconds, f"{skipped.group(1)} named test(s) skipped: "
+                           "run where their tier can run (root, systemd, netns)")
         if done.returncode == 0:
             return Outcome("(unpatched)", "passed", seconds, f"{len(tests)} tests")
         failed = FAILED_LINE.findall(done.stdout)
@@ -222,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     rows: list[Outcome] = []
-    with tempfile.TemporaryDirectory(prefix="viiwork-mutants-") as tmp:
+    SCRATCH_PARENT.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="viiwork-mutants-", dir=SCRATCH_PARENT) as tmp:
         scratch = Path(tmp)
         if not args.no_baseline:
             base = baseline(mutants, scratch, args.timeout)

@@ -457,11 +457,13 @@ async def test_environment_file_key_reaches_the_engine_not_the_unit_properties(
 
     from viiwork.agent.engine_keys import write_env_file
 
-    private = Path(tempfile.mkdtemp(prefix="viiwork-key-", dir=Path.home()))
+    root = Path(tempfile.mkdtemp(prefix="viiwork-key-", dir=Path.home()))  # the agent's engine dir
+    private = root / "v-0"
     try:
+        private.mkdir(mode=0o700)
         key = "k3y-" + os.urandom(12).hex()
         env_file = write_env_file(private, "VLLM_API_KEY", key)
-        assert env_file.stat().st_mode & 0o777 == 0o600
+        assert env_file == root / "v-0.env" and env_file.stat().st_mode & 0o777 == 0o600
         seen = private / "seen"
         argv = (sys.executable, "-c", f"import os, time; open({str(seen)!r} + '.tmp', 'w').write("
                 f"os.environ.get('VLLM_API_KEY', '')); os.rename({str(seen)!r} + '.tmp', {str(seen)!r}); "
@@ -483,4 +485,4 @@ async def test_environment_file_key_reaches_the_engine_not_the_unit_properties(
         finally:
             await handle.stop(2.0)
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)

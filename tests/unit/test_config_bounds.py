@@ -258,9 +258,9 @@ INT_BOUNDS = [
     ("routing", "queue_max", 0, 65536),
     ("routing", "forward_retry", 0, 64),
     ("routing", "stale_after_ms", 1, DAY_MS),
-    ("mesh", "gossip_interval_ms", 10, DAY_MS),
+    ("mesh", "gossip_interval_ms", 10, DAY_MS // 3),  # suspect >= 2 rounds, dead >= 3 rounds, <= a day
     ("mesh", "fanout", 1, 1024),
-    ("mesh", "suspect_after_ms", 1, DAY_MS),  # just outside: DAY_MS + 1 (it is also below dead_after_ms)
+    ("mesh", "suspect_after_ms", 20, DAY_MS),  # low: 2 rounds of the shortest gossip_interval_ms; just outside: DAY_MS + 1 (it is also below dead_after_ms)
     ("mesh", "dead_after_ms", 2001, DAY_MS),  # above suspect_after_ms (2000)
     ("mesh", "max_peers", 1, 65536),
     ("models", "parallel", 1, 1024),
@@ -280,7 +280,8 @@ FLOAT_BOUNDS = [  # (table, key, low, low valid?, high, high valid?)
     ("models.sglang", "mem_fraction_static", 0.0, False, 1.0, False),
 ]
 # Keys that must be set alongside, so the value under test is the only problem.
-ALONGSIDE = {"ctx_per_slot": {"parallel": 1}, "suspect_after_ms": {"dead_after_ms": DAY_MS}}
+ALONGSIDE = {"ctx_per_slot": {"parallel": 1}, "suspect_after_ms": {"dead_after_ms": DAY_MS, "gossip_interval_ms": 10},
+             "gossip_interval_ms": {"suspect_after_ms": DAY_MS - 1, "dead_after_ms": DAY_MS}}
 # Just inside, where the field bound meets a rule between fields (suspect < dead <= a day).
 INSIDE_HIGH = {"suspect_after_ms": DAY_MS - 1}
 

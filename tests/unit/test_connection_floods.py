@@ -177,11 +177,12 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
 
         dribbling = [asyncio.create_task(dribble(s)) for s in dribblers]
         try:
-            # 35 open: 5 more fit, the next ones are refused.
+            # 35 open: the last 5 (an eighth of 40) are kept for addresses holding fewer than
+            # 4, so 4 more from a new address fit, the next ones are refused.
             more = await connect_many(port, ["127.0.0.4"], 8)
             answers = await asyncio.gather(*(read_some(s, 1.0) for s in more))
             refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
-            assert len(refused) == 3, answers
+            assert len(refused) == 4, answers
             assert b"Retry-After: 1" in refused[0] and b'"code": "too_many_connections"' in refused[0]
             assert b"api.max_connections = 40" in refused[0]
             # Every held connection is closed after the head deadline, dribblers included.
@@ -217,3 +218,53 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
                 task.cancel()
             await asyncio.gather(*dribbling, return_exceptions=True)
             close_all(silent + dribblers)
+
+
+async def test_dribbled_bodies_from_a_few_addresses_leave_room_and_time_out(tmp_path: Path) -> None:
+    """Request bodies sent a byte at a time, each byte just within api.body_read_timeout_s,
+    from 10 addresses x 30 connections (300 > api.max_connections = 200): the flood fills at
+    most the unreserved 7/8 plus 4 per address of the reserve, so a client on 127.0.0.1 is
+    answered throughout, and each dribbled body gets 408 once api.body_timeout_s has passed."""
+    with run_agent(tmp_path, [], name="bodies", extra={"api": {
+            "body_read_timeout_s": 1.0, "body_timeout_s": 2.5, "max_connections": 200,
+            "max_connections_per_address": 30}}) as agent:
+        port = api_port(agent)
+        loop = asyncio.get_running_loop()
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000\r\n\r\n{")
+        held = await connect_many(port, [f"127.0.1.{i}" for i in range(1, 11)], 30, first=head)
+        started = time.monotonic()
+
+        async def dribble(sock: socket.socket) -> bytes:
+            answer = b""
+            try:
+                while time.monotonic() - started < 8 and not answer:
+                    await loop.sock_sendall(sock, b" ")
+                    try:
+                        answer = await asyncio.wait_for(loop.sock_recv(sock, 4096), 0.5)
+                    except TimeoutError:
+                        continue
+                    if not answer:
+                        return b"closed"
+            except OSError:
+                return b"error"
+            return answer
+
+        dribbling = [asyncio.create_task(dribble(s)) for s in held]
+        try:
+            for _ in range(4):  # a client on another address is answered while the flood lasts
+                status, _, _ = await http_get(port, "/v1/status")
+                assert status == 200
+                await asyncio.sleep(0.3)
+            answers = await asyncio.gather(*dribbling)
+            admitted = [a for a in answers if not a.startswith(b"HTTP/1.1 503")]
+            # 175 unreserved (5 addresses x 30, 25 from the 6th), then 4 each from the last 4.
+            assert len(admitted) == 175 + 4 * 4, len(admitted)
+            assert all(a.startswith(b"HTTP/1.1 408") and b"api.body_timeout_s" in a for a in admitted), \
+                [a[:120] for a in admitted if not a.startswith(b"HTTP/1.1 408")][:3]
+            assert time.monotonic() - started < 8
+        finally:
+            for task in dribbling:
+                task.cancel()
+            await asyncio.gather(*dribbling, return_exceptions=True)
+            close_all(held)

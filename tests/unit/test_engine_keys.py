@@ -29,7 +29,7 @@ import pytest
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
 
-from viiwork.agent.engine_keys import write_key
+from viiwork.agent.engine_keys import EngineKeyError, read_key, write_env_file, write_key
 from viiwork.engines.contract import BackendSpec, Kind
 from viiwork.engines.llamacpp import LlamaCppOptions
 
@@ -191,6 +191,60 @@ def test_as_root_the_key_belongs_to_the_engine_user_only(tmp_path: Path) -> None
                                  capture_output=True, text=True, timeout=30)
             assert out.stdout.strip() == expect, (user, out.stderr)
         assert write_key(root / "engines" / "m-0", "nobody")[0] != key  # a fresh key per launch
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_links_left_in_the_backend_dir_are_never_followed(tmp_path: Path) -> None:
+    """The backend dir may belong to the engine user: a symlink, hard link or FIFO it leaves
+    at ``key`` (or at the temp name the agent writes first) is neither written through nor
+    read (nor waited on) by the agent."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    d = tmp_path / "engines" / "m-0"
+    d.parent.mkdir(mode=0o711)
+    d.mkdir(mode=0o700)
+    (d / "key").symlink_to(victim)
+    (d / f".key.{os.getpid()}").symlink_to(victim)
+    key, path = write_key(d)
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert not path.is_symlink() and path.read_text() == f"{key}\n" and read_key(d) == key
+    for plant in (lambda p: p.symlink_to(victim), lambda p: os.link(victim, p), lambda p: os.mkfifo(p)):
+        path.unlink()
+        plant(path)
+        assert read_key(d) is None  # a FIFO would block a plain open() for good
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_the_engine_user_cannot_swap_the_environment_file() -> None:
+    """systemd reads vLLM's environment file as root: it must not be where the engine user
+    (``nobody`` here) can replace it with a link to a root-only file (its lines would become
+    the engine's environment). It lives in the agent's 0711 engine dir, beside the backend's."""
+    root = Path(tempfile.mkdtemp(prefix="viiwork-env-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        engines = root / "engines"
+        key, _ = write_key(engines / "v-0", "nobody")
+        (engines / "v-0" / "key.env").symlink_to("/etc/shadow")  # where it used to be, planted
+        env = write_env_file(engines / "v-0", "VLLM_API_KEY", key)
+        assert env == engines / "v-0.env" and env.read_text() == f"VLLM_API_KEY={key}\n"
+        info, top = env.stat(), engines.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o600)
+        assert (top.st_uid, stat.S_IMODE(top.st_mode)) == (0, 0o711)
+        assert not (engines / "v-0" / "key.env").is_symlink()
+        swap = ("import os, sys\nenv = sys.argv[1]\n"
+                "for call in (lambda: os.symlink('/etc/shadow', env + '.x'), lambda: os.unlink(env),\n"
+                "             lambda: os.rename(env, env + '.y')):\n"
+                "    try:\n        call()\n    except PermissionError:\n        continue\n"
+                "    sys.exit('the engine user changed the engine dir')\nprint('refused')\n")
+        out = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
+                              swap, str(env)], capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "refused", out.stderr + out.stdout
+        os.chown(engines, 65534, 65534)  # an engine dir someone else owns is refused, not used
+        with pytest.raises(EngineKeyError, match="owned by uid 65534"):
+            write_env_file(engines / "v-0", "VLLM_API_KEY", key)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -144,3 +144,44 @@ def test_malformed_requests_warn_once_per_address_per_minute() -> None:
     assert refused("192.0.2.2") == logging.DEBUG
     assert log_filter.count == 5
     assert log_filter.metrics_lines()[-1] == "viiwork_http_malformed_requests_total 5"
+
+
+async def test_bodies_that_do_not_decode_are_logged_once_without_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A gzip/deflate body that is not gzip/deflate: the handler answers 400 (agent/body.py),
+    then aiohttp's drain after the handler meets the payload error again and logs
+    "Unhandled exception" with a traceback: rewritten to one WARNING per address, counted."""
+    from viiwork.agent.body import BodyError, read_body
+
+    async def handler(request: web.Request) -> web.Response:
+        try:
+            await read_body(request, 1024, "test.limit")
+        except BodyError as exc:
+            return web.Response(status=exc.status)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/x", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    installed = protocol_log.install()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        caplog.set_level(logging.INFO, logger=protocol_log.SERVER_LOGGER)
+        before = installed.count
+        for i in range(12):
+            encoding = b"gzip" if i % 2 else b"deflate"
+            raw = (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: " + encoding +
+                   b"\r\nContent-Length: 4\r\n\r\nxxxx")
+            assert status_of(await _exchange(port, raw)) == 400
+        await asyncio.sleep(0.1)
+        assert installed.count - before == 12
+        server = [r for r in caplog.records if r.name == protocol_log.SERVER_LOGGER]
+        assert [(r.levelno, r.exc_info) for r in server] == [(logging.WARNING, None)], \
+            [r.getMessage() for r in server]
+        assert "127.0.0.1" in server[0].getMessage() and "content-encoding" in server[0].getMessage()
+        assert "Traceback" not in caplog.text
+    finally:
+        logging.getLogger(protocol_log.SERVER_LOGGER).removeFilter(installed)
+        await runner.cleanup()

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -289,3 +290,103 @@ def test_disk_filling_while_running_is_reported_and_retried(tmp_path: Path) -> N
         pins = json.loads((mnt / "state" / "known_nodes.json").read_text())["pins"]
         assert "node-b" in pins
         assert not [p for p in (mnt / "state").iterdir() if ".tmp-" in p.name], "a partial temp file was left"
+
+
+def test_a_full_disk_at_respawn_is_a_pending_write_not_a_dead_backend(tmp_path: Path) -> None:
+    """The engine dies while the disk is full: its respawn cannot write the new key. That is
+    no engine failure: no respawn is spent (the backend would be dead within seconds), the
+    key shows as a pending write, and once space is freed the launch succeeds."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mount)")
+    health = {"interval_s": 0.5, "respawn_backoff_s": 0.05, "respawn_backoff_max_s": 0.1, "max_respawns": 1}
+    with contextlib.ExitStack() as stack:
+        mnt = stack.enter_context(tmpfs(tmp_path / "disk", size="256k"))
+        a = stack.enter_context(run_agent(tmp_path, [model(fake_engine_binary(tmp_path / "bin"))], name="node-a",
+                                          extra={"node": {"state_dir": str(mnt / "state")}, "health": health}))
+        a.wait_healthy("m", timeout_s=30)
+        pid = backend_pid(a)
+        filler = fill(mnt)
+        os.kill(pid, 9)
+        doc = a.wait_for(lambda d: any(p["attempts"] >= 2 for p in d["state_dir"]["pending_writes"]), 20,
+                         "a retried pending key write")
+        pending = doc["state_dir"]["pending_writes"]
+        assert [(p["what"], p["errno"]) for p in pending] == [("engine key of m-0", "ENOSPC")], pending
+        backend = next(m for m in doc["models"] if m["name"] == "m")["backends"][0]
+        assert backend["state"] == "unhealthy" and backend["respawns"] <= 1, backend
+        assert "retried every" in backend["reason"], backend
+        filler.unlink()
+        doc = a.wait_healthy("m", timeout_s=20)
+        assert doc["state_dir"]["pending_writes"] == []
+        assert backend_pid(a) != pid and a.proc.poll() is None
+
+
+def test_a_second_demo_is_told_one_demo_per_user(tmp_path: Path) -> None:
+    """The demo has no config in which to give another state dir: its refusal says to stop the
+    other demo, naming its pid (the lock is taken before the demo's engine starts)."""
+    from viiwork.agent.statedir import take_state_dir
+
+    held = take_state_dir(tmp_path / "viiwork-demo")
+    try:
+        proc = subprocess.run([str(AGENT), "--demo"], capture_output=True, text=True, timeout=EXIT_TIMEOUT_S,
+                              env={**os.environ, "XDG_STATE_HOME": str(tmp_path)})
+    finally:
+        held.release()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert f"another demo agent of this user runs (pid {os.getpid()}" in out and "one demo per user" in out, out
+    assert "Traceback" not in out
+
+
+# -- a state dir prepared by someone else ------------------------------------------------------
+
+
+def _lock_symlink_in_foreign_dir(state: Path, victim: Path) -> None:
+    """What another local user can prepare under /tmp: their 0777 dir, agent.lock -> victim."""
+    state.mkdir()
+    os.chmod(state, 0o777)
+    (state / "agent.lock").symlink_to(victim)
+    os.lchown(state / "agent.lock", 65534, 65534)
+    os.chown(state, 65534, 65534)
+
+
+def _lock_symlink_in_own_dir(state: Path, victim: Path) -> None:
+    state.mkdir(mode=0o700)
+    (state / "agent.lock").symlink_to(victim)
+
+
+def _lock_hardlink_in_own_dir(state: Path, victim: Path) -> None:
+    state.mkdir(mode=0o700)
+    os.link(victim, state / "agent.lock")
+
+
+LOCK_TRAPS = {
+    "symlink-in-foreign-dir": (_lock_symlink_in_foreign_dir, "owned by uid 65534"),
+    "symlink-in-own-dir": (_lock_symlink_in_own_dir, "is a symlink"),
+    "hardlink-in-own-dir": (_lock_hardlink_in_own_dir, "2 links"),
+}
+
+
+@pytest.mark.parametrize("trap", list(LOCK_TRAPS))
+def test_a_lock_file_that_points_elsewhere_is_refused_untouched(tmp_path: Path, trap: str) -> None:
+    """agent.lock must never be followed to (and truncated in) a file of someone else: the dir
+    is checked before anything is opened in it, and the lock opened O_NOFOLLOW and fstat'ed."""
+    if os.geteuid() != 0 and trap == "symlink-in-foreign-dir":
+        pytest.skip("needs root (chown)")
+    make, needle = LOCK_TRAPS[trap]
+    victim = tmp_path / "victim"
+    victim.write_text("precious root data\n")
+    victim.chmod(0o600)
+    before = victim.stat()
+    state = tmp_path / "state"
+    make(state, victim)
+    config = write_config(tmp_path, [], "node-l", {"node": {"state_dir": str(state)},
+                                                   "api": {"admin_socket": str(tmp_path / "l.sock")}}, free_port())
+    done = run_to_exit(config)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stdout, done.stdout
+    lines = [line for line in done.stdout.splitlines() if "ERROR" in line]
+    assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], done.stdout
+    assert victim.read_text() == "precious root data\n"
+    after = victim.stat()
+    assert (after.st_mtime_ns, after.st_size, stat.S_IMODE(after.st_mode)) == \
+        (before.st_mtime_ns, before.st_size, 0o600)

@@ -7,6 +7,7 @@ The systemd side: tests/systemd/test_systemd_runner.py
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import stat
 import sys
@@ -44,9 +45,11 @@ def test_agent_gives_vllm_its_key_through_the_environment_file_only(tmp_path: Pa
         key_dir = tmp_path / "node-v" / "engines" / "v-0"
         assert backend["socket"] == str(key_dir / "engine.sock") and backend["port"] is None
         key = (key_dir / "key").read_text().strip()
-        env_file = key_dir / "key.env"
+        # Read by systemd as root: in the agent's engine dir, not in the engine user's v-0/.
+        env_file = key_dir.parent / "v-0.env"
         assert env_file.read_text() == f"VLLM_API_KEY={key}\n"
-        assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(env_file.stat().st_mode) == 0o600 and env_file.stat().st_uid == os.geteuid()
+        assert not (key_dir / "key.env").exists()
         seen = json.loads(report.read_text())
         assert seen["has_key"] and key not in json.dumps(seen["argv"])
         cmdline = Path(f"/proc/{backend['pid']}/cmdline").read_bytes()
@@ -80,6 +83,7 @@ def test_vllm_unit_reads_its_key_from_an_environment_file(tmp_path: Path) -> Non
                        socket_path=str(tmp_path / "v-0" / "engine.sock"))
     cmd = VllmEngine().build_command(spec)
     env_file = write_env_file(tmp_path / "v-0", cmd.key_env or "", key)
+    assert env_file == tmp_path / "v-0.env"
     assert env_file.read_text() == f"VLLM_API_KEY={key}\n"
     assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
     request = LaunchRequest(name="viiwork-engine-n-v-0", argv=cmd.argv, env=dict(cmd.env), description="v",
