@@ -104,6 +104,21 @@ def _private_dir(path: Path, owner: tuple[int, int] | None) -> None:
     os.chmod(path, 0o700, follow_symlinks=False)
 
 
+def _write_fresh(path: Path, data: bytes, owner: tuple[int, int] | None) -> None:
+    """Create ``path`` (which must not exist: never a link someone left there), 0600, owned by
+    ``owner`` (None: the agent), holding ``data``. Raises OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def write_key(directory: Path, engine_user: str | None = None) -> tuple[str, Path]:
     """A fresh key written to ``directory/key`` (0600, in a 0700 dir, owned by ``engine_user``
     when the agent is root); returns (key, file path). Raises EngineKeyError."""
@@ -116,14 +131,7 @@ def write_key(directory: Path, engine_user: str | None = None) -> tuple[str, Pat
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         # The dir may belong to the engine user: a fresh name, never a link it left there.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, f"{key}\n".encode())
-            if owner is not None:
-                os.fchown(fd, *owner)
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
+        _write_fresh(tmp, f"{key}\n".encode(), owner)
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):
@@ -148,12 +156,7 @@ def write_env_file(directory: Path, name: str, key: str) -> Path:
             os.unlink(directory / ENV_FILE)
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, f"{name}={key}\n".encode())
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
+        _write_fresh(tmp, f"{name}={key}\n".encode(), None)
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):

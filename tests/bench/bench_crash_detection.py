@@ -39,7 +39,6 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 
 from support.agent import run_agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
-from support.procs import free_port  # noqa: E402
 from support.systemd import missing_user_manager, user_manager  # noqa: E402
 
 from viiwork.agent.runners.base import LaunchRequest  # noqa: E402

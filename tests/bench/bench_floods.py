@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import os
 import platform
-import re
 import resource
 import socket
 import ssl
@@ -46,38 +45,11 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 from aiohttp import web  # noqa: E402
 
 from support.agent import run_agent  # noqa: E402
+from support.floods import connect_many, proc_status_kb  # noqa: E402
 from viiwork.mesh.transport import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_ADDRESS, MutualTlsSite  # noqa: E402
 
 MESH = {"trust": "open", "mesh_id": "bench-floods", "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
         "discovery": ["seeds"], "seeds": []}
-
-
-def status_kb(pid: int, field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
-    assert match
-    return int(match.group(1))
-
-
-async def connect_many(port: int, sources: list[str], per_source: int, first: bytes = b"") -> list[socket.socket]:
-    loop = asyncio.get_running_loop()
-
-    async def one(src: str) -> socket.socket:
-        sock = socket.socket()
-        sock.setblocking(False)
-        try:
-            sock.bind((src, 0))
-            await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), 10)
-            if first:
-                await loop.sock_sendall(sock, first)
-        except OSError:
-            pass
-        return sock
-
-    plan = [src for src in sources for _ in range(per_source)]
-    out: list[socket.socket] = []
-    for i in range(0, len(plan), 100):  # under the listen backlog: no SYN retransmits
-        out += await asyncio.gather(*(one(src) for src in plan[i:i + 100]))
-    return out
 
 
 def close_all(socks: list[socket.socket]) -> None:
@@ -99,10 +71,10 @@ async def per_handshake(pending: int) -> list[str]:
         site = MutualTlsSite(runner, "127.0.0.1", 0, ctx, max_pending_handshakes=cap,
                              max_pending_per_address=per_address)
         await site.start()
-        base = status_kb(os.getpid(), "VmRSS")
+        base = proc_status_kb(os.getpid(), "VmRSS")
         held = await connect_many(site.port, sources[:pending // 16], 16)
         await asyncio.sleep(0.5)
-        grown = status_kb(os.getpid(), "VmRSS") - base
+        grown = proc_status_kb(os.getpid(), "VmRSS") - base
         n = site.pending_handshakes
         rows.append(f"| {label} | {len(held)} | {n} | {grown / 1024:.1f} MiB | "
                     f"{grown / max(n, 1):.0f} KiB |")
@@ -114,7 +86,7 @@ async def per_handshake(pending: int) -> list[str]:
                 await asyncio.sleep(1)
                 close_all(held)
                 held = await connect_many(site.port, sources[:pending // 16], 16)
-                sustained = max(sustained, status_kb(os.getpid(), "VmRSS") - base)
+                sustained = max(sustained, proc_status_kb(os.getpid(), "VmRSS") - base)
             rows[-1] += f" {sustained / 1024:.1f} MiB |"
         else:
             rows[-1] += " - |"
@@ -142,7 +114,7 @@ async def agent_floods(args: argparse.Namespace, agent) -> list[str]:
     aport = int(agent.url.rpartition(":")[2])
     pid = agent.proc.pid
     await latencies(aport, 50)
-    idle = status_kb(pid, "VmRSS")
+    idle = proc_status_kb(pid, "VmRSS")
     rows = []
     for label, mesh_n, api_n in (("idle", 0, 0), (f"{args.mesh_conns} silent to the mesh port", args.mesh_conns, 0),
                                  (f"{args.api_conns} slowloris to the API", 0, args.api_conns),
@@ -153,7 +125,7 @@ async def agent_floods(args: argparse.Namespace, agent) -> list[str]:
         if api_n:
             held += await connect_many(aport, ["127.0.0.2"], api_n, first=b"GET /health HTTP/1.1\r\nHost: a\r\n")
         lat = sorted(await latencies(aport, args.n))
-        peak = status_kb(pid, "VmHWM")
+        peak = proc_status_kb(pid, "VmHWM")
         close_all(held)
         rows.append(f"| {label} | {statistics.median(lat):.2f} | {lat[int(0.99 * (len(lat) - 1))]:.2f} | "
                     f"{lat[-1]:.2f} | {(peak - idle) / 1024:.1f} MiB |")
@@ -177,7 +149,7 @@ async def idle_tls(args: argparse.Namespace, agent, tmp: Path) -> list[str]:
     (rogue / "node.crt").write_bytes(issue_open_certificate(ident, "rogue", MESH["mesh_id"]))
     ctx = client_context(rogue / "node.crt", ident.key_path,
                          open_mesh_ca(MESH["mesh_id"])[1].public_bytes(serialization.Encoding.PEM))
-    before = status_kb(pid, "VmRSS")
+    before = proc_status_kb(pid, "VmRSS")
     writers = []
     for i in range(args.tls_conns):
         try:
@@ -188,7 +160,7 @@ async def idle_tls(args: argparse.Namespace, agent, tmp: Path) -> list[str]:
             pass
     await asyncio.sleep(0.5)
     established = sum(1 for w in writers if not w.transport.is_closing())
-    grown = status_kb(pid, "VmRSS") - before
+    grown = proc_status_kb(pid, "VmRSS") - before
     await asyncio.sleep(8)
     still = sum(1 for w in writers if not w.transport.is_closing())
     for w in writers:

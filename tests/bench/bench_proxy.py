@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 from bench.loadgen import Series, chat_body, ms, run_series  # noqa: E402
 from support.agent import ENGINE_URL, Agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
-from support.procs import free_port, stop_process, wait_http  # noqa: E402
+from support.procs import free_port, stop_process  # noqa: E402
 
 
 def find_llama_server() -> str | None:

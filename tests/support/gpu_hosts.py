@@ -89,7 +89,7 @@ def write_fake_proc(root: Path, processes: dict[int, tuple[int, dict[int, str | 
         for fd, bus in fds.items():
             target = f"/dev/dri/renderD{128 + fd}" if bus else "socket:[12345]"
             os.symlink(target, base / "fd" / str(fd))
-            info = f"pos:\t0\nflags:\t02100002\nmnt_id:\t25\n"
+            info = "pos:\t0\nflags:\t02100002\nmnt_id:\t25\n"
             if bus:
                 info += f"drm-driver:\tamdgpu\ndrm-pdev:\t{bus}\ndrm-client-id:\t{fd}\ndrm-memory-vram:\t1024 KiB\n"
             (base / "fdinfo" / str(fd)).write_text(info)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from support.agent import Agent, run_agent
+from support.floods import connect_many, proc_status_kb
 
 MESH = {"trust": "open", "mesh_id": "flood-mesh", "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
         "discovery": ["seeds"], "seeds": []}
@@ -39,13 +40,6 @@ def many_descriptors() -> Iterator[None]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def proc_status_kb(pid: int, field: str) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    assert match, text
-    return int(match.group(1))
-
-
 def mesh_port(agent: Agent) -> int:
     doc = agent.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "the mesh address")
     return int(doc["mesh"]["self"]["mesh"].rpartition(":")[2])
@@ -53,31 +47,6 @@ def mesh_port(agent: Agent) -> int:
 
 def api_port(agent: Agent) -> int:
     return int(agent.url.rpartition(":")[2])
-
-
-async def connect_many(port: int, sources: list[str], per_source: int, first: bytes = b"",
-                       batch: int = 100) -> list[socket.socket]:
-    """``per_source`` TCP connections from each source address to 127.0.0.1:``port``, each
-    sending ``first`` (if any) and then nothing. Returns the connected sockets."""
-    loop = asyncio.get_running_loop()
-
-    async def one(src: str) -> socket.socket | None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.bind((src, 0))
-            await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), 10)
-            if first:
-                await loop.sock_sendall(sock, first)
-        except OSError:  # an RST from a refusal at accept can land before the send
-            return sock
-        return sock
-
-    plan = [src for src in sources for _ in range(per_source)]
-    out: list[socket.socket] = []
-    for i in range(0, len(plan), batch):
-        out += [s for s in await asyncio.gather(*(one(src) for src in plan[i:i + batch])) if s is not None]
-    return out
 
 
 async def read_some(sock: socket.socket, timeout_s: float) -> bytes:
