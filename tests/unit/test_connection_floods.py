@@ -154,6 +154,14 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
             assert len(refused) == 4, answers
             assert b"Retry-After: 1" in refused[0] and b'"code": "too_many_connections"' in refused[0]
             assert b"api.max_connections = 40" in refused[0]
+            # 39 open: one more from a fresh address takes the last place; then the total cap
+            # itself refuses even an address that holds nothing.
+            last = await connect_many(port, ["127.0.0.6"], 1)
+            last += await connect_many(port, ["127.0.0.7"], 1)
+            tail = await asyncio.gather(*(read_some(s, 0.5) for s in last))
+            assert not tail[0] and tail[1].startswith(b"HTTP/1.1 503"), tail
+            assert b"40 connections are open" in tail[1], tail[1]
+            more += last
             # Every held connection is closed after the head deadline, dribblers included.
             closed = await asyncio.gather(*(read_some(s, 5.0) for s in silent + dribblers))
             assert all(a.startswith(b"HTTP/1.1 408") for a in closed), [a for a in closed if not a][:3]
