@@ -306,7 +306,9 @@ def send(conn_factory: Any, state: dict[str, Any], method: str, path: str, heade
                 conn.close()
                 state["conn"] = None
             return r.status, r.getheader("Content-Type", ""), raw
-        except (http.client.HTTPException, ConnectionError):
+        except (http.client.HTTPException, ConnectionError, ssl.SSLError):
+            # A kept-alive connection the server closed since (after an answer that ends the
+            # connection, or idle): what any client does, one retry on a fresh one.
             conn.close()
             state["conn"] = None
             if attempt:
