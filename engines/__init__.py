@@ -1,4 +1,4 @@
-"""Engine adapters and their contract (DESIGN §3).
+"""Engine adapters and their contract (docs/engines.md, "The contract").
 
 Public surface: the contract types, and ``registry`` (``get_engine``, ``engine_names``).
 """

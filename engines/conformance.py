@@ -1,6 +1,6 @@
 """The engine conformance kit: the rules every engine adapter obeys, checked in one call.
 
-Every engine's tests call it (DESIGN §3, rules 1-6)::
+Every engine's tests call it (docs/engines.md, "Rules" 1-6)::
 
     replays = EngineReplays(ready=..., busy=..., loading=..., load_unknown=(...,))
     await assert_conforms(MyEngine(), replays)
@@ -58,30 +58,33 @@ What it checks (check id: rule):
   backend, as ``build_command`` starts it); live with ``check_embeddings`` against a real
   backend (the real-engine tests do).
 
-Source of the rules: DESIGN §3, and the engine-porting lessons of viiwork v2 (a 200 is not
-readiness; absent is not zero; an adapter is a stateless singleton).
+Source of the rules: docs/engines.md ("The contract", "Rules"), and the engine-porting
+lessons of viiwork v2 (a 200 is not readiness; absent is not zero; an adapter is a
+stateless singleton).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from json import loads as json_loads
 import re
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
+from json import loads as json_loads
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeGuard, Unpack
 
 import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from viiwork.engines.contract import (
+    CLIENT_FAULT_CODES,
     BackendSpec,
     BoundGPU,
+    Engine,
     EngineError,
     EngineOptionsError,
     EngineUnavailable,
@@ -90,7 +93,6 @@ from viiwork.engines.contract import (
     Load,
     LoadUnknown,
     Probe,
-    CLIENT_FAULT_CODES,
     ReasoningSeparation,
     RunsOnCPU,
     UsageReporting,
@@ -214,7 +216,7 @@ class EngineReplays:
 # --- spec shapes ---------------------------------------------------------------------------
 
 
-def default_spec_shapes(engine: Any, options: BaseModel | None = None) -> list[BackendSpec]:
+def default_spec_shapes(engine: Engine, options: BaseModel | None = None) -> list[BackendSpec]:
     """The spec shapes the kit checks by default: a CPU backend, one GPU, two GPUs of a
     node's two backends, and an embedding backend, all with operator args. The kit builds
     the CPU shape only for an engine that implements ``RunsOnCPU`` and requires any other
@@ -237,7 +239,7 @@ def default_spec_shapes(engine: Any, options: BaseModel | None = None) -> list[B
     return shapes
 
 
-def _runs_on_cpu(engine: Any) -> bool:
+def _runs_on_cpu(engine: Engine) -> bool:
     return isinstance(engine, RunsOnCPU) and bool(engine.supports_cpu())
 
 
@@ -246,7 +248,7 @@ def _argv_has(argv: Sequence[str], value: str) -> bool:
     return any(tok == value or tok.endswith("=" + value) for tok in argv)
 
 
-def _check_command(engine: Any, spec: BackendSpec, out: list[Violation]) -> LaunchCommand | None:
+def _check_command(engine: Engine, spec: BackendSpec, out: list[Violation]) -> LaunchCommand | None:
     label = f"{'CPU' if not spec.gpus else f'{len(spec.gpus)}-GPU'} {spec.kind.value} spec"
     try:
         cmd = engine.build_command(spec)
@@ -254,7 +256,9 @@ def _check_command(engine: Any, spec: BackendSpec, out: list[Violation]) -> Laun
         out.append(Violation("command.shape", f"build_command({label}) raised {_exc(exc)}"))
         return None
     if not isinstance(cmd, LaunchCommand):
-        out.append(Violation("command.shape", f"build_command({label}) returned {type(cmd).__name__}, not LaunchCommand"))
+        out.append(Violation(
+            "command.shape", f"build_command({label}) returned {type(cmd).__name__}, not LaunchCommand",
+        ))
         return None
     argv, env = cmd.argv, cmd.env
     if not isinstance(argv, tuple) or not argv or not all(isinstance(a, str) for a in argv) or not argv[0]:
@@ -266,14 +270,20 @@ def _check_command(engine: Any, spec: BackendSpec, out: list[Violation]) -> Laun
     head = argv[: len(argv) - n_args] if n_args else argv
     env_values = [str(v) for v in dict(env).values()]
     if not (_argv_has(head, spec.model) or spec.model in env_values):
-        out.append(Violation("command.model", f"{label}: the backend must answer to spec.model {spec.model!r}; not in argv {list(argv)}"))
+        out.append(Violation(
+            "command.model", f"{label}: the backend must answer to spec.model {spec.model!r}; not in argv {list(argv)}",
+        ))
     if not (_argv_has(head, spec.path) or spec.path in env_values):
         out.append(Violation("command.path", f"{label}: spec.path {spec.path!r} is not in argv {list(argv)}"))
     if spec.socket_path:
         if not _argv_has(head, spec.socket_path):
-            out.append(Violation("command.bind", f"{label}: argv does not bind spec.socket_path {spec.socket_path}: {list(argv)}"))
+            out.append(Violation(
+                "command.bind", f"{label}: argv does not bind spec.socket_path {spec.socket_path}: {list(argv)}",
+            ))
         if _argv_has(head, "127.0.0.1") or any(tok == "--port" or tok.startswith("--port=") for tok in head):
-            out.append(Violation("command.bind", f"{label}: a socket backend must not also bind a TCP port: {list(argv)}"))
+            out.append(Violation(
+                "command.bind", f"{label}: a socket backend must not also bind a TCP port: {list(argv)}",
+            ))
     else:
         if not _argv_has(head, "127.0.0.1"):
             out.append(Violation("command.bind", f"{label}: argv does not bind 127.0.0.1: {list(argv)}"))
@@ -281,28 +291,45 @@ def _check_command(engine: Any, spec: BackendSpec, out: list[Violation]) -> Laun
             out.append(Violation("command.bind", f"{label}: argv does not bind spec.port {spec.port}: {list(argv)}"))
     wild = [tok for tok in head if any(tok == w or tok.endswith("=" + w) for w in _WILDCARD_HOSTS)]
     if wild:
-        out.append(Violation("command.bind", f"{label}: argv binds a wildcard address {wild}: a backend must never listen beyond loopback"))
+        out.append(Violation(
+            "command.bind",
+            f"{label}: argv binds a wildcard address {wild}: a backend must never listen beyond loopback",
+        ))
     key_env = getattr(cmd, "key_env", None)
     if key_env is not None and (not isinstance(key_env, str) or not key_env):
         out.append(Violation("command.key", f"{label}: key_env must be a variable name or None, got {key_env!r}"))
     elif key_env is not None and key_env in dict(env):
-        out.append(Violation("command.key", f"{label}: key_env {key_env} is also in env, which `systemctl show` reveals: the runner sets it from the environment file"))
+        out.append(Violation(
+            "command.key",
+            f"{label}: key_env {key_env} is also in env, which `systemctl show` reveals: the runner "
+            "sets it from the environment file",
+        ))
     if takes_api_key(engine) and spec.api_key_file and not (_argv_has(argv, spec.api_key_file) or key_env):
-        out.append(Violation("command.key", f"{label}: the engine declares api_key but neither passes spec.api_key_file {spec.api_key_file} in argv nor names a key_env: {list(argv)}"))
+        out.append(Violation(
+            "command.key",
+            f"{label}: the engine declares api_key but neither passes spec.api_key_file {spec.api_key_file} "
+            f"in argv nor names a key_env: {list(argv)}",
+        ))
     if n_args:
         if tuple(argv[-n_args:]) != tuple(spec.args):
-            out.append(Violation("command.args_last", f"{label}: operator args {list(spec.args)} must be argv's tail (so they win), argv is {list(argv)}"))
+            out.append(Violation(
+                "command.args_last",
+                f"{label}: operator args {list(spec.args)} must be argv's tail (so they win), argv is "
+                f"{list(argv)}",
+            ))
         elif any(a in head for a in spec.args):
-            out.append(Violation("command.args_last", f"{label}: operator args also appear before the tail: {list(argv)}"))
+            out.append(Violation(
+                "command.args_last", f"{label}: operator args also appear before the tail: {list(argv)}",
+            ))
     return cmd
 
 
 # --- state snapshot (rule 4) ---------------------------------------------------------------
 
 
-def _snapshot(engine: Any) -> dict[str, Any]:
+def _snapshot(engine: Engine) -> dict[str, object]:
     """Every data attribute of the instance and of its classes (not methods or descriptors)."""
-    snap: dict[str, Any] = {}
+    snap: dict[str, object] = {}
     for key, value in getattr(engine, "__dict__", {}).items():
         snap[f"self.{key}"] = value
     for slot_owner in type(engine).__mro__:
@@ -322,7 +349,7 @@ def _snapshot(engine: Any) -> dict[str, Any]:
     return {key: _fingerprint(value) for key, value in snap.items()}
 
 
-def _fingerprint(value: Any, depth: int = 0) -> Any:
+def _fingerprint(value: object, depth: int = 0) -> object:
     """A comparable structural copy: containers recursed, objects by type and attributes.
 
     (A deep copy would not do: two copies of an object without ``__eq__`` never compare equal.)
@@ -345,7 +372,7 @@ def _fingerprint(value: Any, depth: int = 0) -> Any:
     return (type(value).__qualname__, repr(value))
 
 
-def _state_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+def _state_changes(before: Mapping[str, object], after: Mapping[str, object]) -> list[str]:
     changed = []
     for key in sorted(set(before) | set(after)):
         if key not in before:
@@ -421,20 +448,27 @@ class _Servers:
 
 # The kit's own "answered, but nothing readable" servers: every engine must read these as
 # an answer (probe does not raise) and as unknown load (read_load raises LoadUnknown).
-class _AnyPath(dict):
-    """A ReplaySet answering every path with one response."""
+class _AnyPath(Mapping[str, HttpReplay]):
+    """A ReplaySet answering every path with one response (``get`` finds it for any path)."""
 
     def __init__(self, replay: HttpReplay) -> None:
-        super().__init__()
         self._replay = replay
 
-    def get(self, key: str, default: Any = None) -> HttpReplay:  # type: ignore[override]
+    def __getitem__(self, key: str) -> HttpReplay:
         return self._replay
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 _GARBAGE: dict[str, ReplaySet] = {
     "404 everywhere": _AnyPath(HttpReplay(status=404, body=b"Not Found", headers=(("Content-Type", "text/plain"),))),
-    "200 html everywhere": _AnyPath(HttpReplay(status=200, body=b"<html>hello</html>", headers=(("Content-Type", "text/html"),))),
+    "200 html everywhere": _AnyPath(
+        HttpReplay(status=200, body=b"<html>hello</html>", headers=(("Content-Type", "text/html"),))
+    ),
     "200 empty JSON object everywhere": _AnyPath(HttpReplay.json(200, "{}")),
     "200 empty body everywhere": _AnyPath(HttpReplay(status=200)),
 }
@@ -443,7 +477,7 @@ _GARBAGE: dict[str, ReplaySet] = {
 # --- probe and load checks -----------------------------------------------------------------
 
 
-def _check_probe_shape(where: str, probe: Any, out: list[Violation]) -> bool:
+def _check_probe_shape(probe: object, where: str, out: list[Violation]) -> TypeGuard[Probe]:
     if not isinstance(probe, Probe):
         out.append(Violation("probe.shape", f"{where}: probe returned {type(probe).__name__}, not Probe"))
         return False
@@ -452,15 +486,19 @@ def _check_probe_shape(where: str, probe: Any, out: list[Violation]) -> bool:
         out.append(Violation("probe.shape", f"{where}: ready must be a bool, got {probe.ready!r}"))
         ok = False
     if not (probe.progress == -1.0 or 0.0 <= probe.progress <= 1.0) or math.isnan(probe.progress):
-        out.append(Violation("probe.shape", f"{where}: progress must be -1 (unknown) or in 0..1, got {probe.progress!r}"))
+        out.append(Violation(
+            "probe.shape", f"{where}: progress must be -1 (unknown) or in 0..1, got {probe.progress!r}",
+        ))
         ok = False
     if not isinstance(probe.phase, str) or not isinstance(probe.reason, str):
-        out.append(Violation("probe.shape", f"{where}: phase and reason must be str, got {probe.phase!r}, {probe.reason!r}"))
+        out.append(Violation(
+            "probe.shape", f"{where}: phase and reason must be str, got {probe.phase!r}, {probe.reason!r}",
+        ))
         ok = False
     return ok
 
 
-def _check_load_shape(where: str, load: Any, out: list[Violation]) -> bool:
+def _check_load_shape(load: object, where: str, out: list[Violation]) -> TypeGuard[Load]:
     if not isinstance(load, Load):
         out.append(Violation("load.shape", f"{where}: read_load returned {type(load).__name__}, not Load"))
         return False
@@ -471,26 +509,29 @@ def _check_load_shape(where: str, load: Any, out: list[Violation]) -> bool:
             problems.append(f"{name} must be an int, got {value!r}")
     if not problems:
         if load.slots < 1:
-            problems.append(f"slots {load.slots} < 1 (0 slots takes the model out of routing: raise LoadUnknown instead)")
+            problems.append(
+                f"slots {load.slots} < 1 (0 slots takes the model out of routing: raise LoadUnknown instead)",
+            )
         if load.ctx_per_slot < 1:
             problems.append(f"ctx_per_slot {load.ctx_per_slot} < 1")
         if load.busy < 0:
             problems.append(f"busy {load.busy} < 0")
-    if load.waiting is not None and (not isinstance(load.waiting, int) or isinstance(load.waiting, bool) or load.waiting < 0):
+    waiting = load.waiting
+    if waiting is not None and (not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0):
         problems.append(f"waiting must be None (unknown) or an int >= 0, got {load.waiting!r}")
     for p in problems:
         out.append(Violation("load.shape", f"{where}: {p}"))
     return not problems
 
 
-def _exc(exc: BaseException) -> str:
+def _exc(exc: object) -> str:
     text = str(exc).replace("\n", " ")
     return f"{type(exc).__name__}({text[:160]}{'...' if len(text) > 160 else ''})"
 
 
 async def _call(
-    check: str, where: str, coro_fn: Callable[[], Awaitable[Any]], deadline_s: float, out: list[Violation]
-) -> tuple[str, Any]:
+    check: str, where: str, coro_fn: Callable[[], Awaitable[object]], deadline_s: float, out: list[Violation]
+) -> tuple[str, object]:
     """Run one adapter call under a deadline: ("ok", value) / ("raised", exc) / ("hung", None)."""
     guard = asyncio.timeout(deadline_s)
     try:
@@ -498,7 +539,9 @@ async def _call(
             return "ok", await coro_fn()
     except TimeoutError as exc:
         if guard.expired():
-            out.append(Violation(check, f"{where}: no answer within {deadline_s:.1f}s (the adapter ignored the session's timeout)"))
+            out.append(Violation(
+                check, f"{where}: no answer within {deadline_s:.1f}s (the adapter ignored the session's timeout)",
+            ))
             return "hung", None
         return "raised", exc  # the adapter's own TimeoutError escaped
     except Exception as exc:  # noqa: BLE001 - classified by the caller
@@ -508,7 +551,7 @@ async def _call(
 # --- capabilities --------------------------------------------------------------------------
 
 
-def _check_capabilities(engine: Any, specs: Sequence[BackendSpec], out: list[Violation]) -> None:
+def _check_capabilities(engine: Engine, specs: Sequence[BackendSpec], out: list[Violation]) -> None:
     for spec in specs:
         if isinstance(engine, WarmUp):
             try:
@@ -523,14 +566,20 @@ def _check_capabilities(engine: Any, specs: Sequence[BackendSpec], out: list[Vio
                 if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
                     out.append(Violation("capability.bound_gpu", f"device_env must map str to str, got {env!r}"))
                 if not spec.gpus and dict(env):
-                    out.append(Violation("capability.bound_gpu", f"device_env of a CPU spec must be empty (no device for a CPU backend), got {dict(env)}"))
+                    out.append(Violation(
+                        "capability.bound_gpu",
+                        "device_env of a CPU spec must be empty (no device for a CPU backend), got "
+                        f"{dict(env)}",
+                    ))
             except Exception as exc:  # noqa: BLE001
                 out.append(Violation("capability.bound_gpu", f"device_env raised {_exc(exc)}"))
         if isinstance(engine, ReasoningSeparation):
             try:
                 args = engine.reasoning_args(spec)
                 if not isinstance(args, tuple) or not all(isinstance(a, str) for a in args):
-                    out.append(Violation("capability.reasoning", f"reasoning_args must be a tuple of str, got {args!r}"))
+                    out.append(Violation(
+                        "capability.reasoning", f"reasoning_args must be a tuple of str, got {args!r}",
+                    ))
             except Exception as exc:  # noqa: BLE001
                 out.append(Violation("capability.reasoning", f"reasoning_args raised {_exc(exc)}"))
     if isinstance(engine, UsageReporting):
@@ -543,13 +592,19 @@ def _check_capabilities(engine: Any, specs: Sequence[BackendSpec], out: list[Vio
     if isinstance(engine, Version):
         try:
             if not isinstance(engine.minimum_version, str):
-                out.append(Violation("capability.version", f"minimum_version must be a str, got {engine.minimum_version!r}"))
+                out.append(Violation(
+                    "capability.version", f"minimum_version must be a str, got {engine.minimum_version!r}",
+                ))
             cmd = engine.version_command(engine.options_model())
             if not isinstance(cmd, tuple) or not cmd or not all(isinstance(a, str) and a for a in cmd):
-                out.append(Violation("capability.version", f"version_command must be a non-empty tuple of str, got {cmd!r}"))
+                out.append(Violation(
+                    "capability.version", f"version_command must be a non-empty tuple of str, got {cmd!r}",
+                ))
             for garbage in ("", "\x00\x01 not a version"):
                 if engine.parse_version(garbage) is not None:
-                    out.append(Violation("capability.version", f"parse_version({garbage!r}) must be None (unknown), not a guess"))
+                    out.append(Violation(
+                        "capability.version", f"parse_version({garbage!r}) must be None (unknown), not a guess",
+                    ))
         except Exception as exc:  # noqa: BLE001
             out.append(Violation("capability.version", f"Version capability raised {_exc(exc)}"))
 
@@ -570,7 +625,7 @@ _FAULT_GARBAGE: dict[str, bytes] = {
 }
 
 
-def _check_client_fault(engine: Any, out: list[Violation]) -> None:
+def _check_client_fault(engine: Engine, out: list[Violation]) -> None:
     method = getattr(engine, "client_fault", None)
     if method is None:
         return
@@ -582,10 +637,16 @@ def _check_client_fault(engine: Any, out: list[Violation]) -> None:
             try:
                 code = method(status, body)
             except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError: all findings
-                out.append(Violation("capability.client_fault", f"client_fault({status}, {label}) raised {_exc(exc)}: it must return None"))
+                out.append(Violation(
+                    "capability.client_fault",
+                    f"client_fault({status}, {label}) raised {_exc(exc)}: it must return None",
+                ))
                 break
             if code is not None:
-                out.append(Violation("capability.client_fault", f"client_fault({status}, {label}) = {code!r}: a body that says nothing is None"))
+                out.append(Violation(
+                    "capability.client_fault",
+                    f"client_fault({status}, {label}) = {code!r}: a body that says nothing is None",
+                ))
                 break
     # Error-shaped bodies: any answer must be None or a known code. A 2xx is nobody's fault,
     # whatever its body says.
@@ -593,21 +654,30 @@ def _check_client_fault(engine: Any, out: list[Violation]) -> None:
         try:
             code = method(status, body)
         except Exception as exc:  # noqa: BLE001
-            out.append(Violation("capability.client_fault", f"client_fault({status}, {body[:60]!r}) raised {_exc(exc)}"))
+            out.append(Violation(
+                "capability.client_fault", f"client_fault({status}, {body[:60]!r}) raised {_exc(exc)}",
+            ))
             continue
         if not (code is None or (isinstance(code, str) and code in CLIENT_FAULT_CODES)):
-            out.append(Violation("capability.client_fault", f"client_fault({status}, ...) = {code!r}: not None nor one of {sorted(CLIENT_FAULT_CODES)}"))
+            out.append(Violation(
+                "capability.client_fault",
+                f"client_fault({status}, ...) = {code!r}: not None nor one of {sorted(CLIENT_FAULT_CODES)}",
+            ))
         elif status < 400 and code is not None:
-            out.append(Violation("capability.client_fault", f"client_fault({status}, ...) = {code!r}: a {status} is not an error"))
+            out.append(Violation(
+                "capability.client_fault", f"client_fault({status}, ...) = {code!r}: a {status} is not an error",
+            ))
 
 
 _FAULT_SHAPED: tuple[tuple[int, bytes], ...] = tuple(
     (status, body)
     for status in (200, 400, 500)
     for body in (
-        b'{"error":{"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","code":400}}',
+        b'{"error":{"message":"the request exceeds the available context size, try increasing it",'
+        b'"type":"exceed_context_size_error","code":400}}',
         b'{"error":{"message":"image input is not supported","type":"server_error","code":500}}',
-        b'{"object":"error","message":"This model\'s maximum context length is 2048 tokens.","type":"BadRequestError","param":null,"code":400}',
+        b'{"object":"error","message":"This model\'s maximum context length is 2048 tokens.",'
+        b'"type":"BadRequestError","param":null,"code":400}',
         b'{"detail":"Not Found"}',
     )
 )
@@ -634,7 +704,10 @@ async def check_embeddings(
     except (aiohttp.ClientError, TimeoutError) as exc:
         return [Violation("embedding.answers", f"{where}: no answer ({_exc(exc)})")]
     if status != 200:
-        return [Violation("embedding.answers", f"{where} answered {status}: {body[:300]!r}; an embedding backend must serve embeddings")]
+        return [Violation(
+            "embedding.answers",
+            f"{where} answered {status}: {body[:300]!r}; an embedding backend must serve embeddings",
+        )]
     try:
         data = json_loads(body)
         vector = data["data"][0]["embedding"]
@@ -645,34 +718,44 @@ async def check_embeddings(
     except (ValueError, KeyError, IndexError, TypeError, RecursionError):
         ok = False
     if not ok:
-        return [Violation("embedding.answers", f"{where} answered 200 without an embeddings list (data[0].embedding of numbers): {body[:300]!r}")]
+        return [Violation(
+            "embedding.answers",
+            f"{where} answered 200 without an embeddings list (data[0].embedding of numbers): {body[:300]!r}",
+        )]
     return []
 
 
 # --- the run -------------------------------------------------------------------------------
 
 
-def _check_metadata(engine: Any, check_registered: bool, out: list[Violation]) -> None:
+def _check_metadata(engine: Engine, check_registered: bool, out: list[Violation]) -> None:
     name = getattr(engine, "name", None)
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        out.append(Violation("name", f"name must be non-empty lowercase [a-z][a-z0-9_]* (registry key and config block), got {name!r}"))
+        out.append(Violation(
+            "name", f"name must be non-empty lowercase [a-z][a-z0-9_]* (registry key and config block), got {name!r}",
+        ))
     elif check_registered:
         from viiwork.engines.registry import ENGINES  # the registry imports every engine
 
         if type(ENGINES.get(name)) is not type(engine):
-            out.append(Violation("registered", f"registry has {type(ENGINES.get(name)).__name__} under {name!r}, not {type(engine).__name__}"))
+            out.append(Violation(
+                "registered",
+                f"registry has {type(ENGINES.get(name)).__name__} under {name!r}, not {type(engine).__name__}",
+            ))
     display = getattr(engine, "display_name", None)
     if not isinstance(display, str) or not 1 <= len(display) <= 40 or any(not c.isprintable() for c in display):
         out.append(Violation("display_name", f"display_name must be 1..40 printable characters, got {display!r}"))
     timeout = getattr(engine, "default_startup_timeout_s", None)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout <= 0:
-        out.append(Violation("startup_timeout", f"default_startup_timeout_s must be a finite number > 0, got {timeout!r}"))
+        out.append(Violation(
+            "startup_timeout", f"default_startup_timeout_s must be a finite number > 0, got {timeout!r}",
+        ))
     version = getattr(engine, "command_version", None)
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         out.append(Violation("command_version", f"command_version must be an int >= 1, got {version!r}"))
 
 
-def _check_options(engine: Any, out: list[Violation]) -> None:
+def _check_options(engine: Engine, out: list[Violation]) -> None:
     model = getattr(engine, "options_model", None)
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         out.append(Violation("options", f"options_model must be a pydantic model class, got {model!r}"))
@@ -689,10 +772,12 @@ def _check_options(engine: Any, out: list[Violation]) -> None:
         if _UNKNOWN_OPTION not in str(exc):
             out.append(Violation("options", f"the error for an unknown key must name it ({_UNKNOWN_OPTION}): {exc}"))
     else:
-        out.append(Violation("options", f"options_model accepted the unknown key {_UNKNOWN_OPTION!r}: unknown keys are errors"))
+        out.append(Violation(
+            "options", f"options_model accepted the unknown key {_UNKNOWN_OPTION!r}: unknown keys are errors",
+        ))
 
 
-def _check_commands(engine: Any, specs: Sequence[BackendSpec], out: list[Violation]) -> None:
+def _check_commands(engine: Engine, specs: Sequence[BackendSpec], out: list[Violation]) -> None:
     cpu_ok = _runs_on_cpu(engine)
     firsts: list[tuple[BackendSpec, LaunchCommand]] = []
     for spec in specs:
@@ -702,9 +787,15 @@ def _check_commands(engine: Any, specs: Sequence[BackendSpec], out: list[Violati
             except EngineError:
                 continue
             except Exception as exc:  # noqa: BLE001
-                out.append(Violation("command.shape", f"CPU spec on an engine without RunsOnCPU raised {_exc(exc)}, not an EngineError"))
+                out.append(Violation(
+                    "command.shape", f"CPU spec on an engine without RunsOnCPU raised {_exc(exc)}, not an EngineError",
+                ))
                 continue
-            out.append(Violation("command.cpu", "the engine does not implement RunsOnCPU but built a command for a CPU spec: raise EngineOptionsError"))
+            out.append(Violation(
+                "command.cpu",
+                "the engine does not implement RunsOnCPU but built a command for a CPU spec: raise "
+                "EngineOptionsError",
+            ))
             continue
         cmd = _check_command(engine, spec, out)
         if cmd is not None:
@@ -713,7 +804,10 @@ def _check_commands(engine: Any, specs: Sequence[BackendSpec], out: list[Violati
     try:
         fresh = type(engine)()
     except Exception as exc:  # noqa: BLE001
-        out.append(Violation("command.pure", f"{type(engine).__name__}() must construct with no arguments (the registry does): {_exc(exc)}"))
+        out.append(Violation(
+            "command.pure",
+            f"{type(engine).__name__}() must construct with no arguments (the registry does): {_exc(exc)}",
+        ))
         fresh = None
     for spec, first in reversed(firsts):
         for who, eng in (("again", engine), ("on a fresh instance", fresh)):
@@ -733,7 +827,7 @@ def _check_commands(engine: Any, specs: Sequence[BackendSpec], out: list[Violati
 
 
 async def run_conformance(
-    engine: Any,
+    engine: Engine,
     replays: EngineReplays,
     *,
     specs: Iterable[BackendSpec] | None = None,
@@ -763,7 +857,9 @@ async def run_conformance(
             shapes = default_spec_shapes(engine)
         except Exception as exc:  # noqa: BLE001
             shapes = []
-            out.append(Violation("command.shape", f"command checks skipped: no default spec shapes ({_exc(exc)}); pass specs="))
+            out.append(Violation(
+                "command.shape", f"command checks skipped: no default spec shapes ({_exc(exc)}); pass specs=",
+            ))
     _check_commands(engine, shapes, out)
     _check_capabilities(engine, shapes, out)
 
@@ -774,28 +870,35 @@ async def run_conformance(
         async with AsyncExitStack() as stack:
             base = await _Servers(stack).replay({"/v1/embeddings": replays.embeddings})
             http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)))
-            out += [replace(v, message=f"embeddings replay: {v.message}") for v in await check_embeddings(http, base, _MODEL)]
+            found = await check_embeddings(http, base, _MODEL)
+            out += [replace(v, message=f"embeddings replay: {v.message}") for v in found]
 
     changes = _state_changes(before, _snapshot(engine))
     if changes:
-        out.append(Violation("state", "the adapter kept per-backend state across calls (everything must arrive as arguments): " + ", ".join(changes)))
+        out.append(Violation(
+            "state",
+            "the adapter kept per-backend state across calls (everything must arrive as arguments): "
+            + ", ".join(changes),
+        ))
     return out
 
 
 async def _check_http(
-    engine: Any, replays: EngineReplays, spec: BackendSpec, timeout_s: float, grace_s: float, out: list[Violation]
+    engine: Engine, replays: EngineReplays, spec: BackendSpec, timeout_s: float, grace_s: float, out: list[Violation]
 ) -> None:
     normal_timeout_s = 10.0
     async with AsyncExitStack() as stack:
         servers = _Servers(stack)
-        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=normal_timeout_s)))
+        http = await stack.enter_async_context(
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=normal_timeout_s))
+        )
         short = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)))
 
-        async def probe(where: str, base: str, session: aiohttp.ClientSession = http) -> tuple[str, Any]:
+        async def probe(where: str, base: str, session: aiohttp.ClientSession = http) -> tuple[str, object]:
             deadline = (timeout_s if session is short else normal_timeout_s) + grace_s
             return await _call("probe.transport", where, lambda: engine.probe(session, base), deadline, out)
 
-        async def load(where: str, base: str, session: aiohttp.ClientSession = http) -> tuple[str, Any]:
+        async def load(where: str, base: str, session: aiohttp.ClientSession = http) -> tuple[str, object]:
             deadline = (timeout_s if session is short else normal_timeout_s) + grace_s
             return await _call("load.transport", where, lambda: engine.read_load(session, spec, base), deadline, out)
 
@@ -803,35 +906,55 @@ async def _check_http(
         for state, rs in (("ready", replays.ready), ("busy", replays.busy)):
             kind, value = await probe(f"probe({state} replay)", await servers.replay(rs))
             if kind == "raised":
-                out.append(Violation("probe.ready", f"probe({state} replay) raised {_exc(value)}; a {state} backend answered"))
-            elif kind == "ok" and _check_probe_shape(f"probe({state} replay)", value, out) and not value.ready:
-                out.append(Violation("probe.ready", f"probe({state} replay) is not ready ({value}); a {state} backend serves"))
+                out.append(Violation(
+                    "probe.ready", f"probe({state} replay) raised {_exc(value)}; a {state} backend answered",
+                ))
+            elif kind == "ok" and _check_probe_shape(value, f"probe({state} replay)", out) and not value.ready:
+                out.append(Violation(
+                    "probe.ready", f"probe({state} replay) is not ready ({value}); a {state} backend serves",
+                ))
         if replays.loading is not None:
             base = await servers.replay(replays.loading)
             kind, value = await probe("probe(loading replay)", base)
             if kind == "raised":
-                out.append(Violation("probe.loading", f"probe(loading replay) raised {_exc(value)}: an engine that answers 'loading' is a successful probe"))
-            elif kind == "ok" and _check_probe_shape("probe(loading replay)", value, out):
+                out.append(Violation(
+                    "probe.loading",
+                    f"probe(loading replay) raised {_exc(value)}: an engine that answers 'loading' is "
+                    "a successful probe",
+                ))
+            elif kind == "ok" and _check_probe_shape(value, "probe(loading replay)", out):
                 if value.ready:
-                    out.append(Violation("probe.loading", f"probe(loading replay) says ready ({value}): a loading engine is not ready, whatever the status code"))
+                    out.append(Violation(
+                        "probe.loading",
+                        f"probe(loading replay) says ready ({value}): a loading engine is not ready, "
+                        "whatever the status code",
+                    ))
                 elif not value.phase:
-                    out.append(Violation("probe.loading", f"probe(loading replay) names no phase ({value}): report what the engine says it is doing"))
+                    out.append(Violation(
+                        "probe.loading",
+                        f"probe(loading replay) names no phase ({value}): report what the engine says "
+                        "it is doing",
+                    ))
             kind, value = await load("read_load(loading replay)", base)
             if kind == "ok":
-                _check_load_shape("read_load(loading replay)", value, out)
+                _check_load_shape(value, "read_load(loading replay)", out)
             elif kind == "raised" and not isinstance(value, (LoadUnknown, EngineUnavailable)):
-                out.append(Violation("load.unknown", f"read_load(loading replay) raised {_exc(value)}, not LoadUnknown"))
+                out.append(Violation(
+                    "load.unknown", f"read_load(loading replay) raised {_exc(value)}, not LoadUnknown",
+                ))
 
         # Rule 3: busy reads as busy; ready reads as a valid Load (or honestly unknown).
         kind, value = await load("read_load(busy replay)", await servers.replay(replays.busy))
         if kind == "raised":
             out.append(Violation("load.busy", f"read_load(busy replay) raised {_exc(value)}"))
-        elif kind == "ok" and _check_load_shape("read_load(busy replay)", value, out):
+        elif kind == "ok" and _check_load_shape(value, "read_load(busy replay)", out):
             if value.busy < 1:
-                out.append(Violation("load.busy", f"read_load(busy replay) reads busy={value.busy}; the backend was running a sequence"))
+                out.append(Violation(
+                    "load.busy", f"read_load(busy replay) reads busy={value.busy}; the backend was running a sequence",
+                ))
         kind, value = await load("read_load(ready replay)", await servers.replay(replays.ready))
         if kind == "ok":
-            _check_load_shape("read_load(ready replay)", value, out)
+            _check_load_shape(value, "read_load(ready replay)", out)
         elif kind == "raised" and not isinstance(value, LoadUnknown):
             out.append(Violation("load.shape", f"read_load(ready replay) raised {_exc(value)}"))
 
@@ -841,15 +964,24 @@ async def _check_http(
             base = await servers.replay(rs)
             kind, value = await load(f"read_load({label})", base)
             if kind == "ok":
-                out.append(Violation("load.unknown", f"read_load({label}) returned {value}: unknown load must raise LoadUnknown, never a guess"))
+                out.append(Violation(
+                    "load.unknown",
+                    f"read_load({label}) returned {value}: unknown load must raise LoadUnknown, never "
+                    "a guess",
+                ))
             elif kind == "raised" and not isinstance(value, LoadUnknown):
-                out.append(Violation("load.unknown", f"read_load({label}) raised {_exc(value)}, not LoadUnknown (the backend answered)"))
+                out.append(Violation(
+                    "load.unknown", f"read_load({label}) raised {_exc(value)}, not LoadUnknown (the backend answered)",
+                ))
             if label.startswith("kit garbage"):
                 kind, value = await probe(f"probe({label})", base)
                 if kind == "raised":
-                    out.append(Violation("probe.answer", f"probe({label}) raised {_exc(value)}: an HTTP answer is not a transport failure"))
+                    out.append(Violation(
+                        "probe.answer",
+                        f"probe({label}) raised {_exc(value)}: an HTTP answer is not a transport failure",
+                    ))
                 elif kind == "ok":
-                    _check_probe_shape(f"probe({label})", value, out)
+                    _check_probe_shape(value, f"probe({label})", out)
 
         # Transport failures: refused, reset, non-HTTP bytes, a server that never answers.
         failures = [
@@ -872,7 +1004,17 @@ async def _check_http(
                 out.append(Violation(check, f"{label}: raised {_exc(value)}, not EngineUnavailable"))
 
 
-async def assert_conforms(engine: Any, replays: EngineReplays, **kwargs: Any) -> None:
+class _RunOptions(TypedDict, total=False):
+    """The keyword arguments of ``run_conformance``, for ``assert_conforms`` to pass on."""
+
+    specs: Iterable[BackendSpec] | None
+    load_spec: BackendSpec | None
+    check_registered: bool
+    timeout_s: float
+    grace_s: float
+
+
+async def assert_conforms(engine: Engine, replays: EngineReplays, **kwargs: Unpack[_RunOptions]) -> None:
     """``run_conformance`` that raises ConformanceError listing every violation."""
     violations = await run_conformance(engine, replays, **kwargs)
     if violations:

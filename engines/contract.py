@@ -1,8 +1,9 @@
 """The engine contract: value types, the ``Engine`` protocol and optional capabilities.
 
 An engine adapter is a small stateless strategy object: a command line, a readiness rule,
-a load reading and an options model (DESIGN §3). It never spawns, retries, pins GPUs or
-routes; the supervisor does. Everything an adapter needs arrives as arguments.
+a load reading and an options model (docs/engines.md, "The contract"). It never spawns,
+retries, pins GPUs or routes; the supervisor does. Everything an adapter needs arrives as
+arguments.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ class Load:
 
 @runtime_checkable
 class Engine(Protocol):
-    """The contract every engine adapter implements (DESIGN §3)."""
+    """The contract every engine adapter implements (docs/engines.md, "Methods and attributes")."""
 
     name: ClassVar[str]
     display_name: ClassVar[str]

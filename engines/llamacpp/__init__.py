@@ -16,21 +16,18 @@ reads llama-server's error bodies (``errors.py``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-import aiohttp
-
 from viiwork.engines.contract import (
     BackendSpec,
-    EngineUnavailable,
     Kind,
     LaunchCommand,
     Load,
     LoadUnknown,
     Probe,
 )
+from viiwork.engines.http import fetch
 from viiwork.engines.llamacpp.errors import client_fault
 from viiwork.engines.llamacpp.gguf_metadata import read_pooling
 from viiwork.engines.llamacpp.options import LlamaCppOptions
@@ -39,12 +36,9 @@ from viiwork.engines.prometheus import parse_gauges
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["LlamaCppEngine", "LlamaCppOptions"]
+    import aiohttp
 
-# Everything aiohttp raises means no HTTP answer was read (refused, reset, timed out, or
-# bytes that are not HTTP: ClientResponseError "Bad status line"), which is a transport
-# failure, not an answer.
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+__all__ = ["LlamaCppEngine", "LlamaCppOptions"]
 
 
 class LlamaCppEngine:
@@ -119,18 +113,13 @@ class LlamaCppEngine:
 
         Raises EngineUnavailable on refused/reset/timeout.
         """
-        try:
-            async with http.get(f"{base_url}/health") as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /health: {exc.__class__.__name__}: {exc}") from exc
-        if status == 200:
+        answer = await fetch(http, base_url, "/health")
+        if answer.status == 200:
             return Probe(ready=True)
-        message = _error_message(body)
-        if status == 503:
+        message = _error_message(answer.body)
+        if answer.status == 503:
             return Probe(ready=False, phase=(message or "loading").lower(), reason=message)
-        return Probe(ready=False, reason=f"/health answered {status}: {message or body[:200]!r}")
+        return Probe(ready=False, reason=f"/health answered {answer.status}: {message or answer.body[:200]!r}")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
         """Read occupancy from /slots, and waiting requests from /metrics.
@@ -140,16 +129,11 @@ class LlamaCppEngine:
         ctx_per_slot=n_ctx of the first entry). Raises EngineUnavailable on a transport
         failure and LoadUnknown when /slots is disabled (501) or undecodable.
         """
+        answer = await fetch(http, base_url, "/slots")
+        if answer.status != 200:
+            raise LoadUnknown(f"/slots answered {answer.status}: {_error_message(answer.body) or answer.body[:200]!r}")
         try:
-            async with http.get(f"{base_url}/slots") as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /slots: {exc.__class__.__name__}: {exc}") from exc
-        if status != 200:
-            raise LoadUnknown(f"/slots answered {status}: {_error_message(body) or body[:200]!r}")
-        try:
-            entries = json.loads(body)
+            entries = json.loads(answer.body)
             if not isinstance(entries, list) or not entries:
                 raise ValueError("not a non-empty list")
             busy = sum(1 for e in entries if e["is_processing"] is True)
@@ -165,14 +149,10 @@ class LlamaCppEngine:
         return Load(slots=len(entries), busy=busy, waiting=waiting, ctx_per_slot=ctx)
 
     async def _read_deferred(self, http: aiohttp.ClientSession, base_url: str) -> int | None:
-        try:
-            async with http.get(f"{base_url}/metrics") as resp:
-                if resp.status != 200:
-                    return None
-                text = await resp.text()
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /metrics: {exc.__class__.__name__}: {exc}") from exc
-        value = parse_gauges(text).get("llamacpp:requests_deferred")
+        answer = await fetch(http, base_url, "/metrics")
+        if answer.status != 200:
+            return None
+        value = parse_gauges(answer.text()).get("llamacpp:requests_deferred")
         return None if value is None else int(value)
 
 

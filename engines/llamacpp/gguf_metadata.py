@@ -92,7 +92,7 @@ class _Header:
 
     def _unpack(self, fmt: str) -> int:
         start = self._take(struct.calcsize(fmt))
-        return struct.unpack_from(self.order + fmt, self.view, start)[0]
+        return int(struct.unpack_from(self.order + fmt, self.view, start)[0])  # integer codes only
 
     def _string(self) -> bytes:
         length = self._unpack("Q")

@@ -27,28 +27,24 @@ are reconstructed from that source, not captured, and say so in their names.
 
 from __future__ import annotations
 
-import asyncio
-from typing import ClassVar
-
-import aiohttp
+from typing import TYPE_CHECKING, ClassVar
 
 from viiwork.engines.contract import (
     BackendSpec,
-    EngineUnavailable,
     Kind,
     LaunchCommand,
     Load,
     LoadUnknown,
     Probe,
 )
+from viiwork.engines.http import fetch
 from viiwork.engines.sglang.metrics import parse_samples, scheduler_constant, scheduler_total
 from viiwork.engines.sglang.options import SglangOptions
 
-__all__ = ["SglangEngine", "SglangOptions"]
+if TYPE_CHECKING:
+    import aiohttp
 
-# Any aiohttp client error means no usable HTTP answer arrived (refused, reset, a malformed
-# status line, a truncated body); a timeout likewise.
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+__all__ = ["SglangEngine", "SglangOptions"]
 
 RUNNING_GAUGE = "sglang:num_running_reqs"
 QUEUE_GAUGE = "sglang:num_queue_reqs"
@@ -134,15 +130,10 @@ class SglangEngine:
         scheduler). Raises EngineUnavailable on refused/reset/timeout; a loading SGLang
         refuses connections, since it binds its port only after the model is loaded.
         """
-        try:
-            async with http.get(f"{base_url}/health_generate") as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /health_generate: {exc.__class__.__name__}: {exc}") from exc
-        if status == 200:
+        answer = await fetch(http, base_url, "/health_generate")
+        if answer.status == 200:
             return Probe(ready=True)
-        if status == 503:
+        if answer.status == 503:
             # While a backend starts, 503 is SGLang's warm-up (ServerStatus.Starting): a failed
             # warm-up ends the process instead. Later it is a shutdown or a stuck scheduler.
             return Probe(
@@ -151,7 +142,7 @@ class SglangEngine:
                 reason="SGLang /health_generate answered 503: warming up, shutting down, "
                 "or the scheduler did not answer a one-token generation",
             )
-        return Probe(ready=False, reason=f"SGLang /health_generate answered {status}: {body[:200]!r}")
+        return Probe(ready=False, reason=f"SGLang /health_generate answered {answer.status}: {answer.body[:200]!r}")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
         """Occupancy from /metrics.
@@ -167,15 +158,10 @@ class SglangEngine:
         gauge (a fresh scheduler that has not logged its statistics yet, or a release with
         other names): never a zero for unknown.
         """
-        try:
-            async with http.get(f"{base_url}/metrics") as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /metrics: {exc.__class__.__name__}: {exc}") from exc
-        if status != 200:
-            raise LoadUnknown(f"/metrics answered {status} (SGLang serves it only with --enable-metrics)")
-        samples = parse_samples(body.decode("utf-8", errors="replace"))
+        answer = await fetch(http, base_url, "/metrics")
+        if answer.status != 200:
+            raise LoadUnknown(f"/metrics answered {answer.status} (SGLang serves it only with --enable-metrics)")
+        samples = parse_samples(answer.text())
         running = scheduler_total(samples, RUNNING_GAUGE)
         queued = scheduler_total(samples, QUEUE_GAUGE)
         if running is None or queued is None:

@@ -21,32 +21,27 @@ releases:
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-import aiohttp
-
 from viiwork.engines.contract import (
     BackendSpec,
-    EngineUnavailable,
     Kind,
     LaunchCommand,
     Load,
     LoadUnknown,
     Probe,
 )
+from viiwork.engines.http import fetch
 from viiwork.engines.prometheus import parse_gauges
 from viiwork.engines.vllm.options import VllmOptions
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["VllmEngine", "VllmOptions"]
+    import aiohttp
 
-# Any aiohttp client error means no usable HTTP answer arrived (refused, reset, a malformed
-# status line, a truncated body); a timeout likewise.
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+__all__ = ["VllmEngine", "VllmOptions"]
 
 # Gauges in the order they are looked for; every vLLM release we know of publishes the first.
 RUNNING_GAUGES = ("vllm:num_requests_running",)
@@ -150,15 +145,10 @@ class VllmEngine:
         Raises EngineUnavailable on refused/reset/timeout, which is also how a loading vLLM
         looks: it binds its port only once the model is loaded.
         """
-        try:
-            async with http.get(f"{base_url}/health") as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /health: {exc.__class__.__name__}: {exc}") from exc
-        if status == 200:
+        answer = await fetch(http, base_url, "/health")
+        if answer.status == 200:
             return Probe(ready=True)
-        if status == 503:
+        if answer.status == 503:
             # While a backend starts, only a front end still waiting for its engines answers
             # 503 (phase "loading"); after that, 503 means the engine died.
             return Probe(
@@ -166,7 +156,7 @@ class VllmEngine:
                 phase="loading",
                 reason="vLLM /health answered 503: engine not ready yet, or dead",
             )
-        return Probe(ready=False, reason=f"vLLM /health answered {status}: {body[:200]!r}")
+        return Probe(ready=False, reason=f"vLLM /health answered {answer.status}: {answer.body[:200]!r}")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
         """Occupancy from /metrics, context from /v1/models.
@@ -181,8 +171,10 @@ class VllmEngine:
         answer 200 or has no running gauge (e.g. ``--disable-log-stats``): never a zero for
         unknown.
         """
-        text = await _get_text(http, base_url, "/metrics")
-        gauges = parse_gauges(text)
+        answer = await fetch(http, base_url, "/metrics")
+        if answer.status != 200:
+            raise LoadUnknown(f"/metrics answered {answer.status}: {answer.body[:200]!r}")
+        gauges = parse_gauges(answer.text())
         running = _first(gauges, RUNNING_GAUGES)
         if running is None:
             raise LoadUnknown(
@@ -202,16 +194,11 @@ class VllmEngine:
         )
 
     async def _served_context(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> int:
-        try:
-            async with http.get(f"{base_url}/v1/models") as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise EngineUnavailable(f"GET /v1/models: {exc.__class__.__name__}: {exc}") from exc
-        if status != 200:
+        answer = await fetch(http, base_url, "/v1/models")
+        if answer.status != 200:
             return spec.ctx_per_slot
         try:
-            for entry in json.loads(body)["data"]:
+            for entry in json.loads(answer.body)["data"]:
                 if entry.get("id") == spec.model:
                     value = entry.get("max_model_len")
                     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
@@ -223,18 +210,6 @@ class VllmEngine:
 
 def _options(spec: BackendSpec) -> VllmOptions:
     return spec.options if isinstance(spec.options, VllmOptions) else VllmOptions()
-
-
-async def _get_text(http: aiohttp.ClientSession, base_url: str, path: str) -> str:
-    try:
-        async with http.get(f"{base_url}{path}") as resp:
-            body = await resp.read()
-            status = resp.status
-    except _TRANSPORT_ERRORS as exc:
-        raise EngineUnavailable(f"GET {path}: {exc.__class__.__name__}: {exc}") from exc
-    if status != 200:
-        raise LoadUnknown(f"{path} answered {status}: {body[:200]!r}")
-    return body.decode("utf-8", errors="replace")
 
 
 def _first(gauges: Mapping[str, float], names: tuple[str, ...]) -> float | None:

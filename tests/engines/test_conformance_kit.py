@@ -380,7 +380,8 @@ def test_http_replay_parses_a_verbatim_capture() -> None:
     assert replay.body == b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
 
 
-@pytest.mark.parametrize("raw", [b"", b"not http at all", b"HTTP/1.1 abc OK\r\n\r\n"], ids=["empty", "no-status-line", "bad-status"])
+@pytest.mark.parametrize("raw", [b"", b"not http at all", b"HTTP/1.1 abc OK\r\n\r\n"],
+                         ids=["empty", "no-status-line", "bad-status"])
 def test_http_replay_rejects_what_is_not_a_capture(raw: bytes) -> None:
     with pytest.raises(ValueError):
         HttpReplay.parse(raw)

@@ -148,7 +148,8 @@ def test_ctx_size_is_the_total_over_slots() -> None:
         ({"gpu_layers": "most"}, "gpu_layers"),
         ({"binary": ""}, "binary"),
     ],
-    ids=["unknown-key-thread", "unknown-key-other-engine", "threads-zero", "device-selection-unknown", "gpu-layers-word", "binary-empty"],
+    ids=["unknown-key-thread", "unknown-key-other-engine", "threads-zero", "device-selection-unknown", "gpu-layers-word",
+         "binary-empty"],
 )
 def test_bad_options_name_the_field(block: dict[str, object], named: str) -> None:
     with pytest.raises(ValidationError) as caught:

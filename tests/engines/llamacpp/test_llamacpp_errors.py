@@ -55,7 +55,8 @@ def test_a_success_is_nobodys_fault() -> None:
 
 
 def test_a_prompt_that_quotes_an_error_text_is_not_that_error() -> None:
-    body = json.dumps({"error": {"code": 500, "message": "model crashed on: image input is not supported", "type": "server_error"}})
+    body = json.dumps({"error": {"code": 500, "message": "model crashed on: image input is not supported",
+                                 "type": "server_error"}})
     assert ENGINE.client_fault(500, body.encode()) is None
 
 
@@ -63,7 +64,8 @@ def test_engine_failures_are_not_client_faults() -> None:
     for body in (
         b'{"error":{"code":500,"message":"Model crashed","type":"server_error"}}',
         b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
-        b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with `--embeddings`","type":"not_supported_error"}}',
+        b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with `--embeddings`",'
+        b'"type":"not_supported_error"}}',
     ):
         assert ENGINE.client_fault(json.loads(body)["error"]["code"], body) is None
 
@@ -86,7 +88,8 @@ def test_bad_bodies_are_none(body: bytes) -> None:
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["error", "message", "type", "code", "x"]), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.sampled_from(["error", "message", "type", "code", "x"]), inner, max_size=4),
     max_leaves=20,
 )
 
