@@ -1,1 +1,1 @@
-"""The agent daemon: config, supervisor, routing, API and CLI (DESIGN §2)."""
+"""The agent daemon: config, supervisor, routing, API and CLI (docs/architecture.md)."""

@@ -1,4 +1,4 @@
-"""The admin API on a Unix socket: reload, drain/undrain, model down/up, models (DESIGN §7).
+"""The admin API on a Unix socket: reload, drain/undrain, model down/up, models (docs/configuration.md, [api]).
 
 Commands are listed once in ``viiwork.agent.control``; ``AdminApi`` maps each to an
 ``AdminActions`` implementation supplied by the daemon. Answers are JSON:

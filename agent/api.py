@@ -1,10 +1,14 @@
-"""The client API: OpenAI-compatible endpoints in front of this node's backends (DESIGN §6-7).
+"""The client API: OpenAI-compatible endpoints in front of this node's backends (docs/routing.md).
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
 ``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``. Every error is OpenAI-shaped
 (``agent/errors.py``): 400 malformed JSON, missing model or the wrong endpoint for the model's
 kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
 429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
+
+This module parses, validates and renders; a request's life (admit, route, run locally,
+forward, wait) is ``agent/pipeline.py``, on a standalone node and in a mesh alike, and a
+request a peer forwarded enters it at "run locally" (the mesh listener's forward route).
 
 The request body is forwarded as received (re-serialised only to change ``stream`` and
 ``stream_options`` for an assembled answer: agent/assemble.py, docs/engines.md); mesh headers
@@ -13,7 +17,6 @@ The request body is forwarded as received (re-serialised only to change ``stream
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import itertools
 import logging
@@ -22,25 +25,23 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from viiwork import __version__
-from viiwork.agent.admission import AdmissionError, ModelAdmission, NoCapacity
 from viiwork.agent.backends import ModelRuntime
-from viiwork.agent.drain import InFlight
-
-if TYPE_CHECKING:
-    from viiwork.agent.mesh_link import MeshLink, Waiter
 from viiwork.agent.body import BodyError, parse_json_object, read_body
+from viiwork.agent.drain import InFlight
 from viiwork.agent.errors import ErrorCode, error_response
+from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.offers import OFFER_HEADER
-from viiwork.agent.proxy import REFUSED_HEADER, Refused, Upstream
-from viiwork.agent.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
-from viiwork.mesh.dialing import expect_node
-from viiwork.mesh.transport import peer_of
+from viiwork.agent.pipeline import Call, NoPeers, PeerRefusal, Pipeline
+from viiwork.agent.proxy import REFUSED_HEADER, Upstream
+from viiwork.agent.router import Refuse
+from viiwork.agent.waitqueue import Queues
 from viiwork.engines.contract import Kind
+from viiwork.mesh.transport import peer_of
 
 log = logging.getLogger(__name__)
 
@@ -73,47 +74,53 @@ class ClientApi:
         forward_retry: int = 1,
         body_read_timeout_s: float = 30.0,
         body_timeout_s: float = 60.0,
+        queues: Queues | None = None,
+        mesh: MeshLink | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
         self.body_timeout_s = body_timeout_s
         # More /metrics lines (the listener's connection counters, malformed requests).
         self.metric_sources: list[Callable[[], list[str]]] = []
-        self.forward_retry = forward_retry
-        self.mesh: MeshLink | None = None
+        self.mesh = mesh
         self.runtimes = runtimes
         self.upstream = upstream
         # Engine errors are classified by the backend's engine adapter (agent/errors.py).
         upstream.engine_of = lambda backend: getattr(self.runtimes.get(backend.model), "engine", None)
         self.max_body_bytes = max_body_bytes
-        self.admissions = {name: ModelAdmission(rt, queue_max, queue_timeout_s) for name, rt in runtimes.items()}
+        # The origin queues (shared with the mesh link, which offers freed slots to peers).
+        self.queues = queues or Queues(runtimes, queue_max, queue_timeout_s)
+        self.pipeline = Pipeline(node_name=node_name, runtimes=runtimes, queues=self.queues,
+                                 peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry)
         self.status_source = status_source
         self.extra_status = extra_status or {}
-        self.queue_max = queue_max
-        self.queue_timeout_s = queue_timeout_s
         self.started = time.monotonic()
         self.responses: Counter[tuple[str, int]] = Counter()
         # Request ids for requests without X-Request-Id: 32 hex digits, a random per-process
         # prefix and a counter (unique for the process' life; uuid4 per request costs a syscall).
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = itertools.count(1)
-        # Set by `viiworkctl drain` and by the stop path: new requests get 503; those
-        # admitted or queued finish. ``stopping``: the agent is on its way out (SIGTERM).
-        self.draining = False
+        # ``stopping``: the agent is on its way out (SIGTERM); ``draining``: the pipeline's.
         self.stopping = False
         # Inference requests in flight here, on this API and the mesh listener (the stop
         # path waits for them: viiwork.agent.drain).
         self.in_flight = InFlight()
+        if mesh is not None:  # forwards from peers enter the pipeline at "run locally"
+            mesh.accept_forwards(self.handle_forwarded, _KIND_OF_PATH, self.in_flight)
+
+    @property
+    def draining(self) -> bool:
+        """Set by `viiworkctl drain` and by the stop path: new requests get 503; those
+        admitted or queued finish."""
+        return self.pipeline.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.pipeline.draining = value
 
     def sync_models(self) -> None:
-        """Follow ``runtimes`` after a reload: admission for new models, none for removed ones."""
-        for name, runtime in self.runtimes.items():
-            admission = self.admissions.get(name)
-            if admission is None or admission.runtime is not runtime:
-                self.admissions[name] = ModelAdmission(runtime, self.queue_max, self.queue_timeout_s)
-        for name in list(self.admissions):
-            if name not in self.runtimes:
-                del self.admissions[name]
+        """Follow ``runtimes`` after a reload (the queues watch new models' backends)."""
+        self.queues.sync()
 
     # -- app ---------------------------------------------------------------------------
 
@@ -151,7 +158,7 @@ class ClientApi:
                               "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status",
                               code=ErrorCode.NOT_FOUND)
 
-    # -- inference -----------------------------------------------------------------------
+    # -- inference: parse and validate, run the pipeline (agent/pipeline.py), render -------
 
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
@@ -165,208 +172,19 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return self._count("-", error_response(400, "'model' is required and must be a string", param="model",
                                                    code=ErrorCode.MISSING_MODEL))
-        runtime = self.runtimes.get(model)
-        if self.mesh is not None:
-            response = await self._mesh_inference(request, body, payload, model, runtime, request_id)
-            # A model no node serves is counted as "-": a client cannot grow /metrics at will.
-            return self._count(model if response.status != 404 else "-", response)
-        if runtime is None:
-            known = ", ".join(sorted(self.runtimes)) or "none"
-            return self._count("-", error_response(
-                404, f"model {model!r} is not served here; known models: {known}", param="model",
-                code=ErrorCode.MODEL_NOT_FOUND))
-        wanted = _KIND_OF_PATH[request.path]
-        if runtime.config.kind is not wanted:
-            return self._count(model, error_response(
-                400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} needs a "
-                f"{wanted.value} model", param="model", code=ErrorCode.WRONG_MODEL_KIND))
-        if self.draining:
-            return self._count(model, error_response(
-                503, f"node {self.node_name!r} is draining for maintenance and admits no new requests",
-                code=ErrorCode.DRAINING, retry_after_s=5))
-        admission = self.admissions[model]
-        try:
-            lease = await admission.acquire()
-        except AdmissionError as exc:
-            return self._count(model, error_response(exc.status, str(exc), code=_admission_code(exc),
-                                                     retry_after_s=exc.retry_after_s))
-        try:
-            headers = {
-                "X-Viiwork-Node": self.node_name,
-                "X-Viiwork-Backend": lease.backend.id,
-                "X-Viiwork-Queued-Ms": f"{lease.queued_ms:.1f}",
-                "X-Request-Id": request_id,
-            }
-            stream = payload.get("stream") is True
-            response = await self.upstream.forward(request, lease.backend, body, stream, headers, request_id)
-        finally:
-            admission.release(lease.backend)
-        return self._count(model, response)
-
-    # -- mesh ----------------------------------------------------------------------------
-
-    def attach_mesh(self, mesh: MeshLink) -> None:
-        """Route over the mesh (DESIGN §6) and accept forwards on its listener (call before
-        ``mesh.start()``: routes are added to the mesh listener's app)."""
-        self.mesh = mesh
-        mesh.admissions = self.admissions
-        self.in_flight.attach(mesh.node.app)  # forwards from peers count as in flight
-        for path in _KIND_OF_PATH:
-            mesh.node.app.router.add_post(path, self.handle_forwarded)
-        for name, runtime in self.runtimes.items():
-            runtime.listeners.append(lambda rt: mesh.wake(rt.name))
-
-    async def _mesh_inference(self, request: web.Request, body: bytes, payload: dict[str, Any], model: str,
-                              runtime: ModelRuntime | None, request_id: str) -> web.StreamResponse:
-        """Run a request anywhere in the mesh: local first, else the peer with most room,
-        else wait in this origin's queue (DESIGN §6). Peers that refuse before the first byte
-        are retried elsewhere ``routing.forward_retry`` times."""
-        mesh = self.mesh
-        assert mesh is not None
-        wanted = _KIND_OF_PATH[request.path]
-        kind = runtime.config.kind.value if runtime is not None else next(
-            (m.get("kind") for m in mesh.models() if m.get("id") == model), None)
-        if kind is not None and kind != wanted.value:
-            return error_response(400, f"model {model!r} is a {kind} model; {request.path} needs a "
-                                  f"{wanted.value} model", param="model", code=ErrorCode.WRONG_MODEL_KIND)
-        if self.draining:
-            return error_response(503, f"node {self.node_name!r} is draining for maintenance and admits no new "
-                                  "requests", code=ErrorCode.DRAINING, retry_after_s=5)
-        host = request.query.get("host") or request.headers.get("X-Viiwork-Host")
-        affinity = request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity")
-        stream = payload.get("stream") is True
-        admission = self.admissions.get(model)
-        queue = mesh.queue(model)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline = started + self.queue_timeout_s
-        waiter: Waiter | None = None
-        tried: set[Any] = set()
-        refusals = 0
-        if len(queue):  # never overtake a waiting request: wait behind it for the next wake
-            if len(queue) >= self.queue_max:
-                return self._queue_full(model)
-            waiter = queue.enter(host)
-        behind = waiter is not None
-        try:
-            while True:
-                if behind:  # older waiters route first when a slot frees (docs/routing.md)
-                    behind = False
-                    await _park(waiter, deadline - loop.time())
-                offer: tuple[Any, str] | None = None
-                if waiter is not None:
-                    waiter.event.clear()
-                    offer, waiter.offer = waiter.offer, None
-                decision: Decision
-                if offer is not None:  # a peer keeps a slot for this request (slot offers)
-                    decision = RunOnPeer(offer[0], mesh.peer_name(offer[0]), 1)
-                else:
-                    decision = mesh.route(model, host=host, affinity=affinity, exclude=tried)
-                if isinstance(decision, RunLocal):
-                    backend = admission.try_acquire(decision.backend_id) if admission is not None else None
-                    if backend is not None:
-                        if waiter is not None:  # it runs now: it waits no more
-                            queue.leave(waiter)
-                            waiter = None
-                        headers = self._where(self.node_name, backend.id, started, request_id)
-                        try:
-                            return await self.upstream.forward(request, backend, body, stream, headers, request_id)
-                        finally:
-                            admission.release(backend)  # type: ignore[union-attr]
-                            mesh.slot_freed(model)
-                    decision = Queue("local slot taken meanwhile")
-                elif isinstance(decision, RunOnPeer):
-                    target = mesh.peer_target(decision.node_id)
-                    result: web.StreamResponse | Refused
-                    if target is None:
-                        result = Refused(503, "no mesh address")
-                    else:
-                        token = mesh.reservations.reserve(decision.node_id, model)
-                        headers = self._where(decision.name, "", started, request_id)
-                        log.debug("request %s for %s: forwarding to %s%s", request_id, model, decision.name,
-                                  " (offered slot)" if offer else "")
-                        # expect_node: refused before a byte is sent unless the TLS peer is
-                        # that node (viiwork.mesh.dialing); a refusal routes it again.
-                        extra = {"X-Viiwork-Origin": self.node_name, **expect_node(target.node_id)}
-                        if offer is not None:
-                            extra[OFFER_HEADER] = offer[1]
-                        if waiter is not None:  # not waiting while the forward is in flight
-                            queue.dispatch(waiter)
-                        try:
-                            # A peer that turns suspect or dead while this forward waits for its
-                            # first byte is abandoned and the request routed again.
-                            with mesh.watch_peer(decision.node_id) as lost:
-                                result = await self.upstream.forward(
-                                    request, target, body, stream, headers, request_id, session=mesh.session,
-                                    extra_headers=extra,
-                                    relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
-                                    lost=lost)
-                        finally:
-                            mesh.reservations.release(token)
-                            mesh.wake(model)
-                    if not isinstance(result, Refused):
-                        mesh.forwards_out += 1
-                        return result
-                    if waiter is not None:  # back in its place in the queue
-                        queue.dispatch(waiter, False)
-                    mesh.refusals_out += 1
-                    log.debug("request %s: %s refused (%d %s)", request_id, decision.name, result.status,
-                              result.reason)
-                    mesh.reservations.mark_full(decision.node_id, model)
-                    tried.add(decision.node_id)
-                    refusals += 1
-                    if refusals <= self.forward_retry:
-                        continue
-                    decision = Queue("peers refused")
-                if isinstance(decision, Refuse):
-                    return error_response(decision.status, decision.message, param=decision.param,
-                                          code=decision.code, retry_after_s=decision.retry_after_s)
-                # Queue: wait for capacity anywhere, then route again.
-                if waiter is None:
-                    if len(queue) >= self.queue_max:
-                        return self._queue_full(model)
-                    waiter = queue.enter(host)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return self._queue_timeout(model)
-                await _park(waiter, remaining)
-                tried.clear()
-                refusals = 0
-        finally:
-            if waiter is not None:
-                queue.leave(waiter)
-                queue.wake()
-
-    def _where(self, node: str, backend: str, started: float, request_id: str) -> dict[str, str]:
-        headers = {
-            "X-Viiwork-Node": node,
-            "X-Viiwork-Origin": self.node_name,
-            "X-Viiwork-Queued-Ms": f"{(asyncio.get_running_loop().time() - started) * 1000:.1f}",
-            "X-Request-Id": request_id,
-        }
-        if backend:
-            headers["X-Viiwork-Backend"] = backend
-        return headers
-
-    def _queue_full(self, model: str) -> web.Response:
-        return error_response(429, f"model {model!r}: no free slot in the mesh and the queue is full "
-                              f"({self.queue_max} waiting)", code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=1)
-
-    def _queue_timeout(self, model: str) -> web.Response:
-        return error_response(429, f"model {model!r}: no slot freed in the mesh within "
-                              f"{self.queue_timeout_s:g} s", code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=2)
+        call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
+                    request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
+                    affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
+        outcome = await self.pipeline.run(call)
+        # A model no node serves is counted as "-": a client cannot grow /metrics at will.
+        unknown = isinstance(outcome, Refuse) and outcome.status == 404
+        return self._count("-" if unknown else model, _render(outcome))
 
     async def handle_forwarded(self, request: web.Request) -> web.StreamResponse:
-        """A request forwarded by a peer, on the mesh listener (mutual TLS).
-
-        Admitted only into a free local slot: never queued, never forwarded again. Otherwise
-        answered 429/503 with ``X-Viiwork-Refused`` so the origin can try another peer
-        before the first byte.
-        """
-        mesh = self.mesh
-        assert mesh is not None
-        origin_id = peer_of(request)
-        origin = mesh.peer_name(origin_id)
+        """A request forwarded by a peer, on the mesh listener (mutual TLS): it enters the
+        pipeline at "run locally" (``Pipeline.run_forwarded``: never queued, never forwarded
+        again; otherwise 429/503 with ``X-Viiwork-Refused`` so the origin can try another
+        peer before the first byte)."""
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
         # listener's client_max_size, which bounds gossip's request.read()).
@@ -380,39 +198,9 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
                                   param="model", code=ErrorCode.MISSING_MODEL)
-        runtime = self.runtimes.get(model)
-        admission = self.admissions.get(model)
-        if runtime is None or admission is None:
-            return self._refuse(503, "not-served", f"node {self.node_name!r} does not serve model {model!r}")
-        if self.draining:
-            held = mesh.claim(request.headers.get(OFFER_HEADER), origin_id, model)
-            if held is not None:  # offered just before the drain began: free the slot now
-                admission.release(held)
-                mesh.slot_freed(model)
-            return self._refuse(503, "draining", f"node {self.node_name!r} is draining")
-        wanted = _KIND_OF_PATH[request.path]
-        if runtime.config.kind is not wanted:
-            return error_response(400, f"model {model!r} is a {runtime.config.kind.value} model; {request.path} "
-                                  f"needs a {wanted.value} model", param="model", code=ErrorCode.WRONG_MODEL_KIND)
-        backend = mesh.claim(request.headers.get(OFFER_HEADER), origin_id, model) or admission.try_acquire()
-        if backend is None:
-            mesh.refusals_in += 1
-            return self._refuse(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
-        mesh.forwards_in += 1
-        log.debug("request %s for %s forwarded by %s runs on %s", request_id, model, origin, backend.id)
-        headers = {"X-Viiwork-Node": self.node_name, "X-Viiwork-Backend": backend.id,
-                   "X-Viiwork-Origin": origin, "X-Request-Id": request_id}
-        try:
-            return await self.upstream.forward(request, backend, body, payload.get("stream") is True, headers,
-                                               request_id)
-        finally:
-            admission.release(backend)
-            mesh.slot_freed(model)
-
-    @staticmethod
-    def _refuse(status: int, reason: str, message: str) -> web.Response:
-        return error_response(status, message, code=_REFUSAL_CODES.get(reason), retry_after_s=1,
-                              headers={REFUSED_HEADER: reason})
+        call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
+                    request_id)
+        return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
 
     def _count(self, model: str, response: web.StreamResponse) -> web.StreamResponse:
         self.responses[(model, response.status)] += 1
@@ -472,13 +260,8 @@ class ClientApi:
         return web.json_response(doc)
 
     def _queued(self, model: Any) -> int:
-        """Requests waiting for ``model`` here: in the mesh's origin queue with a [mesh],
-        else in the standalone admission queue."""
-        if self.mesh is not None:
-            q = self.mesh.queues.get(model)
-            return 0 if q is None else len(q)
-        admission = self.admissions.get(model)
-        return 0 if admission is None else admission.queued
+        """Requests waiting for ``model`` in this node's origin queue."""
+        return self.queues.queued(model) if isinstance(model, str) else 0
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         lines = [
@@ -488,15 +271,15 @@ class ClientApi:
         for (model, status), n in sorted(self.responses.items()):
             lines.append(f'viiwork_responses_total{{model="{_esc(model)}",code="{status}"}} {n}')
         lines += ["# HELP viiwork_model_slots Slots of healthy backends.", "# TYPE viiwork_model_slots gauge"]
-        lines += [f'viiwork_model_slots{{model="{_esc(n)}"}} {sum(b.slots for b in rt.healthy_backends)}'
+        lines += [f'viiwork_model_slots{{model="{_esc(n)}"}} {rt.capacity().slots}'
                   for n, rt in sorted(self.runtimes.items())]
         lines += ["# HELP viiwork_model_in_flight Requests running on this node's backends.",
                   "# TYPE viiwork_model_in_flight gauge"]
-        lines += [f'viiwork_model_in_flight{{model="{_esc(n)}"}} {sum(b.in_flight for b in rt.backends)}'
+        lines += [f'viiwork_model_in_flight{{model="{_esc(n)}"}} {rt.capacity().in_flight}'
                   for n, rt in sorted(self.runtimes.items())]
         lines += ["# HELP viiwork_model_queued Requests waiting in this node's queue.",
                   "# TYPE viiwork_model_queued gauge"]
-        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {self._queued(n)}' for n in sorted(self.admissions)]
+        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {self._queued(n)}' for n in sorted(self.runtimes)]
         lines += ["# HELP viiwork_backend_respawns_total Respawns per backend.",
                   "# TYPE viiwork_backend_respawns_total counter"]
         for rt in self.runtimes.values():
@@ -515,26 +298,14 @@ class ClientApi:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-# The code of a peer's refusal (X-Viiwork-Refused reason) for the origin's logs and relays.
-_REFUSAL_CODES = {"no-slot": ErrorCode.RATE_LIMIT_EXCEEDED, "not-served": ErrorCode.NO_CAPACITY,
-                  "draining": ErrorCode.DRAINING}
-
-
-def _admission_code(exc: AdmissionError) -> ErrorCode:
-    """429 queue full / timed out: rate_limit_exceeded; 503 nothing can serve: no_capacity."""
-    return ErrorCode.NO_CAPACITY if isinstance(exc, NoCapacity) else ErrorCode.RATE_LIMIT_EXCEEDED
-
-
-async def _park(waiter: Waiter, remaining_s: float) -> None:
-    """Wait in the origin queue until woken (a capacity change, an offer) or 0.5 s pass, at
-    most ``remaining_s``: a parked waiter re-routes at least twice a second regardless."""
-    waiter.parked = True
-    try:
-        await asyncio.wait_for(waiter.event.wait(), max(0.0, min(remaining_s, 0.5)))
-    except TimeoutError:
-        pass
-    finally:
-        waiter.parked = False
+def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:
+    """The pipeline's outcome as the client's answer: a refusal as an OpenAI-shaped error
+    (with ``X-Viiwork-Refused`` when it refuses a peer's forward)."""
+    if not isinstance(outcome, Refuse):
+        return outcome
+    headers = {REFUSED_HEADER: outcome.reason} if isinstance(outcome, PeerRefusal) else None
+    return error_response(outcome.status, outcome.message, param=outcome.param, code=outcome.code,
+                          retry_after_s=outcome.retry_after_s, headers=headers)
 
 
 async def _freeze_heap(app: web.Application) -> None:

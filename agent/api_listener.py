@@ -234,7 +234,7 @@ class _GuardedConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         if self._handler is not None:
-            return self._handler.eof_received()  # type: ignore[no-any-return]
+            return self._handler.eof_received()
         return False  # a refused connection: the client is done, close
 
     def pause_writing(self) -> None:
@@ -279,7 +279,8 @@ class ApiSite(BaseSite):
 
     @property
     def port(self) -> int:
-        if self._server is not None and self._server.sockets:
+        # BaseSite types _server as AbstractServer; start() stores loop.create_server's Server.
+        if isinstance(self._server, asyncio.Server) and self._server.sockets:
             return int(self._server.sockets[0].getsockname()[1])
         return self._port
 

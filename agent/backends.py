@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NewType
+from typing import Any, NewType
 
 from viiwork.agent.config import ModelConfig
 from viiwork.engines.contract import Engine, Load
@@ -19,7 +19,7 @@ BackendId = NewType("BackendId", str)
 
 
 class BackendState(StrEnum):
-    """The health ladder of DESIGN §4."""
+    """The health ladder of docs/architecture.md, "A backend's life"."""
 
     STARTING = "starting"      # launched, probes expected to fail until ready
     HEALTHY = "healthy"        # ready and admitting
@@ -100,6 +100,14 @@ class Backend:
         self.released_at = time.monotonic()
 
     @property
+    def waiting(self) -> int | None:
+        """Requests queued inside the engine, or None when unknown (not published, never
+        read, or the reading is stale: an old figure would be gossiped as fact)."""
+        if self.load is not None and not self.load_stale:
+            return self.load.waiting
+        return None
+
+    @property
     def busy(self) -> int:
         """Busy sequences: the larger of the engine's count and our own in-flight count, but
         only our own once a request ended after the engine's count was read: that figure
@@ -110,6 +118,29 @@ class Backend:
                 return self.in_flight
             return max(self.load.busy, self.in_flight)
         return self.in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """One model's capacity on this node now, summed over its backends (``ModelRuntime.capacity``).
+
+    ``slots``, ``busy``, ``free``: sums over the admitting (healthy, addressed) backends, each
+    backend's figures as ``Backend.slots``/``busy``/``free_slots`` give them (a stale load
+    reading falls back to ``parallel`` and routing's in-flight count). ``waiting``: the sum of
+    the engines' queues, or None when no backend admits or any admitting backend's queue is
+    unknown (never published, or the reading is stale). ``in_flight``: routing's requests
+    running on any backend (a draining one too). ``healthy``/``total``: admitting backends /
+    all backends. ``free_by_backend``: (backend id, free slots) for every backend, in order.
+    """
+
+    slots: int
+    busy: int
+    free: int
+    waiting: int | None
+    in_flight: int
+    healthy: int
+    total: int
+    free_by_backend: tuple[tuple[BackendId, int], ...]
 
 
 @dataclass(eq=False)
@@ -137,6 +168,63 @@ class ModelRuntime:
     @property
     def healthy_backends(self) -> list[Backend]:
         return [b for b in self.backends if b.admitting]
+
+    def capacity(self) -> Capacity:
+        """The one sum of this model's backends, read by /v1/status, /metrics, routing's
+        local view and the gossiped summary alike (docs/architecture.md, "A backend's life")."""
+        admitting = [b for b in self.backends if b.admitting]
+        queues = [b.waiting for b in admitting]
+        known = [q for q in queues if q is not None]
+        return Capacity(
+            slots=sum(b.slots for b in admitting),
+            busy=sum(b.busy for b in admitting),
+            free=sum(b.free_slots for b in admitting),
+            waiting=sum(known) if admitting and len(known) == len(queues) else None,
+            in_flight=sum(b.in_flight for b in self.backends),
+            healthy=len(admitting),
+            total=len(self.backends),
+            free_by_backend=tuple((b.id, b.free_slots) for b in self.backends),
+        )
+
+    def status_doc(self) -> dict[str, Any]:
+        """This model in /v1/status. Keys: name, engine, kind, state, slots, busy and waiting
+        (``capacity()``), ctx_per_slot, backends (id, state, phase, progress (0..1 or -1),
+        reason, pid, port (None for a socket backend), socket (its Unix socket path, else
+        None), unit, respawns, gpus, exit_result, exit_status, load_stale, slots, busy,
+        in_flight: routing's own count of requests running there)."""
+        cap = self.capacity()
+        return {
+            "name": self.name,
+            "engine": self.config.engine,
+            "kind": str(self.config.kind),
+            "state": str(self.state),
+            "slots": cap.slots,
+            "busy": cap.busy,
+            "waiting": cap.waiting,
+            "ctx_per_slot": self.ctx_per_slot,
+            "backends": [
+                {
+                    "id": b.id,
+                    "state": str(b.state),
+                    "phase": b.phase,
+                    "progress": b.progress,
+                    "reason": b.reason,
+                    "pid": b.pid,
+                    "port": b.port,
+                    "socket": b.socket_path,
+                    "unit": b.unit,
+                    "respawns": b.respawns,
+                    "gpus": list(b.gpus),
+                    "exit_result": b.exit_result,
+                    "exit_status": b.exit_status,
+                    "load_stale": b.load_stale,
+                    "slots": b.slots,
+                    "busy": b.busy,
+                    "in_flight": b.in_flight,
+                }
+                for b in self.backends
+            ],
+        }
 
     @property
     def can_ever_serve(self) -> bool:

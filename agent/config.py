@@ -2,7 +2,7 @@
 
 Strict: unknown keys are errors. Every error names its path, counting array indexes from 0
 (``models[1].llamacpp.thread``), and the line where it can be found:
-``models[1].llamacpp.thread: unknown key (line 23)``. Defaults are DESIGN §9's table.
+``models[1].llamacpp.thread: unknown key (line 23)``. Defaults are docs/configuration.md's tables.
 ``viiworkctl config check`` and the agent share ``load_config``.
 """
 
@@ -140,7 +140,7 @@ class ApiConfig(_Strict):
 
 
 class HealthConfig(_Strict):
-    """The health ladder (DESIGN §4)."""
+    """The health ladder (docs/architecture.md, "A backend's life")."""
 
     interval_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
     timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
@@ -168,7 +168,7 @@ class SupervisorConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """Admission and routing (DESIGN §6)."""
+    """Admission and routing (docs/routing.md)."""
 
     queue_max: int = Field(default=64, ge=0, le=65536)
     queue_timeout_s: float = Field(default=20.0, gt=0, le=MAX_DURATION_S)
@@ -177,14 +177,19 @@ class RoutingConfig(_Strict):
     slot_offers: bool = True
 
 
+# How a node finds its peers (mesh.discovery); the default is both, in this order.
+DiscoveryMethod = Literal["mdns", "seeds"]
+DISCOVERY_METHODS: tuple[DiscoveryMethod, ...] = ("mdns", "seeds")
+
+
 class MeshConfig(_Strict):
-    """The mesh (DESIGN §5). Present means this node joins a mesh; ``trust`` has no default."""
+    """The mesh (docs/mesh.md). Present means this node joins a mesh; ``trust`` has no default."""
 
     trust: Literal["ca", "open"]
     listen: str = "0.0.0.0:8087"
     advertise: str | None = None
     interfaces: list[str] = Field(default_factory=list)
-    discovery: list[Literal["mdns", "seeds"]] = Field(default_factory=lambda: ["mdns", "seeds"])
+    discovery: list[DiscoveryMethod] = Field(default_factory=lambda: list(DISCOVERY_METHODS))
     seeds: list[str] = Field(default_factory=list)
     mesh_id: str | None = None
     ca_certificate: Path | None = Field(default=None, strict=False)
@@ -354,7 +359,8 @@ class ModelConfig(_Strict):
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for key in v:
             if not _ENV_NAME_RE.fullmatch(key):
-                raise ValueError(f"invalid environment variable name {_short(key)} (letters, digits and '_', not starting with a digit)")
+                raise ValueError(f"invalid environment variable name {_short(key)} "
+                                 "(letters, digits and '_', not starting with a digit)")
         return v
 
     @model_validator(mode="after")
@@ -426,7 +432,8 @@ class Config(_Strict):
             seen[m.name] = i
             for g in m.gpus:
                 if str(g) in owner:
-                    raise _PathError(("models", i, "gpus"), f"GPU {g} already belongs to model {owner[str(g)]!r}; a GPU belongs to one model")
+                    raise _PathError(("models", i, "gpus"),
+                                     f"GPU {g} already belongs to model {owner[str(g)]!r}; a GPU belongs to one model")
                 owner[str(g)] = m.name
         if self.mesh is not None:
             _check_summary_fits(self)

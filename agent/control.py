@@ -3,7 +3,7 @@
 Each ``ControlCommand``'s ``help`` is both the CLI help text and the API's documentation.
 The admin API listens on a Unix socket (``api.admin_socket``; mode 0660, group
 ``viiwork-admin`` where that group exists): file permissions are the access control, and
-nothing that changes the agent is reachable over TCP (DESIGN §7).
+nothing that changes the agent is reachable over TCP (docs/configuration.md, [api]).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A check takes a ``HostFacts`` (``viiwork.agent.facts``) and returns ``CheckResult``s: a
 verdict (``ok``, ``degraded``, ``fail``, or ``skipped`` when it does not apply), a one-line
 summary, and for anything not ok the consequence and the remedy. A check that raises
-becomes a ``fail`` naming the error (DESIGN §11.14): the doctor never crashes on a strange
+becomes a ``fail`` naming the error (docs/architecture.md, rule 14): the doctor never crashes on a strange
 host. A check's docstring is its documentation: ``docs/doctor.md`` is generated from this
 registry (``python -m viiwork.agent.doctor --markdown``), so the list cannot drift.
 
@@ -230,7 +230,8 @@ def check_gpu_nvidia(facts: HostFacts) -> list[CheckResult]:
     for pci in on_bus:
         if pci.pci_bus_id not in known:
             results.append(r(Verdict.DEGRADED,
-                             f"NVIDIA GPU {pci.pci_id} at {pci.pci_bus_id} (driver {pci.driver or 'none'}) is not visible to NVML",
+                             f"NVIDIA GPU {pci.pci_id} at {pci.pci_bus_id} (driver {pci.driver or 'none'}) "
+                             "is not visible to NVML",
                              "it cannot be used by any model",
                              "check `dmesg` for NVRM errors; the GPU may be disabled, or bound to another driver (vfio-pci)",
                              subject=pci.pci_bus_id))
@@ -660,6 +661,7 @@ def check_agent_config(facts: HostFacts) -> CheckResult:
     r = _result("agent.config")
     config = _config(facts)
     status = _agent_status(facts)
+    assert facts.agent is not None  # _agent_status skips otherwise
     host = urllib.parse.urlsplit(facts.agent.url).hostname or ""
     if not is_loopback(host):
         raise Skip(f"the agent at {facts.agent.url} is not this host")

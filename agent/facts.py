@@ -474,7 +474,7 @@ def read_mesh_facts(config: Config, net_root: str | Path = "/sys/class/net",
         return None
     from viiwork.mesh import identity, trust  # the mesh package owns the file names and rules
 
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     chosen, all_ifaces = read_interfaces(mesh.interfaces, net_root)
     state_dir = Path(config.node.state_dir)
     ca_fact = node_fact = None
@@ -483,14 +483,15 @@ def read_mesh_facts(config: Config, net_root: str | Path = "/sys/class/net",
     if mesh.trust == "ca":
         ca_path = Path(mesh.ca_certificate) if mesh.ca_certificate else state_dir / trust.CA_CERT_FILE
         try:
-            ca_obj = trust.load_certificate(ca_path)
-            trust.mesh_id_for_ca(ca_obj)  # refuses a CA whose key is not Ed25519
+            loaded_ca = trust.load_certificate(ca_path)
+            trust.mesh_id_for_ca(loaded_ca)  # refuses a CA whose key is not Ed25519
         except trust.TrustError as exc:
             ca_obj = None
             ca_fact = CertFact("CA certificate", str(ca_path), ca_path.exists(), str(exc))
         else:
-            ca_fact = CertFact("CA certificate", str(ca_path), True, None, ca_obj.subject.rfc4514_string(),
-                               ca_obj.not_valid_after_utc)
+            ca_obj = loaded_ca
+            ca_fact = CertFact("CA certificate", str(ca_path), True, None, loaded_ca.subject.rfc4514_string(),
+                               loaded_ca.not_valid_after_utc)
         node_path = Path(mesh.node_certificate) if mesh.node_certificate else state_dir / trust.NODE_CERT_FILE
         if not node_path.exists():
             node_fact = CertFact("node certificate", str(node_path), False, f"{node_path} does not exist")
@@ -612,7 +613,7 @@ def gather_facts(
     url: the agent's base URL; None skips the running-agent section. gpu_sources: the GPU
     readers (default NVML + sysfs at /). Each section that raises is recorded in ``errors``.
     """
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     errors: dict[str, str] = {}
     values: dict[str, Any] = {}
 
@@ -627,7 +628,7 @@ def gather_facts(
     config = config_facts.config
 
     def gpus() -> GpuInventory:
-        sources = list(gpu_sources) if gpu_sources is not None else [NvmlReader(), AmdSysfsReader("/")]
+        sources: list[GpuSource] = list(gpu_sources) if gpu_sources is not None else [NvmlReader(), AmdSysfsReader("/")]
         try:
             return read_inventory(sources)
         finally:

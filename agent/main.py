@@ -30,6 +30,7 @@ from viiwork.agent.api import ClientApi
 from viiwork.agent.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
 from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
 from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
+from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.notify import (
     Notifier,
     StopDecision,
@@ -39,12 +40,12 @@ from viiwork.agent.notify import (
     runner_stop_intent,
     status_line,
 )
-from viiwork.agent.mesh_link import MeshLink
 from viiwork.agent.proxy import Upstream
-from viiwork.mesh.node import MeshStartError
 from viiwork.agent.runners.base import Runner, RunnerError
 from viiwork.agent.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.supervisor import Supervisor
+from viiwork.agent.waitqueue import Queues
+from viiwork.mesh.node import MeshStartError
 from viiwork.mesh.persist import PendingWrites, StateDirFault
 
 log = logging.getLogger("viiwork.agent")
@@ -156,6 +157,12 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         runner = await make_runner(config)
         stack.push_async_callback(runner.close)
         supervisor = Supervisor(config, runner, probe_http, config.node.name, vendor_of=_vendor_lookup(inventory))
+        # The origin queues, shared by the request pipeline and the mesh link (slot offers).
+        queues = Queues(supervisor.models, config.routing.queue_max, config.routing.queue_timeout_s)
+        mesh = None
+        if config.mesh is not None:
+            mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
+                            draining=lambda: api.draining, gpus=lambda: gpus.inventory)
         api = ClientApi(
             node_name=config.node.name,
             runtimes=supervisor.models,
@@ -168,16 +175,21 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             forward_retry=config.routing.forward_retry,
             body_read_timeout_s=config.api.body_read_timeout_s,
             body_timeout_s=config.api.body_timeout_s,
+            queues=queues,
+            mesh=mesh,
         )
-        if config.mesh is not None:
-            mesh = MeshLink(config, supervisor.models, draining=lambda: api.draining, gpus=lambda: gpus.inventory)
-            api.attach_mesh(mesh)
+        if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status
             if config.mesh.trust == "open":
                 log.warning("mesh trust is \"open\": node certificates are self-signed and pinned on first use; "
                             "any host that reaches the mesh port first can join mesh %r. Use trust = \"ca\" "
                             "outside labs.", config.mesh.mesh_id)
-            mesh.node.on_refuse.append(lambda line: (refused.append(line), stop.set()))
+
+            def on_refuse(line: str) -> None:
+                refused.append(line)
+                stop.set()
+
+            mesh.node.on_refuse.append(on_refuse)
             try:
                 await mesh.start()
             except MeshStartError as exc:

@@ -9,11 +9,17 @@ supervisor's models and to the pure router (``viiwork.agent.router``):
   receiver knows the origin from its certificate, and every request names the peer it is for
   (``expect_node``): the session refuses, before sending anything, a connection whose TLS peer
   is another node (``viiwork.mesh.dialing``);
-- ``MeshWaitQueue`` is the origin's per-model FIFO: woken when a local slot frees, a
-  forwarded request ends, or a fresher summary arrives (DESIGN §6);
+- it is the pipeline's ``Peers`` (``viiwork.agent.pipeline``): routing, forwarding (and
+  counting forwards both ways), and taking a forwarded request into a local slot; the
+  waiting requests are the shared origin queues (``viiwork.agent.waitqueue``), which it
+  wakes when a forward ends or a fresher summary arrives;
 - slot offers (``viiwork.agent.offers``): the origin tells the peers serving a model when
   its oldest waiter changes (``want``), and a node whose slot frees offers it to the origin
   with the oldest waiter it knows of, keeping it until that origin's request claims it.
+
+Over 400 lines: capacity publication, the pipeline's peers and the slot-offer messages share
+one mesh session, peer table and set of held slots; the split by concern (a ``peering/``
+package, issue 15) separates the offer messages from the rest.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import logging
 import os
 import random
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +41,26 @@ import aiohttp
 from aiohttp import web
 
 from viiwork import __version__
-from viiwork.agent.backends import ModelRuntime
+from viiwork.agent.backends import Backend, ModelRuntime
 from viiwork.agent.body import BodyError, parse_json, read_body
 from viiwork.agent.config import Config
+from viiwork.agent.drain import InFlight
 from viiwork.agent.errors import ErrorCode, error_response
 from viiwork.agent.gpus import GpuInventory
-from viiwork.agent.offers import WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
-from viiwork.agent.router import Decision, LocalModel, PeerSnapshot, Reservations, Router, mesh_models
+from viiwork.agent.offers import OFFER_HEADER, WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
+from viiwork.agent.pipeline import Call, Handler
+from viiwork.agent.proxy import Refused, Upstream
+from viiwork.agent.router import (
+    Decision,
+    LocalModel,
+    PeerSnapshot,
+    Refuse,
+    Reservations,
+    Router,
+    RunOnPeer,
+    mesh_models,
+)
+from viiwork.agent.waitqueue import Queues, WaitQueue
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
@@ -73,91 +92,6 @@ class PeerTarget:
     def of(cls, view: PeerView) -> PeerTarget:
         """The target of a peer in the mesh table (its ``mesh`` address must be set)."""
         return cls(id=view.name, base_url=f"https://{view.mesh}", node_id=view.node_id)
-
-
-@dataclass(slots=True, eq=False)
-class Waiter:
-    """One request in a :class:`MeshWaitQueue`: ``event`` is set to make it route again;
-    ``arrived`` (monotonic s); ``host``: its pinned node (id or name) or None; ``offer``:
-    ``(peer, offer id)`` when a peer offered it a held slot; ``parked`` while it waits;
-    ``dispatched`` while it is being forwarded (it waits no more unless the peer refuses)."""
-
-    event: asyncio.Event
-    arrived: float
-    host: str | None = None
-    offer: tuple[NodeId, str] | None = None
-    parked: bool = False
-    dispatched: bool = False
-
-
-class MeshWaitQueue:
-    """The origin's FIFO of requests waiting for capacity anywhere, for one model.
-
-    A waiter enters once and leaves when it starts running (locally), is served (on a peer),
-    refused or timed out; while its forward to a peer is in flight it is ``dispatched`` and
-    does not count as waiting (it is back in its place if the peer refuses). ``wake`` lets
-    every waiter route again; they resume in arrival order (the event loop runs woken tasks
-    in the order they were woken), and a new arrival never overtakes a waiter.
-    ``on_head_change`` is called when the oldest waiting request changes (to announce it).
-    """
-
-    def __init__(self, on_head_change: Callable[[], None] | None = None) -> None:
-        self._waiters: deque[Waiter] = deque()
-        self.on_head_change = on_head_change
-
-    def __len__(self) -> int:
-        """Requests waiting (dispatched ones do not count)."""
-        return sum(1 for w in self._waiters if not w.dispatched)
-
-    def _head(self) -> Waiter | None:
-        return next((w for w in self._waiters if not w.dispatched), None)
-
-    def _changed(self, head: Waiter | None) -> None:
-        if self._head() is not head and self.on_head_change is not None:
-            self.on_head_change()
-
-    def enter(self, host: str | None = None) -> Waiter:
-        head = self._head()
-        waiter = Waiter(asyncio.Event(), time.monotonic(), host)
-        self._waiters.append(waiter)
-        self._changed(head)
-        return waiter
-
-    def leave(self, waiter: Waiter) -> None:
-        head = self._head()
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            return
-        self._changed(head)
-
-    def dispatch(self, waiter: Waiter, dispatched: bool = True) -> None:
-        """``waiter`` is being forwarded (True) or was refused and waits again (False)."""
-        head = self._head()
-        waiter.dispatched = dispatched
-        self._changed(head)
-
-    def wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.dispatched:
-                waiter.event.set()
-
-    def oldest(self) -> float | None:
-        """When the oldest waiting request arrived (monotonic s), or None."""
-        head = self._head()
-        return None if head is None else head.arrived
-
-    def give_offer(self, peer: NodeId, peer_name: str, offer_id: str) -> bool:
-        """Hand a slot offered by ``peer`` to the oldest parked waiter that may run there
-        (not pinned to another node); False when none can take it."""
-        for waiter in self._waiters:
-            if (waiter.parked and not waiter.dispatched and waiter.offer is None
-                    and waiter.host in (None, peer, peer_name)):
-                waiter.offer = (peer, offer_id)
-                waiter.parked = False
-                waiter.event.set()
-                return True
-        return False
 
 
 async def _read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes:
@@ -193,14 +127,23 @@ def model_fingerprint(path: str) -> str | None:
 
 
 class MeshLink:
-    """This node in the mesh, seen from the agent (``start``/``stop`` around the API's life)."""
+    """This node in the mesh, seen from the agent (``start``/``stop`` around the API's life).
 
-    def __init__(self, config: Config, runtimes: dict[str, ModelRuntime], *, draining: Any,
-                 gpus: Callable[[], GpuInventory] | None = None, rng: random.Random | None = None) -> None:
+    ``queues``: the node's origin queues (shared with the pipeline); ``upstream``: the
+    agent's HTTP client, forwards go through it; ``draining``: is the node draining?
+    """
+
+    in_mesh = True
+
+    def __init__(self, config: Config, runtimes: dict[str, ModelRuntime], *, queues: Queues, upstream: Upstream,
+                 draining: Callable[[], bool], gpus: Callable[[], GpuInventory] | None = None,
+                 rng: random.Random | None = None) -> None:
         assert config.mesh is not None
         self.config = config
         self.runtimes = runtimes
-        self.draining = draining  # callable: is the node draining?
+        self.queues = queues
+        self.upstream = upstream
+        self.draining = draining
         self.gpus = gpus  # callable: the latest GPU inventory (published with the capacity)
         self.rng = rng or random.Random()
         self.node = MeshNode(MeshSettings.from_config(config.mesh, config.node, config.api.listen, __version__),
@@ -208,7 +151,6 @@ class MeshLink:
         self.reservations = Reservations(clock=lambda: time.monotonic() * 1000.0)
         self.router: Router | None = None
         self.session: aiohttp.ClientSession | None = None
-        self.queues: dict[str, MeshWaitQueue] = {}
         self._fingerprints: dict[str, str | None] = {}
         self.forwards_out = 0
         self.forwards_in = 0
@@ -217,9 +159,8 @@ class MeshLink:
         self._stopped = False
         # Set by begin_stop: the state published while the agent stops (leaving/restarting).
         self.leaving: PublishedState | None = None
-        # Slot offers (viiwork.agent.offers). ``admissions``: the API's ModelAdmission by
-        # model (set by ClientApi.attach_mesh), used to keep a freed slot for an offer.
-        self.admissions: Mapping[str, Any] = {}
+        # Slot offers (viiwork.agent.offers): a new oldest waiter is announced to peers.
+        queues.head_listeners.append(self._announce_soon)
         clock_ms = lambda: time.monotonic() * 1000.0  # noqa: E731
         self.wants = WantBook(clock=clock_ms, ttl_ms=(config.routing.queue_timeout_s + 5.0) * 1000.0)
         self.holds = Holds(clock=clock_ms)
@@ -285,14 +226,11 @@ class MeshLink:
     def _capacity(self) -> tuple[list[ModelCapacity], PublishedState, list[GpuCapacity] | None]:
         models = []
         for rt in self.runtimes.values():
-            healthy = rt.healthy_backends
-            waiting: int | None = None
-            if healthy and all(b.load is not None and b.load.waiting is not None for b in healthy):
-                waiting = sum(b.load.waiting for b in healthy if b.load is not None and b.load.waiting is not None)
+            cap = rt.capacity()  # the one sum (agent/backends.py): stale readings left out
             models.append(ModelCapacity(
                 name=rt.name, engine=rt.config.engine, kind=rt.config.kind.value,
-                slots=sum(b.slots for b in healthy), busy=sum(b.busy for b in healthy), waiting=waiting,
-                ctx_per_slot=rt.ctx_per_slot, healthy=len(healthy), total=len(rt.backends),
+                slots=cap.slots, busy=cap.busy, waiting=cap.waiting,
+                ctx_per_slot=rt.ctx_per_slot, healthy=cap.healthy, total=cap.total,
                 fingerprint=self._fingerprint(rt)))
         if self.leaving is not None:
             state = self.leaving
@@ -360,24 +298,82 @@ class MeshLink:
         for event in self._watches.get(node_id, ()):
             event.set()
 
-    def queue(self, model: str) -> MeshWaitQueue:
-        q = self.queues.get(model)
-        if q is None:
-            q = self.queues[model] = MeshWaitQueue(on_head_change=lambda: self._announce_soon(model))
-        return q
-
     def wake(self, model: str) -> None:
         q = self.queues.get(model)
         if q is not None:
             q.wake()
 
     def wake_all(self) -> None:
-        for q in self.queues.values():
-            q.wake()
+        self.queues.wake_all()
+
+    # -- the pipeline's peers (viiwork.agent.pipeline.Peers) ---------------------------------
+
+    def unknown(self, model: str) -> Refuse | None:
+        return None  # the router knows the whole mesh's models (its 404 names them)
+
+    def kind_of(self, model: str) -> str | None:
+        return next((m.get("kind") for m in self.models() if m.get("id") == model), None)
+
+    def is_here(self, host: str | None) -> bool:
+        return host is None or host in (self.node.node_id, self.config.node.name)
+
+    def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
+        """Serve forwarded requests on the mesh listener (call before :meth:`start`)."""
+        in_flight.attach(self.node.app)  # forwards from peers count as in flight
+        for path in paths:
+            self.node.app.router.add_post(path, handler)
+
+    async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
+                      headers: dict[str, str]) -> web.StreamResponse | Refused:
+        """Forward ``call`` to a peer over the mesh's mutual TLS; ``Refused`` when it declines,
+        cannot be reached or turns silent before the first byte (the pipeline routes again)."""
+        model = call.model
+        target = self.peer_target(to.node_id)
+        result: web.StreamResponse | Refused
+        if target is None:
+            result = Refused(503, "no mesh address")
+        else:
+            token = self.reservations.reserve(to.node_id, model)
+            log.debug("request %s for %s: forwarding to %s%s", call.request_id, model, to.name,
+                      " (offered slot)" if offer_id else "")
+            # expect_node: refused before a byte is sent unless the TLS peer is that node
+            # (viiwork.mesh.dialing); a refusal routes it again.
+            extra = {"X-Viiwork-Origin": self.config.node.name, **expect_node(target.node_id)}
+            if offer_id is not None:
+                extra[OFFER_HEADER] = offer_id
+            try:
+                # A peer that turns suspect or dead while this forward waits for its first
+                # byte is abandoned and the request routed again.
+                with self.watch_peer(to.node_id) as lost:
+                    result = await self.upstream.forward(
+                        call.request, target, call.body, call.stream, headers, call.request_id,  # type: ignore[arg-type]
+                        session=self.session, extra_headers=extra,
+                        relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
+                        lost=lost)
+            finally:
+                self.reservations.release(token)
+                self.wake(model)
+        if not isinstance(result, Refused):
+            self.forwards_out += 1
+            return result
+        self.refusals_out += 1
+        log.debug("request %s: %s refused (%d %s)", call.request_id, to.name, result.status, result.reason)
+        self.reservations.mark_full(to.node_id, model)
+        return result
+
+    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None) -> Backend | None:
+        """The slot for a forward from ``origin``: the one held for its offer, else a free
+        one; a receiver never queues (None: refused, the origin tries elsewhere)."""
+        backend = self.claim(queue.model, offer_id, origin) or queue.take()
+        if backend is None:
+            self.refusals_in += 1
+            return None
+        self.forwards_in += 1
+        return backend
 
     # -- slot offers (viiwork.agent.offers) --------------------------------------------------
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -464,7 +460,7 @@ class MeshLink:
             return web.Response(status=204)
         self.wants.note(peer, want)
         if want.waiting > 0:
-            self.slot_freed(want.model)  # a slot free here now goes to it at once
+            self.slot_freed(self.queues.of(want.model))  # a slot free here now goes to it at once
         return web.Response(status=204)
 
     async def handle_offer(self, request: web.Request) -> web.Response:
@@ -488,24 +484,23 @@ class MeshLink:
                 return view.liveness is Liveness.ALIVE and bool(view.mesh)
         return False
 
-    def slot_freed(self, model: str) -> None:
-        """A local slot of ``model`` freed (a request ended, an offer was declined, a want
-        arrived): offer it to the origin with the oldest waiter this node knows of when that
-        one is older than this node's own; else wake this node's own waiters."""
-        admission = self.admissions.get(model)
-        q = self.queues.get(model)
-        oldest = q.oldest() if q is not None else None
+    def slot_freed(self, queue: WaitQueue) -> None:
+        """A local slot of ``queue``'s model freed (a request ended, an offer was declined, a
+        want arrived): offer it to the origin with the oldest waiter this node knows of when
+        that one is older than this node's own; else it goes to this node's oldest waiter."""
+        model = queue.model
+        oldest = queue.oldest()
         own_ms = None if oldest is None else (time.monotonic() - oldest) * 1000.0
         peer = None
-        if admission is not None and not self._stopped and not self.draining() and self.config.routing.slot_offers:
+        if model in self.runtimes and not self._stopped and not self.draining() and self.config.routing.slot_offers:
             peer = self.wants.pick(model, own_ms, self._offerable)
         if peer is None:
-            self.wake(model)
+            queue.grant()
             return
         target = self.peer_target(peer)
-        backend = admission.try_acquire() if target is not None else None
-        if backend is None:
-            self.wake(model)
+        backend = queue.take() if target is not None else None
+        if backend is None or target is None:
+            queue.grant()
             return
         self.wants.offered(peer, model)
         hold = self.holds.add(model, peer, backend)
@@ -534,15 +529,11 @@ class MeshLink:
     def _free_hold(self, hold: Hold | None, reoffer: bool = True) -> None:
         if hold is None:
             return
-        admission = self.admissions.get(hold.model)
-        if admission is not None:
-            admission.release(hold.backend)
-        else:  # the model was removed by a reload meanwhile
-            hold.backend.end_request()
-        if reoffer:
-            self.slot_freed(hold.model)
+        WaitQueue.release(hold.backend)
+        if reoffer and hold.model in self.runtimes:  # (a reload may have removed the model)
+            self.slot_freed(self.queues.of(hold.model))
 
-    def claim(self, offer_id: str | None, peer: NodeId | None, model: str) -> Any:
+    def claim(self, model: str, offer_id: str | None, peer: NodeId | None) -> Backend | None:
         """The backend of the slot held for ``offer_id`` when this forward (from ``peer``)
         claims it, else None (admit it like any other forward)."""
         if not offer_id:
@@ -566,7 +557,7 @@ class MeshLink:
             "peers": peers,
             "forwards": {"out": self.forwards_out, "in": self.forwards_in, "refused_in": self.refusals_in,
                          "refused_out": self.refusals_out},
-            "queued": {m: len(q) for m, q in self.queues.items() if len(q)},
+            "queued": self.queues.waiting(),
             "offers": {"held": len(self.holds), "waiting_elsewhere": self.wants.waiting(),
                        **dict(sorted(self.offer_counters.items()))},
             "counters": view.get("counters", {}),

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
-from viiwork.agent.backends import BackendState, ModelRuntime
+from viiwork.agent.backends import ModelRuntime
 from viiwork.agent.runners.base import Runner, RunnerError
 from viiwork.agent.runners.systemd import (
     JOB_IFACE,
@@ -185,12 +185,11 @@ async def run_status(notifier: Notifier, line: Callable[[], str], interval_s: fl
 
 def status_line(models: Mapping[str, ModelRuntime], peers: int | None = None) -> str:
     """The agent's one-line summary: ``"2 models, 3/4 backends healthy, 5/8 slots busy"``
-    (``", 4 peers"`` appended when the mesh runs). Slots and busy count healthy backends."""
-    backends = [b for rt in models.values() for b in rt.backends]
-    healthy = [b for b in backends if b.state is BackendState.HEALTHY]
+    (``", 4 peers"`` appended when the mesh runs), from ``ModelRuntime.capacity``."""
+    caps = [rt.capacity() for rt in models.values()]
     text = (f"{len(models)} model{'' if len(models) == 1 else 's'}, "
-            f"{len(healthy)}/{len(backends)} backends healthy, "
-            f"{sum(b.busy for b in healthy)}/{sum(b.slots for b in healthy)} slots busy")
+            f"{sum(c.healthy for c in caps)}/{sum(c.total for c in caps)} backends healthy, "
+            f"{sum(c.busy for c in caps)}/{sum(c.slots for c in caps)} slots busy")
     if peers is not None:
         text += f", {peers} peer{'' if peers == 1 else 's'}"
     return text

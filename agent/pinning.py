@@ -1,6 +1,6 @@
 """The environment an engine process starts with: GPU pinning and nothing of the agent's own.
 
-Built in layers (later layers win), DESIGN §4:
+Built in layers (later layers win), docs/architecture.md, "A backend's life":
 
 1. the inherited environment, minus every device-selection variable (an agent started from a
    shell with ``CUDA_VISIBLE_DEVICES=0`` must not pin all its engines to GPU 0) and minus

@@ -1,4 +1,4 @@
-"""Forward one admitted request to a backend and relay the answer (DESIGN §6, §11).
+"""Forward one admitted request to a backend and relay the answer (docs/routing.md; docs/architecture.md, rules 4-6 and 11).
 
 - Streams are relayed chunk by chunk as they arrive (each write flushed; no buffering).
 - A pooled connection found dead before any byte reached the client is retried once on a
@@ -37,13 +37,20 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
 
-from viiwork.agent.assemble import ASSEMBLED_PATHS, StreamBroken, StreamError, assemble, parse_events, sse_data, \
-    stream_body
+from viiwork.agent.assemble import (
+    ASSEMBLED_PATHS,
+    StreamBroken,
+    StreamError,
+    assemble,
+    parse_events,
+    sse_data,
+    stream_body,
+)
 from viiwork.agent.backends import Backend
 from viiwork.agent.engine_keys import auth_headers
 from viiwork.agent.errors import ErrorCode, engine_error, error_response, sse_error_event
@@ -203,7 +210,7 @@ class Upstream:
                 and not stops_nonstream_on_disconnect(self.engine_of(backend))):
             assembled_as = ASSEMBLED_PATHS[request.path]
             body = stream_body(body)
-        watch: asyncio.Future[object] | None = None
+        watch: asyncio.Task[Literal[True]] | None = None
         try:
             if lost is None:
                 upstream = await self._open(url, body, upstream_headers, session)
@@ -229,7 +236,12 @@ class Upstream:
             if watch.done():
                 upstream.content.set_exception(PeerLost())
             else:  # a read pending when the peer turns suspect fails with PeerLost
-                watch.add_done_callback(lambda w: w.cancelled() or upstream.content.set_exception(PeerLost()))
+                def on_lost(w: asyncio.Task[Literal[True]], content: aiohttp.StreamReader = upstream.content,
+                            ) -> None:
+                    if not w.cancelled():
+                        content.set_exception(PeerLost())
+
+                watch.add_done_callback(on_lost)
         try:
             if refusable and REFUSED_HEADER in upstream.headers:
                 return Refused(upstream.status, upstream.headers[REFUSED_HEADER])
@@ -252,7 +264,7 @@ class Upstream:
                 watch.cancel()
             upstream.release()
 
-    async def _open_unless_lost(self, watch: asyncio.Future[object], url: str, body: bytes,
+    async def _open_unless_lost(self, watch: asyncio.Task[Literal[True]], url: str, body: bytes,
                                 headers: dict[str, str],
                                 session: aiohttp.ClientSession | None) -> aiohttp.ClientResponse:
         """``_open`` raced against ``watch`` (the peer turned suspect): the answer's headers,

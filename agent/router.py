@@ -1,4 +1,4 @@
-"""The mesh-wide router: where one request for one model should run (DESIGN §6).
+"""The mesh-wide router: where one request for one model should run (docs/routing.md).
 
 Pure: no asyncio, no I/O. It reads a snapshot of this node's backends (:class:`LocalModel`)
 and of its peers (:class:`PeerSnapshot`, built from the mesh's ``PeerView`` with
@@ -98,9 +98,10 @@ class LocalModel:
     @classmethod
     def from_runtime(cls, runtime: ModelRuntime) -> LocalModel:
         """The picture of one of this node's models now (read it just before routing)."""
+        cap = runtime.capacity()
         return cls(name=runtime.name, kind=runtime.config.kind.value,
-                   backends=tuple(LocalBackend(b.id, b.free_slots) for b in runtime.backends),
-                   slots=sum(b.slots for b in runtime.healthy_backends), can_serve=runtime.can_ever_serve,
+                   backends=tuple(LocalBackend(b, free) for b, free in cap.free_by_backend),
+                   slots=cap.slots, can_serve=runtime.can_ever_serve,
                    ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine)
 
 

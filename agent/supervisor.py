@@ -1,13 +1,10 @@
 """The supervisor: launches each model's backends through a runner and walks the health ladder.
 
-DESIGN §4. One long-lived task per backend drives this ladder:
-
-    starting --ready--> healthy --max_failures probe failures, or exit--> unhealthy
-       |  (startup timeout, exit)                                            |
-       +-------------------------> unhealthy --backoff--> starting (respawn) +
-                                       | budget spent
-                                       v
-                                     dead  (``up`` revives)
+docs/architecture.md, "A backend's life". One long-lived task per backend runs the ladder of ``viiwork.agent.health_ladder``
+(starting -> healthy -> unhealthy -> respawn after a backoff -> dead; docs/reliability.md):
+that module decides (which probe failures count, when the respawn budget refills, how long
+the backoff, when a backend is dead) as a pure function; this one runs the engines, waits,
+and carries out what it returns:
 
 - starting: waits for the node-wide load gate (``supervisor.max_parallel_loads`` backends
   load at once), takes a free loopback port, launches, and probes every second (or every
@@ -15,18 +12,12 @@ DESIGN §4. One long-lived task per backend drives this ladder:
   the startup timeout or an exit ends patience. An exit within 2 s of the launch is retried
   once at once on a new port (another process may have taken the port between our bind
   test and the engine's bind) without spending the respawn budget.
-- healthy: probes every ``health.interval_s`` with a ``health.timeout_s`` deadline; a probe
-  that times out while requests are in flight is not a failure by itself (llama-server may
-  not answer /health mid-prefill). Load is read every ``supervisor.load_poll_interval_s``
-  (1 s deadline); a failed read keeps the last value until it is
-  ``supervisor.load_stale_after_s`` old, then the backend is marked ``load_stale`` (slots fall
-  back to ``parallel``, busy to routing's in-flight count).
-- unhealthy: after ``health.max_failures`` consecutive failed probes, or at once on exit.
-  A still-running engine is drained (up to ``health.drain_timeout_s``) and stopped (SIGTERM,
-  then SIGKILL after ``supervisor.stop_timeout_s``), then respawned after a backoff of
-  ``health.respawn_backoff_s`` doubling up to ``health.respawn_backoff_max_s``.
-- dead: after ``health.max_respawns`` respawns without ``health.healthy_refill_s`` of
-  continuous health in between. The reason stays on the backend.
+- healthy: probes every ``health.interval_s`` with a ``health.timeout_s`` deadline. Load is
+  read every ``supervisor.load_poll_interval_s`` (1 s deadline); a failed read keeps the last
+  value until it is ``supervisor.load_stale_after_s`` old, then the backend is marked
+  ``load_stale`` (slots fall back to ``parallel``, busy to routing's in-flight count).
+- unhealthy: a still-running engine is drained (up to ``health.drain_timeout_s``) and stopped
+  (SIGTERM, then SIGKILL after ``supervisor.stop_timeout_s``) before the backoff.
 
 ``down``/``stop`` drain (state DRAINING admits nothing), stop the engines and park the
 backends as STOPPED; ``up`` restarts them and revives dead ones with a fresh budget.
@@ -49,8 +40,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+import aiohttp
+
+from viiwork.agent import health_ladder as hl
 from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime, ModelState
 from viiwork.agent.engine_keys import (
     EngineKeyError,
@@ -74,8 +68,6 @@ from viiwork.engines.contract import (
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.persist import DISK_ERRNOS, PendingWrites
 
-import aiohttp
-
 if TYPE_CHECKING:
     from viiwork.agent.config import Config, ModelConfig
 
@@ -83,9 +75,9 @@ log = logging.getLogger(__name__)
 
 #: An engine that exits this soon after launch may have lost a race for its port.
 QUICK_EXIT_S = 2.0
-#: The longest pause between probes while a backend starts (DESIGN §4: every 1 s).
+#: The longest pause between probes while a backend starts (docs/architecture.md, "A backend's life": every 1 s).
 START_PROBE_INTERVAL_S = 1.0
-#: Deadline of one load read (DESIGN §4).
+#: Deadline of one load read (docs/architecture.md, "A backend's life").
 LOAD_READ_TIMEOUT_S = 1.0
 #: How often a drain looks at routing's in-flight count (routing changes it without notifying).
 DRAIN_POLL_S = 0.05
@@ -183,6 +175,8 @@ class _Failure:
     # The backend's key file could not be written (a full or read-only disk): not the engine's
     # fault, so no respawn is spent; the launch is retried every PendingWrites.retry_s.
     disk: bool = False
+    # What the ladder decided already (the probe failure that ended health), else None.
+    planned: tuple[hl.Action, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -198,7 +192,7 @@ class _Control:
     handle: RunHandle | None = None
     exit_task: asyncio.Future[ExitInfo] | None = None
     spec: BackendSpec | None = None
-    budget_used: int = 0
+    ladder: hl.Ladder = field(default_factory=hl.Ladder)
     task: asyncio.Task[None] | None = None
     # An engine left running by an earlier agent, taken over at start: (handle, port, key,
     # socket path or "").
@@ -278,7 +272,7 @@ class Supervisor:
             ctrl.task = asyncio.create_task(self._backend_main(ctrl), name=f"backend {ctrl.backend.id}")
 
     async def _adopt(self) -> None:
-        """Take over the engines an earlier agent of this node left running (DESIGN §4).
+        """Take over the engines an earlier agent of this node left running (docs/architecture.md, "A backend's life").
 
         The runner lists them (``adoptable``: only the systemd runner's outlive an agent). One
         whose labels name a configured backend with the same config hash is adopted: it is
@@ -358,7 +352,7 @@ class Supervisor:
             await self._close_http(ctrl)
 
     async def reload(self, config: Config) -> dict[str, list[str]]:
-        """Apply a new config's ``[[models]]``, diffed by name (DESIGN §4).
+        """Apply a new config's ``[[models]]``, diffed by name (docs/architecture.md, "A backend's life").
 
         Only models whose entry changed (``config_hash``) restart: their backends are drained
         and stopped, then started from the new entry; removed models are drained and
@@ -375,9 +369,9 @@ class Supervisor:
         await self._retire(retiring)
         self.config = config
         for name in removed:
-            runtime = self.models.pop(name)
-            runtime.state = ModelState.DOWN
-            runtime.notify()  # queued requests for it end with 503 now
+            gone = self.models.pop(name)
+            gone.state = ModelState.DOWN
+            gone.notify()  # queued requests for it end with 503 now
         starting: list[_Control] = []
         for name in changed + added:
             runtime = self.models.get(name)
@@ -429,7 +423,7 @@ class Supervisor:
         controls = [c for c in self._controls if c.runtime is runtime]
         runtime.state = ModelState.RUNNING
         for ctrl in controls:
-            ctrl.budget_used = 0
+            self._step(ctrl, hl.Revived())
             self._command(ctrl, want_running=True)
         await self._settle(controls)
         runtime.notify()
@@ -468,56 +462,8 @@ class Supervisor:
     # ----------------------------------------------------------------- status
 
     def status(self) -> list[dict[str, Any]]:
-        """This node's models for /v1/status: one dict per model.
-
-        Keys: name, engine, kind, state, slots and busy (sums over admitting backends),
-        waiting (sum, or None when any admitting backend's queue is unknown or none admits),
-        ctx_per_slot, backends (id, state, phase, progress (0..1 or -1), reason, pid, port
-        (None for a socket backend), socket (its Unix socket path, else None), unit,
-        respawns, gpus, exit_result, exit_status, load_stale, slots, busy, in_flight:
-        routing's own count of requests running there).
-        """
-        out = []
-        for runtime in self.models.values():
-            admitting = runtime.healthy_backends
-            waiting: int | None = None
-            if admitting and all(
-                b.load is not None and b.load.waiting is not None and not b.load_stale for b in admitting
-            ):
-                waiting = sum(b.load.waiting for b in admitting if b.load is not None and b.load.waiting is not None)
-            out.append({
-                "name": runtime.name,
-                "engine": runtime.config.engine,
-                "kind": str(runtime.config.kind),
-                "state": str(runtime.state),
-                "slots": sum(b.slots for b in admitting),
-                "busy": sum(b.busy for b in admitting),
-                "waiting": waiting,
-                "ctx_per_slot": runtime.ctx_per_slot,
-                "backends": [
-                    {
-                        "id": b.id,
-                        "state": str(b.state),
-                        "phase": b.phase,
-                        "progress": b.progress,
-                        "reason": b.reason,
-                        "pid": b.pid,
-                        "port": b.port,
-                        "socket": b.socket_path,
-                        "unit": b.unit,
-                        "respawns": b.respawns,
-                        "gpus": list(b.gpus),
-                        "exit_result": b.exit_result,
-                        "exit_status": b.exit_status,
-                        "load_stale": b.load_stale,
-                        "slots": b.slots,
-                        "busy": b.busy,
-                        "in_flight": b.in_flight,
-                    }
-                    for b in runtime.backends
-                ],
-            })
-        return out
+        """This node's models for /v1/status: one ``ModelRuntime.status_doc()`` per model."""
+        return [runtime.status_doc() for runtime in self.models.values()]
 
     # ----------------------------------------------------------------- the ladder
 
@@ -540,7 +486,8 @@ class Supervisor:
                     await self._terminate(ctrl, drain=False)
                 except Exception:
                     log.exception("backend %s: stopping after the failure failed too", backend.id)
-                self._set(ctrl, BackendState.DEAD, reason=f"supervisor error: {exc!r}")
+                self._step(ctrl, hl.Broken(f"supervisor error: {exc!r}"))
+                self._set(ctrl, BackendState.DEAD, reason=ctrl.ladder.reason)
                 self._update_model_state(ctrl.runtime)
                 ctrl.settled.set()
                 await ctrl.changed.wait()  # `up` (or stop) decides what happens next
@@ -548,7 +495,7 @@ class Supervisor:
     async def _park(self, ctrl: _Control, state: BackendState, reason: str) -> None:
         """Stop the engine (draining first), show ``state``, and wait for a command."""
         await self._terminate(ctrl, drain=True)
-        ctrl.backend.healthy_since = None
+        self._step(ctrl, hl.Parked())
         self._set(ctrl, state, reason=reason, phase="", progress=-1.0, port=None, socket_path=None)
         self._update_model_state(ctrl.runtime)
         ctrl.settled.set()
@@ -557,6 +504,7 @@ class Supervisor:
     async def _run_once(self, ctrl: _Control) -> _Stop | _Failure:
         """One launch (with the free retry) until a failure or a command."""
         backend = ctrl.backend
+        self._step(ctrl, hl.Launched())
         self._set(ctrl, BackendState.STARTING, phase="waiting for a load slot", progress=-1.0, reason="")
         self._update_model_state(ctrl.runtime)
         ctrl.settled.set()
@@ -577,7 +525,7 @@ class Supervisor:
             return result
         return await self._watch_healthy(ctrl)
 
-    async def _launch_until_ready(self, ctrl: _Control) -> bool | _Stop | _Failure:
+    async def _launch_until_ready(self, ctrl: _Control) -> Literal[True] | _Stop | _Failure:
         """Launch the engine and probe it until ready; True when ready."""
         backend = ctrl.backend
         model = ctrl.runtime.config
@@ -702,7 +650,7 @@ class Supervisor:
             if got.wake is _Wake.DONE and got.error is None:
                 probe: Probe = got.result
                 if probe.ready:
-                    backend.healthy_since = time.monotonic()
+                    self._step(ctrl, hl.Ready())
                     self._set(ctrl, BackendState.HEALTHY, phase="", progress=-1.0, reason="")
                     self._update_model_state(ctrl.runtime)
                     log.info("backend %s healthy after %.1f s", backend.id, time.monotonic() - started)
@@ -732,7 +680,6 @@ class Supervisor:
         health = self.config.health
         sup = self.config.supervisor
         assert ctrl.spec is not None
-        failures = 0
         now = time.monotonic()
         next_probe = now + health.interval_s
         next_load = now
@@ -764,17 +711,20 @@ class Supervisor:
                     probe_task = None
                     next_probe = time.monotonic() + health.interval_s
                     if probe.wake is _Wake.DONE and probe.error is None and probe.result.ready:
-                        failures = 0
-                    elif self._busy(backend) and self._timed_out(probe):
-                        log.debug("backend %s: probe timed out while busy; not counted", backend.id)
-                    else:
-                        self._adapter_bug(ctrl, "probe", probe.error)
-                        failures += 1
-                        last_error = self._probe_error(probe, health.timeout_s)
-                        log.warning("backend %s: probe failed (%d/%d): %s",
-                                    backend.id, failures, health.max_failures, last_error)
-                        if failures >= health.max_failures:
-                            return _Failure(reason=f"{failures} failed probes in a row, last: {last_error}")
+                        self._step(ctrl, hl.ProbeOk())
+                        continue
+                    self._adapter_bug(ctrl, "probe", probe.error)
+                    last_error = self._probe_error(probe, health.timeout_s)
+                    actions = self._step(ctrl, hl.ProbeFailed(last_error, timed_out=self._timed_out(probe),
+                                                              busy=self._busy(backend)))
+                    for action in actions:
+                        if isinstance(action, hl.ProbeExcused):
+                            log.debug("backend %s: probe timed out while busy; not counted", backend.id)
+                        elif isinstance(action, hl.ProbeCounted):
+                            log.warning("backend %s: probe failed (%d/%d): %s",
+                                        backend.id, action.failures, health.max_failures, last_error)
+                    if ctrl.ladder.state is not BackendState.HEALTHY:
+                        return _Failure(reason=ctrl.ladder.reason, planned=actions)
         finally:
             pending = [t for t in (probe_task, load_task) if t is not None]
             for task in pending:
@@ -803,48 +753,53 @@ class Supervisor:
             backend.load_stale = False
         else:
             self._adapter_bug(ctrl, "read_load", got.error)
-            since = backend.load_at if backend.load_at is not None else backend.healthy_since or now
-            if now - since >= self.config.supervisor.load_stale_after_s and not backend.load_stale:
-                log.warning("backend %s: load unread for %.1f s (%s): falling back to parallel/in-flight",
-                            backend.id, now - since, self._probe_error(got, LOAD_READ_TIMEOUT_S))
+            stale_after_s = self.config.supervisor.load_stale_after_s
+            if not backend.load_stale and hl.load_goes_stale(backend.load_at, backend.healthy_since, now, stale_after_s):
+                log.warning("backend %s: load unread for %g s or more (%s): falling back to parallel/in-flight",
+                            backend.id, stale_after_s, self._probe_error(got, LOAD_READ_TIMEOUT_S))
                 backend.load_stale = True
         if (backend.slots, backend.load_stale) != before:
             ctrl.runtime.notify()
 
     async def _after_failure(self, ctrl: _Control, failure: _Failure) -> None:
-        """Unhealthy: stop what is left, then respawn after a backoff, or die."""
+        """Unhealthy: carry out what the ladder decides (agent/health_ladder.py): stop what is
+        left, then respawn after a backoff, wait for the disk, or die."""
         backend = ctrl.backend
-        health = self.config.health
-        if failure.disk:  # no engine ran: wait for the disk, spending no respawn
-            backend.healthy_since = None
-            self._set(ctrl, BackendState.UNHEALTHY, reason=failure.reason, phase="", progress=-1.0)
-            self._update_model_state(ctrl.runtime)
-            await self._until(ctrl, None, timeout=self.writes.retry_s)
-            return
-        now = time.monotonic()
-        if backend.healthy_since is not None and now - backend.healthy_since >= health.healthy_refill_s:
-            ctrl.budget_used = 0
-        backend.healthy_since = None
+        actions = failure.planned
+        if actions is None:
+            actions = self._step(ctrl, hl.Failed(failure.reason, disk=failure.disk))
         self._set(ctrl, BackendState.UNHEALTHY, reason=failure.reason, phase="", progress=-1.0)
-        log.warning("backend %s unhealthy: %s", backend.id, failure.reason)
-        await self._terminate(ctrl, drain=True)
-        self._set(ctrl, BackendState.UNHEALTHY)
-        if ctrl.budget_used >= health.max_respawns:
-            log.error("backend %s dead after %d respawn(s): %s", backend.id, ctrl.budget_used, failure.reason)
-            self._set(ctrl, BackendState.DEAD, reason=failure.reason)
-            self._update_model_state(ctrl.runtime)
-            ctrl.settled.set()
-            await ctrl.changed.wait()
-            return
-        delay = min(health.respawn_backoff_s * 2 ** ctrl.budget_used, health.respawn_backoff_max_s)
-        self._update_model_state(ctrl.runtime)
-        got = await self._until(ctrl, None, timeout=delay)
-        if got.wake is _Wake.COMMAND:
-            return
-        ctrl.budget_used += 1
-        backend.respawns += 1
-        log.info("backend %s: respawn %d (budget %d/%d)", backend.id, backend.respawns,
-                 ctrl.budget_used, health.max_respawns)
+        if not failure.disk:
+            log.warning("backend %s unhealthy: %s", backend.id, failure.reason)
+        for action in actions:
+            if isinstance(action, hl.RetryDisk):
+                self._update_model_state(ctrl.runtime)
+                await self._until(ctrl, None, timeout=self.writes.retry_s)
+            elif isinstance(action, hl.StopEngine):
+                await self._terminate(ctrl, drain=True)
+                self._set(ctrl, BackendState.UNHEALTHY)
+            elif isinstance(action, hl.Die):
+                log.error("backend %s dead after %d respawn(s): %s", backend.id, ctrl.ladder.spent, action.reason)
+                self._set(ctrl, BackendState.DEAD, reason=action.reason)
+                self._update_model_state(ctrl.runtime)
+                ctrl.settled.set()
+                await ctrl.changed.wait()
+            elif isinstance(action, hl.Backoff):
+                self._update_model_state(ctrl.runtime)
+                got = await self._until(ctrl, None, timeout=action.delay_s)
+                if got.wake is _Wake.COMMAND:
+                    return
+                for then in self._step(ctrl, hl.BackoffOver()):
+                    if isinstance(then, hl.Respawn):
+                        log.info("backend %s: respawn %d (budget %d/%d)", backend.id, then.respawns,
+                                 then.spent, self.config.health.max_respawns)
+
+    def _step(self, ctrl: _Control, event: hl.Event) -> tuple[hl.Action, ...]:
+        """Move ``ctrl``'s ladder by ``event`` now; the backend shows its health figures."""
+        ctrl.ladder, actions = hl.step(ctrl.ladder, event, time.monotonic(), hl.LadderRules.from_config(self.config.health))
+        ctrl.backend.healthy_since = ctrl.ladder.healthy_since
+        ctrl.backend.respawns = ctrl.ladder.respawns
+        return actions
 
     # ----------------------------------------------------------------- helpers
 

@@ -54,11 +54,11 @@ def key_lines(source: str) -> dict[tuple[str | int, ...], int]:
             current = tuple(path)
             lines.setdefault(current, number)
             continue
-        key = _KEY.match(raw)
-        if key:
-            full = current + tuple(_split_dotted(key.group(1)))
+        key_match = _KEY.match(raw)
+        if key_match:
+            full = current + tuple(_split_dotted(key_match.group(1)))
             lines.setdefault(full, number)
-            rest = raw[key.end():]
+            rest = raw[key_match.end():]
             for quote in ('"""', "'''"):
                 if rest.count(quote) % 2 == 1:
                     in_multiline = quote

@@ -1,4 +1,4 @@
-"""The mesh: identity, trust, discovery and signed capacity gossip (DESIGN §5).
+"""The mesh: identity, trust, discovery and signed capacity gossip (docs/mesh.md).
 
 Public surface (what the agent uses):
 

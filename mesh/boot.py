@@ -3,7 +3,7 @@
 Every start of the agent takes ``generation = previous + 1`` from ``<state_dir>/boot.json``
 (written atomically, mode 0600) before its first publication, so a restarted node's
 summaries are newer than every summary of its previous run, whatever their seq: peers
-accept them at once (DESIGN §11.7: generations and sequence numbers, never timestamps).
+accept them at once (docs/architecture.md, rule 7: generations and sequence numbers, never timestamps).
 
 If the file is lost while the key survives (a restored backup, a hand-cleaned dir), the
 node restarts at a generation its peers may already have seen. The membership core heals

@@ -1,7 +1,7 @@
 """Mesh counters: messages and bytes in/out, accepted summaries, and drops by reason.
 
 Every message or summary the mesh refuses increments exactly one :class:`DropReason`
-counter; nothing a peer sends raises out of the mesh (DESIGN §5 "Limits").
+counter; nothing a peer sends raises out of the mesh (docs/mesh.md).
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ class DropReason(str, Enum):
 class MeshCounters:
     """Plain counters (single-threaded: the event loop or the simulator owns them)."""
 
-    messages_in: Counter = field(default_factory=Counter)  # by message type
-    messages_out: Counter = field(default_factory=Counter)
+    messages_in: Counter[str] = field(default_factory=Counter)  # by message type
+    messages_out: Counter[str] = field(default_factory=Counter)
     bytes_in: int = 0
     bytes_out: int = 0
     summaries_accepted: int = 0
     summaries_published: int = 0
-    drops: Counter = field(default_factory=Counter)  # by DropReason value
-    transport: Counter = field(default_factory=Counter)  # handshake_failed, exchange_failed, ...
+    drops: Counter[str] = field(default_factory=Counter)  # by DropReason value
+    transport: Counter[str] = field(default_factory=Counter)  # handshake_failed, exchange_failed, ...
 
     def drop(self, reason: DropReason | str, n: int = 1) -> None:
         self.drops[reason.value if isinstance(reason, DropReason) else reason] += n

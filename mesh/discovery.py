@@ -9,9 +9,9 @@ advertised IPv4 address and the mesh port, with TXT records:
 Found peers become gossip candidates (:meth:`~viiwork.mesh.membership.Membership.add_candidate`);
 what they are is then learned over mutual TLS, never from mDNS (anyone on the LAN can
 answer mDNS). mDNS does not cross routers, VPNs or Docker bridges, so ``mesh.seeds``
-(``host:port``) work alone (DESIGN §11.9).
+(``host:port``) work alone (docs/architecture.md, rule 9).
 
-Addresses (DESIGN §11.10): a wildcard, loopback or link-local address is never advertised
+Addresses (docs/architecture.md, rule 10): a wildcard, loopback or link-local address is never advertised
 unless ``mesh.advertise`` names it (tests on one host do). mDNS runs on the configured
 interfaces only (names or IPv4 addresses); tests use ``127.0.0.1`` and never all interfaces.
 """

@@ -1,6 +1,6 @@
 """A node's identity: an Ed25519 key pair kept in the state dir, and the node id derived from it.
 
-Files (DESIGN §5):
+Files (docs/mesh.md):
 
 - ``<state_dir>/node.key``: the private key, PKCS#8 PEM, mode 0600. Created at first start
   (atomically: written to a temporary file, fsynced, renamed). The state dir is created

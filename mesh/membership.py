@@ -7,7 +7,7 @@ an injected wall clock (used for certificate validity only). The agent's transpo
 code. Nothing a peer sends raises out of it: every refusal is a counted
 :class:`~viiwork.mesh.counters.DropReason`.
 
-Rules (DESIGN §5, §11.7):
+Rules (docs/mesh.md; docs/architecture.md, rule 7):
 
 - **Ordering** of one node's summaries is by ``(generation, seq)`` (see
   :mod:`viiwork.mesh.boot`): newer is accepted, equal is a ``replay``, older is ``old_seq``.
@@ -75,7 +75,6 @@ from typing import Any
 from viiwork.mesh.clones import BootTracker, IdentityConflict
 from viiwork.mesh.counters import DropReason, MeshCounters
 from viiwork.mesh.identity import NodeId
-from viiwork.mesh.ratelimit import PeerRateLimiter
 from viiwork.mesh.messages import (
     MAX_AGE_MS,
     MAX_MESSAGE_BYTES,
@@ -88,11 +87,12 @@ from viiwork.mesh.messages import (
     decode_message,
     encode_message,
 )
+from viiwork.mesh.ratelimit import PeerRateLimiter
 from viiwork.mesh.signing import CertificateView, TrustPolicy
 from viiwork.mesh.summary import (
-    GpuCapacity,
     IMPLEMENTED_PROTOCOLS,
     PROTOCOL_VERSION,
+    GpuCapacity,
     ModelCapacity,
     PublishedState,
     SignedSummary,

@@ -16,7 +16,7 @@ Every relayed summary carries ``age_ms``: how long ago, by the relay's own monot
 the relay believes the origin published it (its own receive time minus the age it was
 given, plus the time it held it). Ages are durations, not timestamps, so no clocks need to
 agree; they let a receiver see that a "newer" summary held by a stale relay is in fact old
-(DESIGN §11.7). Protocol 1 messages carry no ``age_ms`` (read as 0).
+(docs/architecture.md, rule 7). Protocol 1 messages carry no ``age_ms`` (read as 0).
 
 Wire shapes (JSON objects; ``protocol`` is 1, 2 or 3 (3: as 2); ``mesh_id`` must be the receiver's):
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 from viiwork.mesh.identity import NodeId, is_node_id
 from viiwork.mesh.summary import (
@@ -92,7 +92,7 @@ class Push:
     rejected: tuple[str, ...] = ()
 
 
-Message = Union[Digest, Reply, Push]
+Message = Digest | Reply | Push
 
 
 # --- encoding ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import asyncio
 import datetime as dt
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,8 +33,8 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
 from viiwork.mesh import tls
-from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
+from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
 from viiwork.mesh.membership import GossipSettings, Liveness, Membership, PeerView
@@ -144,8 +145,8 @@ class MeshNode:
         self.membership: Membership | None = None
         self.publisher: LocalPublisher | None = None
         self.policy: CaTrust | None = None
-        self.server_ssl_context = None
-        self.client_ssl_context = None
+        self.server_ssl_context: ssl.SSLContext | None = None
+        self.client_ssl_context: ssl.SSLContext | None = None
         self.advertised_mesh: str | None = None
         self.advertised_api: str = ""
         self.listen_port: int | None = None

@@ -28,13 +28,21 @@ class Signer(Protocol):
 
 
 class CertificateView(Protocol):
-    """What the core needs from a verified certificate."""
+    """What the core needs from a verified certificate (read-only: implementations are frozen).
 
-    node_id: NodeId
-    name: str
-    not_after: dt.datetime
-    der: bytes
-    public_key: Any
+    ``public_key`` is the policy's own key object (an Ed25519 public key, or the simulator's
+    stand-in); only the policy that returned the certificate reads it."""
+
+    @property
+    def node_id(self) -> NodeId: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def not_after(self) -> dt.datetime: ...
+    @property
+    def der(self) -> bytes: ...
+    @property
+    def public_key(self) -> Any: ...
 
 
 class TrustPolicy(Protocol):
@@ -43,8 +51,10 @@ class TrustPolicy(Protocol):
     ``verify_signature(cert, data, signature)`` returns whether the signature is valid.
     ``mode`` is "ca" or "open"; ``mesh_id`` names the mesh."""
 
-    mode: str
-    mesh_id: str
+    @property
+    def mode(self) -> str: ...
+    @property
+    def mesh_id(self) -> str: ...
 
     def verify_certificate(self, der: bytes, now: dt.datetime) -> CertificateView: ...
 

@@ -34,12 +34,13 @@ from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership
 from viiwork.mesh.messages import Digest, estimate_size
 from viiwork.mesh.publisher import LocalPublisher
+from viiwork.mesh.signing import CertificateView
 from viiwork.mesh.summary import PROTOCOL_VERSION, ModelCapacity, PublishedState
 from viiwork.mesh.trust import CertificateExpired, CertificateInvalid, WrongCa
 
 SIM_MESH_ID = "simmesh"
-FAR_FUTURE = dt.datetime(9999, 1, 1, tzinfo=dt.timezone.utc)
-EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+FAR_FUTURE = dt.datetime(9999, 1, 1, tzinfo=dt.UTC)
+EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
 def sim_node_id(i: int, salt: str = "") -> NodeId:
@@ -120,7 +121,7 @@ class FakeTrust:
             raise CertificateExpired(f"valid until {cert.not_after}")
         return cert
 
-    def verify_signature(self, cert: FakeCert, data: bytes, signature: bytes) -> bool:
+    def verify_signature(self, cert: CertificateView, data: bytes, signature: bytes) -> bool:
         self.signature_verifications += 1
         return signature == fake_signature(cert.node_id, data)
 
@@ -216,17 +217,25 @@ class Simulator:
     def _boot(self, node: SimNode, generation: int) -> None:
         node.generation = generation
         node.incarnation += 1
-        clock = (lambda n=node: self.now + n.offset_ms)
-        wall = (lambda n=node: EPOCH + dt.timedelta(milliseconds=self.now + n.offset_ms))
+
+        def clock() -> float:
+            return self.now + node.offset_ms
+
+        def wall() -> dt.datetime:
+            return EPOCH + dt.timedelta(milliseconds=self.now + node.offset_ms)
+
+        def store_generation(g: int) -> None:
+            node.generation = g
+
         m = Membership(node.node_id, SIM_MESH_ID if self.crypto != "real" else self._real.mesh_id,
                        node.signer.certificate_der, node.policy, self.settings, clock, wall,
                        random.Random(self.rng.random()), protocol=node.protocol)
-        m.on_update.append(lambda origin, n=node: self._notify(n, origin))
-        m.on_liveness.append(lambda origin, old, new, n=node: self._notify_liveness(n, origin, old, new))
+        m.on_update.append(lambda origin: self._notify(node, origin))
+        m.on_liveness.append(lambda origin, old, new: self._notify_liveness(node, origin, old, new))
         pub = LocalPublisher(m, node.signer, node.name, api=f"sim-{node.index}:8086", mesh=node.address,
                              version="sim", boot=Boot(generation, f"{node.index:04x}{node.incarnation:012x}"),
                              heartbeat_ms=self.settings.heartbeat_ms,
-                             store_generation=lambda g, n=node: setattr(n, "generation", g))
+                             store_generation=store_generation)
         pub.set_local(node.models)
         pub.maybe_publish()
         node.membership, node.publisher = m, pub

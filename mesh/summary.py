@@ -1,4 +1,4 @@
-"""The signed capacity summary: what a node publishes about itself (DESIGN §5).
+"""The signed capacity summary: what a node publishes about itself (docs/mesh.md).
 
 A :class:`SummaryPayload` is encoded canonically (:func:`canonical_json`: sorted keys, no
 spaces, ASCII, integers only), and signed by the origin's node key over
@@ -240,7 +240,8 @@ def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
             entry["fingerprint"] = m.fingerprint
         models.append(entry)
     obj = {
-        "protocol": payload.protocol, "speaks": payload.speaks, "mesh_id": payload.mesh_id, "node_id": payload.node_id, "name": payload.name,
+        "protocol": payload.protocol, "speaks": payload.speaks, "mesh_id": payload.mesh_id, "node_id": payload.node_id,
+        "name": payload.name,
         "api": payload.api, "mesh": payload.mesh, "version": payload.version, "generation": payload.generation,
         "boot": payload.boot, "seq": payload.seq, "state": payload.state.value, "models": models,
     }

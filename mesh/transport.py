@@ -190,7 +190,7 @@ class _TlsGate(asyncio.Protocol):
         try:
             tls = await loop.start_tls(transport, buffer, self._site.ssl_context, server_side=True,
                                        ssl_handshake_timeout=self._site.handshake_timeout_s)
-        except (ssl.SSLError, OSError, asyncio.TimeoutError, ConnectionError, RuntimeError) as exc:
+        except (TimeoutError, ssl.SSLError, OSError, ConnectionError, RuntimeError) as exc:
             self._site.handshake_failed(peer, exc)
             # The traceback's frames hold asyncio's SSLProtocol (and its 256 KiB buffer) in a
             # cycle with the exception: without this it waits for a full gc collection.
@@ -215,7 +215,7 @@ class _TlsGate(asyncio.Protocol):
         if buffer.eof:
             handler.eof_received()
         if buffer.lost is not False:
-            handler.connection_lost(None if buffer.lost is True else buffer.lost)  # type: ignore[arg-type]
+            handler.connection_lost(None if buffer.lost is True else buffer.lost)
 
     def data_received(self, data: bytes) -> None:  # pragma: no cover - reading is paused
         pass
@@ -270,7 +270,8 @@ class MutualTlsSite(BaseSite):
 
     @property
     def port(self) -> int:
-        if self._server is not None and self._server.sockets:
+        # BaseSite types _server as AbstractServer; start() stores loop.create_server's Server.
+        if isinstance(self._server, asyncio.Server) and self._server.sockets:
             return int(self._server.sockets[0].getsockname()[1])
         return self._port
 
@@ -278,7 +279,7 @@ class MutualTlsSite(BaseSite):
     def server_factory(self) -> Callable[[], asyncio.Protocol]:
         server = self._runner.server
         assert server is not None, "call runner.setup() before starting the site"
-        return server  # type: ignore[return-value]
+        return server
 
     def admit_connection(self, host: str) -> bool:
         """Take a connection place for ``host``; False (and counted) when none is free."""

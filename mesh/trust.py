@@ -1,6 +1,6 @@
 """Mesh trust with standard X.509 (the ``cryptography`` library): CA, enrolment, verification.
 
-Two trust modes (``mesh.trust``, DESIGN §5):
+Two trust modes (``mesh.trust``, docs/mesh.md):
 
 ``ca``
     The mesh CA is a self-signed Ed25519 certificate (:func:`init_ca`). A node makes a
@@ -58,6 +58,7 @@ from viiwork.mesh.identity import (
     write_private_file,
 )
 from viiwork.mesh.pins import NameConflict, PinStore
+from viiwork.mesh.signing import CertificateView
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class CertificateExpired(TrustError):
 
 
 def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _name(cn: str) -> x509.Name:
@@ -357,8 +358,8 @@ def install_certificate(state_dir: Path, cert_pem: bytes, identity: NodeIdentity
 
 # --- open mode --------------------------------------------------------------------------------
 
-_OPEN_NOT_BEFORE = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
-_OPEN_NOT_AFTER = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc)
+_OPEN_NOT_BEFORE = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+_OPEN_NOT_AFTER = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)
 
 
 def open_mesh_ca(mesh_id: str) -> tuple[Ed25519PrivateKey, x509.Certificate]:
@@ -432,7 +433,7 @@ class CaTrust:
         self.chain_verifications = 0
         self.signature_verifications = 0
 
-    def verify_signature(self, cert: CertInfo, data: bytes, signature: bytes) -> bool:
+    def verify_signature(self, cert: CertificateView, data: bytes, signature: bytes) -> bool:
         """True when ``signature`` is ``cert``'s key's Ed25519 signature of ``data``."""
         self.signature_verifications += 1
         return verify_signature(cert.public_key, data, signature)

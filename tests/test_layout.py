@@ -1,6 +1,6 @@
 """The shape of the source tree: dependency direction, packaging completeness, import names.
 
-DESIGN §2: ``agent`` may import ``mesh`` and ``engines``; ``mesh`` and ``engines`` import
+docs/architecture.md: ``agent`` may import ``mesh`` and ``engines``; ``mesh`` and ``engines`` import
 neither ``agent`` nor each other. pyproject.toml lists every import package explicitly, so a
 sub-package missing from that list would be missing from the installed wheel and the .deb
 while every test of the editable tree still passed: this file catches both.
@@ -27,7 +27,7 @@ PACKAGE_ROOTS = {
     "engines": "viiwork.engines",
 }
 
-# Who may not import whom (DESIGN §2).
+# Who may not import whom (docs/architecture.md).
 FORBIDDEN = {
     "mesh": ("viiwork.agent", "viiwork.engines"),
     "engines": ("viiwork.agent", "viiwork.mesh"),
@@ -95,7 +95,7 @@ def test_dependency_direction(folder: str) -> None:
         for line, name in _imports(path)
         if any(_hits(name, prefix) for prefix in FORBIDDEN[folder])
     ]
-    assert not bad, f"{folder}/ must import neither {' nor '.join(FORBIDDEN[folder])} (DESIGN §2):\n" + "\n".join(bad)
+    assert not bad, f"{folder}/ must import neither {' nor '.join(FORBIDDEN[folder])} (docs/architecture.md):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("folder", sorted(PACKAGE_ROOTS))

@@ -1,12 +1,12 @@
 """The GPU inventory: a frozen snapshot of the GPUs this host has, read from NVML and sysfs.
 
 A ``Gpu`` carries what could be measured; every figure that could not be read is ``None``
-(never 0, DESIGN §11.3) and the reason is kept in ``unread``. A ``GpuInventory`` also says,
+(never 0, docs/architecture.md, rule 3) and the reason is kept in ``unread``. A ``GpuInventory`` also says,
 per vendor, whether its source could be read at all (``SourceStatus``), so "no GPU here" and
 "GPUs here but the driver cannot be read" stay different facts.
 
 GPU references in the config (``models[].gpus``) are NVML indexes in PCI bus order or GPU
-UUIDs (DESIGN §4); ``GpuInventory.resolve`` turns one into a ``Gpu``.
+UUIDs (docs/architecture.md, "A backend's life"); ``GpuInventory.resolve`` turns one into a ``Gpu``.
 """
 
 from __future__ import annotations

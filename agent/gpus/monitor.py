@@ -308,8 +308,9 @@ class GpuMonitor:
             "sources": [s.to_json() for s in self.inventory.sources],
             "gpus": [{**g.to_json(), "backends": pinned.get(g.key, [])} for g in self.inventory.gpus],
             "lost_backends": [
-                {"backend": l.backend, "model": l.model, "gpu": l.gpu_label, "age_s": round(now - l.since, 1)}
-                for l in self.losses.values()],
+                {"backend": lost.backend, "model": lost.model, "gpu": lost.gpu_label,
+                 "age_s": round(now - lost.since, 1)}
+                for lost in self.losses.values()],
             "placements": [
                 {"backend": bid, "pid": r.pid, "age_s": round(now - r.at, 1), **r.placement.to_json()}
                 for bid, r in self.placements.items()],

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import pynvml
+from pynvml import NVMLError
 
 from viiwork.agent.gpus.inventory import Gpu, GpuProcess, SourceState, SourceStatus, Vendor, normalize_bus_id
 
 log = logging.getLogger(__name__)
 
-NVMLError = pynvml.NVMLError
 # Sensor argument of nvmlDeviceGetTemperature: the GPU core sensor (nvml.h NVML_TEMPERATURE_GPU).
 TEMPERATURE_GPU = 0
 # Return codes that mean "there is no NVIDIA driver here" rather than "it is broken" (nvml.h).
@@ -94,7 +94,7 @@ class NvmlReader:
     vendor = Vendor.NVIDIA
 
     def __init__(self, api: NvmlApi | None = None) -> None:
-        self._api: NvmlApi = api if api is not None else pynvml  # type: ignore[assignment]
+        self._api: NvmlApi = api if api is not None else pynvml
         self._initialised = False
         self._lock = threading.Lock()
 

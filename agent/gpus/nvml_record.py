@@ -61,7 +61,8 @@ class RecordingError(ValueError):
 
 def _error(exc: pynvml.NVMLError) -> dict[str, str]:
     code = getattr(exc, "value", None)
-    return {"nvml_error": _CODE_NAMES.get(code, f"NVML_ERROR_{code}")}
+    name = _CODE_NAMES.get(code) if isinstance(code, int) else None
+    return {"nvml_error": name or f"NVML_ERROR_{code}"}
 
 
 def _plain(call: str, value: Any) -> Any:
@@ -76,7 +77,7 @@ def _plain(call: str, value: Any) -> Any:
 
 def record_nvml(api: NvmlApi | None = None, provenance: str = "") -> dict[str, Any]:
     """Call every function the reader uses and keep each answer or error (blocking)."""
-    api = api if api is not None else pynvml  # type: ignore[assignment]
+    api = api if api is not None else pynvml
     out: dict[str, Any] = {"format": FORMAT, "provenance": provenance}
 
     def call(name: str, fn: Any, *args: Any) -> Any:

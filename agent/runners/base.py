@@ -1,4 +1,4 @@
-"""The runner interface: start, watch and stop one backend process (DESIGN §4).
+"""The runner interface: start, watch and stop one backend process (docs/architecture.md, "A backend's life").
 
 Two runners implement it: ``ProcessRunner`` (asyncio subprocess in its own process group,
 dies with the agent) and ``SystemdRunner`` (transient units over D-Bus, survive the agent).
@@ -7,7 +7,7 @@ The supervisor only speaks this interface; nothing above it knows which runner i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -99,7 +99,7 @@ class Runner(Protocol):
         """Launch; raises RunnerError when it cannot start at all (binary missing...)."""
         ...
 
-    async def adoptable(self, owner: str) -> list[RunHandle]:
+    async def adoptable(self, owner: str) -> Sequence[RunHandle]:
         """Running backends labelled with ``owner`` left by an earlier agent; [] if none."""
         ...
 

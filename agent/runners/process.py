@@ -85,7 +85,7 @@ class ProcessHandle:
     def __init__(self, proc: asyncio.subprocess.Process, labels: Mapping[str, str], name: str) -> None:
         self._proc = proc
         self.pid: int | None = proc.pid
-        self.labels = dict(labels)
+        self.labels: Mapping[str, str] = dict(labels)
         self.name = name
         self.started_at = time.monotonic()
         self._info: ExitInfo | None = None

@@ -1,4 +1,4 @@
-"""SystemdRunner: each backend is a transient systemd service, driven over D-Bus (DESIGN §4).
+"""SystemdRunner: each backend is a transient systemd service, driven over D-Bus (docs/architecture.md, "A backend's life").
 
 The runner talks to ``org.freedesktop.systemd1`` with dbus-fast (asyncio), on the system bus
 in production and the user bus in development and tests:
@@ -325,7 +325,8 @@ async def call(conn: MessageBus, destination: str, path: str, interface: str, me
     if reply is None:
         raise RunnerError(f"D-Bus connection closed during {member}")
     if reply.message_type is MessageType.ERROR:
-        raise DBusError(reply.error_name, reply.body[0] if reply.body else "")
+        # An ERROR message always names its error (D-Bus specification); Failed if a peer did not.
+        raise DBusError(reply.error_name or "org.freedesktop.DBus.Error.Failed", reply.body[0] if reply.body else "")
     return reply.body
 
 
@@ -467,7 +468,7 @@ class SystemdHandle:
         self._runner = runner
         self.unit: str | None = unit
         self.path = unit_object_path(unit)
-        self.labels = dict(labels)
+        self.labels: Mapping[str, str] = dict(labels)
         self.pid: int | None = None
         self.active_state = ""
         self.sub_state = ""
@@ -654,7 +655,7 @@ class SystemdRunner:
         if msg.sender != self._systemd_owner:
             return None
         if msg.member == "PropertiesChanged":
-            handle = self._handles.get(msg.path)
+            handle = self._handles.get(msg.path) if msg.path is not None else None
             if handle is not None:
                 interface, changed, _invalidated = msg.body
                 handle._apply(interface, {k: v.value for k, v in changed.items()})

@@ -40,7 +40,6 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 from support.agent import run_agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
 from support.systemd import missing_user_manager, user_manager  # noqa: E402
-
 from viiwork.agent.runners.base import LaunchRequest  # noqa: E402
 from viiwork.agent.runners.systemd import SystemdRunner, engine_unit_stem  # noqa: E402
 
@@ -55,7 +54,7 @@ async def runner_latency(bus_address: str, n: int, workdir: Path) -> list[float]
     runner = await SystemdRunner.connect("user", bus_address, engine_user=None)
     samples = []
     try:
-        for i in range(n):
+        for _ in range(n):
             request = LaunchRequest(name=engine_unit_stem("bench", "m", 0), argv=("/usr/bin/sleep", "600"),
                                     env={"PATH": "/usr/bin:/bin"}, description="bench", labels={"owner": "bench"})
             handle = await runner.start(request)

@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         before = [get(u + "/v1/counters") for u in urls]
         time.sleep(args.steady_s)
         after = [get(u + "/v1/counters") for u in urls]
-        cpu = [(a["cpu_s"] - b["cpu_s"]) / args.steady_s for a, b in zip(after, before)]
-        sent = [(a["bytes_out"] - b["bytes_out"]) / args.steady_s for a, b in zip(after, before)]
+        cpu = [(a["cpu_s"] - b["cpu_s"]) / args.steady_s for a, b in zip(after, before, strict=True)]
+        sent = [(a["bytes_out"] - b["bytes_out"]) / args.steady_s for a, b in zip(after, before, strict=True)]
         verif = [(a["verifications"]["signature"] - b["verifications"]["signature"]) / args.steady_s
-                 for a, b in zip(after, before)]
+                 for a, b in zip(after, before, strict=True)]
         verify_us = ed25519_verify_us()
 
         # Crash detection.

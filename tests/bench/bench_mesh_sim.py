@@ -1,7 +1,7 @@
 """Mesh simulation benchmark: convergence, failure detection and cost at N simulated nodes.
 
 Runs the real protocol core (viiwork.mesh.membership) for N nodes in virtual time with the
-counting fake signer (viiwork.mesh.sim), default settings (DESIGN §9: 500 ms rounds,
+counting fake signer (viiwork.mesh.sim), default settings (docs/configuration.md: 500 ms rounds,
 fanout 3, suspect 2 s / dead 10 s as floors), and prints one table row per (N, loss):
 
 - join: virtual time until every node holds every other as alive, from a cold start where

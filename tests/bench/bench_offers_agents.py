@@ -177,7 +177,7 @@ def start_mesh(stack: ExitStack, workdir: Path, binary: Path, token_s: float, of
     for agent in agents:
         agent.wait_healthy("shared", timeout_s=60)
     for agent in agents:
-        agent.wait_for(lambda d: peers_ready(agent), 60, "both peers alive with free slots")
+        agent.wait_for(lambda d, a=agent: peers_ready(a), 60, "both peers alive with free slots")
     return agents
 
 

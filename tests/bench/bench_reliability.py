@@ -169,7 +169,7 @@ async def open_stream(http: aiohttp.ClientSession, url: str, body: dict) -> aioh
 async def stream_end(resp: aiohttp.ClientResponse, since: float, timeout_s: float) -> tuple[str, float]:
     try:
         raw = await asyncio.wait_for(resp.read(), timeout_s)
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         raw = b""
     finally:
         resp.close()

@@ -39,7 +39,7 @@ def boot_core(node: TestNode, ca: TestCA, clock: ManualClock, nonce: str, genera
 def round_of(clock: ManualClock, pairs: list[tuple[Membership, LocalPublisher]], hub: Membership) -> None:
     """One 100 ms gossip round: everyone publishes, ticks, and exchanges with ``hub``."""
     clock.advance(100)
-    for m, pub in pairs:
+    for _, pub in pairs:
         pub.maybe_publish()
     hub.tick()
     for m, _ in pairs:

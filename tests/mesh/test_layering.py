@@ -1,4 +1,4 @@
-"""The mesh imports neither the agent nor the engines (DESIGN §2)."""
+"""The mesh imports neither the agent nor the engines (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import require
+
 from support.netns import bridged_hosts, netns_available
 
 pytestmark = pytest.mark.netns

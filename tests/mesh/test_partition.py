@@ -25,8 +25,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
 from conftest import require
+
 from support.agent import Agent, write_config
 from support.engines import fake_engine_binary
 from support.netns import Hosts, bridged_hosts, in_netns, netns_available

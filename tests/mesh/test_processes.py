@@ -47,7 +47,7 @@ class Runner:
         with urllib.request.urlopen(self.url + "/v1/mesh", timeout=5) as resp:
             return json.load(resp)
 
-    def liveness_of(self, other: "Runner") -> str | None:
+    def liveness_of(self, other: Runner) -> str | None:
         for node in self.view()["nodes"]:
             if node["id"] == other.node_id:
                 return node["liveness"]

@@ -74,7 +74,7 @@ async def test_client_of_another_ca_is_refused_and_counted(tmp_path, ca_node):
 
 async def test_expired_client_certificate_is_refused_and_counted(tmp_path, ca_node):
     node, ca = ca_node
-    long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=400)
+    long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=400)
     enrol(tmp_path / "expired", ca, "expired", days=2, now=long_ago)
     ctx = client_ctx(tmp_path / "expired" / "node.crt", tmp_path / "expired" / "node.key",
                      (ca / "ca.crt").read_bytes())

@@ -105,7 +105,7 @@ def test_wrong_ca_is_refused_by_verification(tmp_path, ca_dir):
 
 
 def test_expiry_is_checked_against_the_local_clock_with_tolerance(tmp_path, ca_dir):
-    issued = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.timezone.utc)
+    issued = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
     _, pem, ca_cert = enrol(tmp_path, ca_dir, days=10, now=issued)
     trust = CaTrust(ca_cert, tolerance_s=300)
     der = certificate_der(pem)
@@ -122,7 +122,7 @@ def test_expiry_is_checked_against_the_local_clock_with_tolerance(tmp_path, ca_d
 
 
 def test_node_certificate_never_outlives_its_ca(tmp_path):
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     init_ca(tmp_path / "ca", days=30, now=now)
     _, pem, ca_cert = enrol(tmp_path, tmp_path / "ca", days=365, now=now)
     cert = x509.load_pem_x509_certificate(pem)

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
             futures = [pool.submit(try_mutant, m, scratch, args.timeout) for m in mutants]
-            for m, future in zip(mutants, futures):
+            for m, future in zip(mutants, futures, strict=True):
                 outcome = future.result()
                 rows.append(outcome)
                 print(f"{outcome.name}: {outcome.result} ({outcome.seconds:.1f} s) - {m.why}", flush=True)

@@ -22,7 +22,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, require
 
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(1500)]

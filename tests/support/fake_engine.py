@@ -52,6 +52,8 @@ Knobs (environment):
     FAKE_ERROR_AFTER_CHUNKS  streams end with llama-server's error event (``data:
                              {"error": {"code": 500, ...}}``, no [DONE]) after this many
                              content chunks
+    FAKE_SLOTS_FAIL_AFTER_S  /slots answers 500 from this many seconds after start (health
+                             stays ok): the agent's load reading goes stale
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Knobs:
     close_after_stream: bool
     nonstream_ignores_close: bool = False
     error_after_chunks: int | None = None
+    slots_fail_after_s: float | None = None
 
     @classmethod
     def from_env(cls) -> Knobs:
@@ -115,6 +118,7 @@ class Knobs:
             close_after_stream=os.environ.get("FAKE_CLOSE_AFTER_STREAM", "1") == "1",
             nonstream_ignores_close=os.environ.get("FAKE_NONSTREAM_IGNORES_CLOSE", "") == "1",
             error_after_chunks=_env_int("FAKE_ERROR_AFTER_CHUNKS", None),
+            slots_fail_after_s=_env_float("FAKE_SLOTS_FAIL_AFTER_S", None),
         )
 
 
@@ -189,6 +193,9 @@ async def slots(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.loaded():
         return _error(503, "Loading model", "unavailable_error")
+    fail_after = engine.knobs.slots_fail_after_s
+    if fail_after is not None and time.monotonic() - engine.started >= fail_after:
+        return _error(500, "slots unavailable (FAKE_SLOTS_FAIL_AFTER_S)", "server_error")
     body = [
         {"id": i, "n_ctx": engine.n_ctx_slot, "speculative": False, "is_processing": busy}
         for i, busy in enumerate(engine.busy)

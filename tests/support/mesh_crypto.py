@@ -18,7 +18,7 @@ from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import NodeSigner
 from viiwork.mesh.summary import ModelCapacity
 
-T0 = dt.datetime(2026, 6, 1, 12, 0, tzinfo=dt.timezone.utc)
+T0 = dt.datetime(2026, 6, 1, 12, 0, tzinfo=dt.UTC)
 
 
 class ManualClock:

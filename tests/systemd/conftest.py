@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 from conftest import require
-from support.systemd import (Pid1System, UserManager, checkout_hidden_by_private_tmp, missing_pid1,
-                             missing_user_manager, pid1_system, user_manager)
 
+from support.systemd import (
+    Pid1System,
+    UserManager,
+    checkout_hidden_by_private_tmp,
+    missing_pid1,
+    missing_user_manager,
+    pid1_system,
+    user_manager,
+)
 from viiwork.agent.runners.systemd import SystemdRunner
 
 

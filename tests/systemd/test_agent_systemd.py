@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from support.agent import render_config, run_agent
 from support.engines import fake_engine_binary
 from support.procs import free_port

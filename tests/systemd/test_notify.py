@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from support.engines import FAKE_ENGINE
 from support.procs import free_port, wait_http
 from support.systemd import UserManager
-
 from viiwork.agent.notify import Notifier, StopIntent, one_line, stop_intent
 from viiwork.agent.runners.base import LaunchRequest
 from viiwork.agent.runners.systemd import (

@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 from conftest import require
 from dbus_fast.aio import MessageBus
+
 from support.engines import FAKE_ENGINE, fake_engine_binary
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_main_pid, unit_show
-
 from viiwork.agent.runners.base import ExitInfo, LaunchRequest, RunnerError
 from viiwork.agent.runners.systemd import (
     ENGINE_SLICE,
@@ -77,7 +77,7 @@ async def wait_health(port: int, timeout_s: float = 20.0, handle=None) -> dict:
                     if r.status == 200:
                         return await r.json()
                     last = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 last = exc
             await asyncio.sleep(0.05)
     raise AssertionError(f"/health on port {port} not ready within {timeout_s} s (last: {last})")

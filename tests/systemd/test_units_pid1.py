@@ -19,11 +19,18 @@ from pathlib import Path
 
 import pytest
 from conftest import require
+
 from support.agent import render_config
 from support.engines import fake_engine_binary
 from support.procs import free_port
-from support.systemd import (Pid1System, checkout_hidden_by_private_tmp, missing_pid1, pid1_system, unit_main_pid,
-                             unit_show)
+from support.systemd import (
+    Pid1System,
+    checkout_hidden_by_private_tmp,
+    missing_pid1,
+    pid1_system,
+    unit_main_pid,
+    unit_show,
+)
 
 pytestmark = pytest.mark.systemd
 

@@ -1,14 +1,16 @@
-"""Local admission: most-free-slot choice, FIFO queue, bounds, and dispatch on change."""
+"""Local admission: most-free-slot choice, the FIFO origin queue with one freed slot per
+waiter, its bounds, and what a standalone node answers when nothing can serve
+(agent/waitqueue.py, agent/pipeline.py NoPeers; the whole path over HTTP: test_api.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from viiwork.agent.admission import ModelAdmission, NoCapacity, QueueFull, QueueTimeout
 from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime, ModelState
 from viiwork.agent.config import ModelConfig
+from viiwork.agent.pipeline import NoPeers
+from viiwork.agent.router import Queue, Refuse, RunLocal
+from viiwork.agent.waitqueue import Queues
 from viiwork.engines.registry import get_engine
 
 
@@ -21,129 +23,113 @@ def runtime(*parallels: int, state: BackendState = BackendState.HEALTHY) -> Mode
     return rt
 
 
+def queues(rt: ModelRuntime, queue_max: int = 4) -> Queues:
+    return Queues({"m": rt}, queue_max, 5.0)
+
+
 async def test_picks_backend_with_most_free_slots() -> None:
     rt = runtime(1, 3)
-    adm = ModelAdmission(rt, queue_max=4, queue_timeout_s=1)
-    first = await adm.acquire()
-    assert first.backend.id == "m#1"
-    second = await adm.acquire()
-    assert second.backend.id == "m#1"  # 2 free on m#1 vs 1 on m#0
-    third = await adm.acquire()
-    assert {third.backend.id} <= {"m#0", "m#1"}
+    q = queues(rt).of("m")
+    assert q.take().id == "m#1"  # type: ignore[union-attr]
+    assert q.take().id == "m#1"  # type: ignore[union-attr]  # 2 free on m#1 vs 1 on m#0
+    assert q.take() is not None
     assert sum(b.in_flight for b in rt.backends) == 3
+    assert NoPeers({"m": rt}).route("m", host=None, affinity=None, exclude=set()) == RunLocal("m#1")
 
 
 async def test_queue_is_fifo_and_dispatched_on_release() -> None:
     rt = runtime(1)
-    adm = ModelAdmission(rt, queue_max=5, queue_timeout_s=5)
-    held = await adm.acquire()
-    order: list[int] = []
-
-    async def waiter(n: int) -> None:
-        lease = await adm.acquire()
-        order.append(n)
-        await asyncio.sleep(0)
-        adm.release(lease.backend)
-
-    tasks = []
-    for n in range(3):
-        tasks.append(asyncio.create_task(waiter(n)))
-        await asyncio.sleep(0)  # arrival order = creation order
-    assert adm.queued == 3
-    adm.release(held.backend)
-    await asyncio.wait_for(asyncio.gather(*tasks), 2)
-    assert order == [0, 1, 2]
-    assert rt.backends[0].in_flight == 0
+    q = queues(rt).of("m")
+    held = q.take()
+    assert held is not None
+    waiters = [q.enter() for _ in range(3)]
+    assert len(q) == 3
+    q.release(held)
+    q.grant()  # the freed slot goes to the oldest waiter, and only to it
+    assert waiters[0].grant is held and waiters[0].event.is_set()
+    assert all(w.grant is None and not w.event.is_set() for w in waiters[1:])
+    q.leave(waiters[0])
+    q.release(held)
+    q.grant()
+    assert waiters[1].grant is held and waiters[2].grant is None
 
 
 async def test_new_arrival_never_overtakes_queue() -> None:
     rt = runtime(1)
-    adm = ModelAdmission(rt, queue_max=5, queue_timeout_s=5)
-    held = await adm.acquire()
-    early = asyncio.create_task(adm.acquire())
-    await asyncio.sleep(0)
-    # Free the slot without dispatching (as if the engine's capacity grew), then a late
-    # arrival must still queue behind the early one.
+    qs = queues(rt)
+    q = qs.of("m")
+    held = q.take()
+    early = q.enter()
+    # The engine's capacity grows: the free slot goes to the early waiter, not a late one.
     rt.backends[0].parallel = 2
-    late = asyncio.create_task(adm.acquire())
-    await asyncio.sleep(0)
+    late = q.enter()
     rt.notify()
-    first_done = await asyncio.wait_for(early, 1)
-    assert first_done.backend.id == "m#0"
-    adm.release(held.backend)
-    await asyncio.wait_for(late, 1)
+    assert early.grant is rt.backends[0] and late.grant is None
+    assert held is not None
 
 
 async def test_queue_full_rejects_at_once() -> None:
     rt = runtime(1)
-    adm = ModelAdmission(rt, queue_max=2, queue_timeout_s=5)
-    await adm.acquire()
-    queued = [asyncio.create_task(adm.acquire()) for _ in range(2)]
-    await asyncio.sleep(0)
-    with pytest.raises(QueueFull) as exc:
-        await adm.acquire()
-    assert exc.value.status == 429 and exc.value.retry_after_s >= 1
-    for t in queued:
-        t.cancel()
-    await asyncio.gather(*queued, return_exceptions=True)
-    assert adm.queued == 0
+    q = queues(rt, queue_max=2).of("m")
+    q.take()
+    waiters = [q.enter(), q.enter()]
+    assert q.full()
+    for w in waiters:
+        q.leave(w)
+    assert len(q) == 0 and not q.full()
 
 
 async def test_queue_timeout() -> None:
     rt = runtime(1)
-    adm = ModelAdmission(rt, queue_max=2, queue_timeout_s=0.05)
-    await adm.acquire()
-    with pytest.raises(QueueTimeout) as exc:
-        await adm.acquire()
-    assert exc.value.status == 429
-    assert adm.queued == 0
+    q = queues(rt).of("m")
+    q.take()
+    waiter = q.enter()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await q.park(waiter, 0.05)  # parks at most what is left of the timeout
+    assert 0.04 <= loop.time() - started < 0.4 and waiter.grant is None
 
 
 async def test_starting_backend_queues_then_serves_when_healthy() -> None:
     rt = runtime(2, state=BackendState.STARTING)
-    adm = ModelAdmission(rt, queue_max=4, queue_timeout_s=5)
-    pending = asyncio.create_task(adm.acquire())
-    await asyncio.sleep(0)
-    assert not pending.done() and adm.queued == 1
+    q = queues(rt).of("m")
+    assert isinstance(NoPeers({"m": rt}).route("m", host=None, affinity=None, exclude=set()), Queue)
+    waiter = q.enter()
     rt.backends[0].state = BackendState.HEALTHY
     rt.notify()
-    lease = await asyncio.wait_for(pending, 1)
-    assert lease.backend.id == "m#0" and lease.queued_ms >= 0
+    assert waiter.grant is rt.backends[0] and waiter.event.is_set()
 
 
 async def test_all_dead_is_no_capacity_and_fails_waiters() -> None:
     rt = runtime(1, state=BackendState.STARTING)
-    adm = ModelAdmission(rt, queue_max=4, queue_timeout_s=5)
-    pending = asyncio.create_task(adm.acquire())
-    await asyncio.sleep(0)
+    q = queues(rt).of("m")
+    waiter = q.enter()
     rt.backends[0].state = BackendState.DEAD
     rt.backends[0].reason = "binary not found"
     rt.notify()
-    with pytest.raises(NoCapacity, match="binary not found"):
-        await asyncio.wait_for(pending, 1)
-    with pytest.raises(NoCapacity) as exc:
-        await adm.acquire()
-    assert exc.value.status == 503
+    assert waiter.event.is_set()  # woken to route again: it is refused
+    decision = NoPeers({"m": rt}).route("m", host=None, affinity=None, exclude=set())
+    assert isinstance(decision, Refuse) and decision.status == 503 and "binary not found" in decision.message
 
 
 async def test_down_model_is_no_capacity() -> None:
     rt = runtime(1)
     rt.state = ModelState.DOWN
     rt.backends[0].state = BackendState.STOPPED
-    adm = ModelAdmission(rt, queue_max=4, queue_timeout_s=5)
-    with pytest.raises(NoCapacity, match="down"):
-        await adm.acquire()
+    decision = NoPeers({"m": rt}).route("m", host=None, affinity=None, exclude=set())
+    assert isinstance(decision, Refuse) and decision.status == 503 and "down" in decision.message
 
 
 async def test_cancelled_waiter_hands_slot_to_next() -> None:
     rt = runtime(1)
-    adm = ModelAdmission(rt, queue_max=4, queue_timeout_s=5)
-    held = await adm.acquire()
-    a = asyncio.create_task(adm.acquire())
-    b = asyncio.create_task(adm.acquire())
-    await asyncio.sleep(0)
-    a.cancel()
-    await asyncio.gather(a, return_exceptions=True)
-    adm.release(held.backend)
-    lease = await asyncio.wait_for(b, 1)
-    assert lease.backend.in_flight == 1
+    q = queues(rt).of("m")
+    held = q.take()
+    assert held is not None
+    a, b = q.enter(), q.enter()
+    q.release(held)
+    q.grant()
+    unused = q.leave(a)  # it gave up after the slot was granted to it
+    assert unused is held
+    q.release(unused)
+    q.grant()
+    assert b.grant is held and held.in_flight == 1

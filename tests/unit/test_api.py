@@ -198,7 +198,7 @@ async def test_queue_order_overflow_and_timeout() -> None:
             for n in range(3):
                 tasks.append(asyncio.create_task(one(n)))
                 # wait until request n holds the slot (n = 0) or sits in the queue
-                while rt.backends[0].in_flight < 1 or api.admissions["m"].queued < n:
+                while rt.backends[0].in_flight < 1 or api.queues.queued("m") < n:
                     await asyncio.sleep(0.005)
             # slot busy + 2 queued: a 4th is refused at once
             async with http.post(f"{url}/v1/chat/completions", json=CHAT) as r:

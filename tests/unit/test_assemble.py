@@ -15,7 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from viiwork.agent.assemble import ASSEMBLED_PATHS, StreamBroken, StreamError, assemble, parse_events, sse_data, stream_body
+from viiwork.agent.assemble import (
+    ASSEMBLED_PATHS,
+    StreamBroken,
+    StreamError,
+    assemble,
+    parse_events,
+    sse_data,
+    stream_body,
+)
 from viiwork.engines.contract import stops_nonstream_on_disconnect
 from viiwork.engines.llamacpp import LlamaCppEngine
 from viiwork.engines.sglang import SglangEngine

@@ -1,7 +1,7 @@
 """The config loader (viiwork.agent.config) and `viiworkctl config check`.
 
 Every error names its field path (indexes from 0) and, where the key is in the file, its
-line: ``models[1].llamacpp.thread: unknown key (line 23)`` (DESIGN §9).
+line: ``models[1].llamacpp.thread: unknown key (line 23)`` (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import venv_bin
+
 from viiwork.agent.config import (
     Config,
     ConfigError,
@@ -88,7 +88,7 @@ def test_valid_file_loads_with_values_and_defaults() -> None:
     assert cfg.node.state_dir == Path("/tmp/viiwork-test-state")
     assert cfg.api.listen == "127.0.0.1:9086"
     assert cfg.api.max_body_bytes == 1048576
-    assert cfg.api.stream_idle_timeout_s == 120          # default (DESIGN §9)
+    assert cfg.api.stream_idle_timeout_s == 120          # default (docs/configuration.md)
     assert cfg.supervisor.runner == "process"
     assert cfg.health.interval_s == 2.0
     assert cfg.health.max_failures == 3                   # default
@@ -135,7 +135,7 @@ def test_mesh_with_ca_trust_is_accepted() -> None:
 
 
 def test_error_format_matches_the_documented_example() -> None:
-    """The exact shape quoted in DESIGN §9 and docs/configuration.md."""
+    """The exact shape quoted in docs/configuration.md and docs/configuration.md."""
     text = VALID + textwrap.dedent("""\
 
         [[models]]

@@ -19,11 +19,11 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 from annotated_types import Ge, Gt, Le, Lt
+from conftest import venv_bin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from conftest import venv_bin
 from viiwork.agent.config import Config, ConfigError, ConfigIssue, ModelConfig, parse_config
 from viiwork.engines.registry import ENGINES
 
@@ -113,7 +113,8 @@ def _models_in(annotation: Any) -> list[tuple[type[BaseModel], bool]]:
     return found
 
 
-def sections(model: type[BaseModel] = Config, loc: tuple[str | int, ...] = ()) -> list[tuple[tuple[str | int, ...], type[BaseModel]]]:
+def sections(model: type[BaseModel] = Config,
+             loc: tuple[str | int, ...] = ()) -> list[tuple[tuple[str | int, ...], type[BaseModel]]]:
     """Every model of the config with the location of one instance of it in base_config()."""
     found = [(loc, model)]
     for name, field in model.model_fields.items():
@@ -260,7 +261,8 @@ INT_BOUNDS = [
     ("routing", "stale_after_ms", 1, DAY_MS),
     ("mesh", "gossip_interval_ms", 10, DAY_MS // 3),  # suspect >= 2 rounds, dead >= 3 rounds, <= a day
     ("mesh", "fanout", 1, 1024),
-    ("mesh", "suspect_after_ms", 20, DAY_MS),  # low: 2 rounds of the shortest gossip_interval_ms; just outside: DAY_MS + 1 (it is also below dead_after_ms)
+    # low: 2 rounds of the shortest gossip_interval_ms; just outside: DAY_MS + 1 (it is also below dead_after_ms)
+    ("mesh", "suspect_after_ms", 20, DAY_MS),
     ("mesh", "dead_after_ms", 2001, DAY_MS),  # above suspect_after_ms (2000)
     ("mesh", "max_peers", 1, 65536),
     ("models", "parallel", 1, 1024),

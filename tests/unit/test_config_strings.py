@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import venv_bin
+
 from support.mesh_crypto import ManualClock, TestCA, chat_model, core
 from viiwork.agent.config import (
     ConfigError,

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+
 from support.agent import render_config, run_agent
 from support.engines import fake_engine_binary
 from support.gpu_hosts import nvml_recording, write_drm_card
 from support.procs import free_port
-
 from viiwork.agent.config import parse_config
 from viiwork.agent.doctor import (
     REGISTRY,
@@ -47,7 +47,7 @@ from viiwork.agent.gpus.nvml_record import ReplayNvml
 from viiwork.agent.gpus.udev import PciGpu
 from viiwork.engines.llamacpp import LlamaCppEngine
 
-NOW = dt.datetime(2025, 6, 1, 12, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2025, 6, 1, 12, 0, tzinfo=dt.UTC)
 F, D, OK, S = Verdict.FAIL, Verdict.DEGRADED, Verdict.OK, Verdict.SKIPPED
 LLAMA = Path(sys.executable).parent / "llama-server-vulkan"
 VIIWORKCTL = Path(sys.executable).parent / "viiworkctl"
@@ -125,7 +125,8 @@ CONFLICTS = [
     ("nvml-version-mismatch-gpu-configured", {"nvml": "nvml-init-version-mismatch", "dev": ("nvidia0",)},
      [model(gpus=[0])], {("gpu.nvidia", "degraded", ""), ("config.gpus", "fail", "models[0].gpus")}),
     ("gpu-fell-off-the-bus", {"nvml": "nvml-gpu-lost"}, [model(gpus=[0])], {("gpu.nvidia", "fail", "GPU 1")}),
-    ("pci-gpu-invisible-to-nvml", {"nvml": "nvml-2x-h100", "pci": (PciGpu(Vendor.NVIDIA, "0000:e3:00.0", "10DE:2330", "vfio-pci"),)},
+    ("pci-gpu-invisible-to-nvml",
+     {"nvml": "nvml-2x-h100", "pci": (PciGpu(Vendor.NVIDIA, "0000:e3:00.0", "10DE:2330", "vfio-pci"),)},
      [model(gpus=[0])], {("gpu.nvidia", "degraded", "0000:e3:00.0")}),
     ("kfd-without-amd-card", {"dev": ("kfd",)}, None, {("gpu.amd", "degraded", "")}),
     ("amd-on-pci-bound-elsewhere", {"pci": (AMD_PCI,)}, None, {("gpu.amd", "degraded", "")}),
@@ -329,15 +330,15 @@ def test_mesh_trust_with_real_certificates(tmp_path, enrol, damage, expected):
     ca_path = _enrol(tmp_path, **enrol)
     damage(tmp_path / "state")
     config = write_config(tmp_path, mesh={"trust": "ca", "ca_certificate": str(ca_path)})
-    facts = host(tmp_path, config, now=dt.datetime.now(dt.timezone.utc))
+    facts = host(tmp_path, config, now=dt.datetime.now(dt.UTC))
     assert found(r for r in derive_conflicts(facts) if r.check == "mesh.trust") == expected
 
 
 def test_expired_certificate_is_a_fail(tmp_path):
     ca_path = _enrol(tmp_path, days=30)
     facts = host(tmp_path, write_config(tmp_path, mesh={"trust": "ca", "ca_certificate": str(ca_path)}),
-                 now=dt.datetime.now(dt.timezone.utc))
-    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=60)
+                 now=dt.datetime.now(dt.UTC))
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=60)
     from viiwork.agent.facts import read_mesh_facts
 
     mesh = read_mesh_facts(facts.config.config, tmp_path / "net", later)
@@ -363,14 +364,16 @@ def backend(state, reason="", progress=-1.0, phase=""):
 AGENT = [
     ("all-healthy", status([{"name": "m", "state": "running", "slots": 4, "busy": 1, "backends": [backend("healthy")]}]),
      set()),
-    ("one-dead-one-healthy", status([{"name": "m", "state": "running", "backends": [backend("healthy"), backend("dead", "exit 1")]}]),
+    ("one-dead-one-healthy",
+     status([{"name": "m", "state": "running", "backends": [backend("healthy"), backend("dead", "exit 1")]}]),
      {("agent.backends", "degraded", "m")}),
     ("all-dead", status([{"name": "m", "state": "dead", "backends": [backend("dead", "exited with status 1")]}]),
      {("agent.backends", "fail", "m")}),
     ("unhealthy", status([{"name": "m", "state": "running", "backends": [backend("unhealthy", "probe refused")]}]),
      {("agent.backends", "degraded", "m")}),
     ("down-on-purpose", status([{"name": "m", "state": "down", "backends": [backend("stopped")]}]), set()),
-    ("starting", status([{"name": "m", "state": "running", "backends": [backend("starting", progress=0.4, phase="loading model")]}]),
+    ("starting",
+     status([{"name": "m", "state": "running", "backends": [backend("starting", progress=0.4, phase="loading model")]}]),
      set()),
     ("config-not-reloaded", status([{"name": "old", "state": "running", "backends": [backend("healthy")]}]),
      {("agent.config", "degraded", "")}),
@@ -379,7 +382,8 @@ AGENT = [
                              "placements": []}), {("agent.gpus", "fail", "m-0")}),
     ("placement-mismatch", status([{"name": "m", "state": "running", "backends": [backend("healthy")]}],
                                   {"gpus": [{}], "lost_backends": [], "placements": [
-                                      {"backend": "m-0", "verdict": "mismatch", "reason": "runs on GPU(s) it was not given: GPU-b"}]}),
+                                      {"backend": "m-0", "verdict": "mismatch",
+                                       "reason": "runs on GPU(s) it was not given: GPU-b"}]}),
      {("agent.gpus", "degraded", "m-0")}),
 ]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.gpu_hosts import write_drm_card, write_fake_proc
 
+from support.gpu_hosts import write_drm_card, write_fake_proc
 from viiwork.agent.gpus.amd import AmdSysfsReader, drm_devices_of_pid
 from viiwork.agent.gpus.inventory import SourceState, Vendor
 

@@ -7,8 +7,8 @@ import ctypes.util
 
 import pynvml
 import pytest
-from support.gpu_hosts import nvml_recording
 
+from support.gpu_hosts import nvml_recording
 from viiwork.agent.gpus.inventory import SourceState, Vendor, normalize_bus_id
 from viiwork.agent.gpus.nvml import NvmlReader
 from viiwork.agent.gpus.nvml_record import FORMAT, RecordingError, ReplayNvml, record_nvml
@@ -72,7 +72,8 @@ def test_a_lost_gpu_is_marked_and_reads_nothing():
     ("fixture", "state", "detail"),
     [
         ("nvml-driver-not-loaded", SourceState.ABSENT, "no NVIDIA driver (the nvidia kernel module is not loaded)"),
-        ("nvml-init-version-mismatch", SourceState.ERROR, "NVML cannot be read: RM has detected an NVML/RM version mismatch. (NVML code 18)"),
+        ("nvml-init-version-mismatch", SourceState.ERROR,
+         "NVML cannot be read: RM has detected an NVML/RM version mismatch. (NVML code 18)"),
     ],
     ids=["driver-not-loaded", "version-mismatch"],
 )

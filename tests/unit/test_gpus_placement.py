@@ -8,8 +8,8 @@ import subprocess
 import time
 
 import pytest
-from support.gpu_hosts import nvml_recording, write_drm_card, write_fake_proc
 
+from support.gpu_hosts import nvml_recording, write_drm_card, write_fake_proc
 from viiwork.agent.backends import Backend, BackendId, BackendState
 from viiwork.agent.gpus.amd import AmdSysfsReader
 from viiwork.agent.gpus.inventory import read_inventory

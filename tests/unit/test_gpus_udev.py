@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from conftest import require
-from support.gpu_hosts import nvml_recording
 
+from support.gpu_hosts import nvml_recording
 from viiwork.agent.backends import Backend, BackendId, BackendState
 from viiwork.agent.gpus.amd import AmdSysfsReader
 from viiwork.agent.gpus.inventory import Vendor
@@ -99,7 +99,7 @@ async def test_remove_then_add_changes_inventory_and_marks_backends(tmp_path):
     assert set(monitor.losses) == {"b-0", "c-0"}
     assert sorted(lost_calls) == [("b-0", UUID1), ("c-0", UUID1)]
     section = monitor.status_section()
-    assert {l["backend"] for l in section["lost_backends"]} == {"b-0", "c-0"}
+    assert {lost["backend"] for lost in section["lost_backends"]} == {"b-0", "c-0"}
     assert section["hotplug"]["events"][0]["action"] == "remove"
 
     # A periodic refresh (NVML re-enumerated: index 0 only) keeps the marks; index refs keep

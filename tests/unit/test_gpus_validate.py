@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from support.gpu_hosts import nvml_recording, write_drm_card
 
+from support.gpu_hosts import nvml_recording, write_drm_card
 from viiwork.agent.config import ConfigError, parse_config
 from viiwork.agent.gpus.amd import AmdSysfsReader
 from viiwork.agent.gpus.inventory import GpuInventory, SourceState, SourceStatus, Vendor, read_inventory
@@ -36,7 +36,8 @@ def nvml_broken_box(tmp_path):
 def config_text(*models: tuple[str, list]) -> str:
     out = []
     for name, gpus in models:
-        out.append(f'[[models]]\nname = "{name}"\nengine = "llamacpp"\npath = "/m/{name}.gguf"\ngpus = {gpus!r}\n'.replace("'", '"'))
+        entry = f'[[models]]\nname = "{name}"\nengine = "llamacpp"\npath = "/m/{name}.gguf"\ngpus = {gpus!r}\n'
+        out.append(entry.replace("'", '"'))
     return "\n".join(out)
 
 
@@ -73,7 +74,7 @@ def test_gpu_references(tmp_path, host, models, expected):
     config = parse_config(text)
     issues = gpu_config_issues(config, host(tmp_path), text)
     assert len(issues) == len(expected), [str(i) for i in issues]
-    for issue, (path, fragment, line) in zip(issues, expected):
+    for issue, (path, fragment, line) in zip(issues, expected, strict=True):
         assert issue.dotted == path
         assert fragment in issue.message
         assert issue.line == line

@@ -205,10 +205,10 @@ def test_malformed_offers_name_the_field(doc: object, field: str) -> None:
 
 
 def test_queue_reports_a_new_oldest_waiter_only() -> None:
-    from viiwork.agent.mesh_link import MeshWaitQueue
+    from viiwork.agent.waitqueue import WaitQueue
 
     changes: list[int] = []
-    q = MeshWaitQueue(on_head_change=lambda: changes.append(len(q)))
+    q = WaitQueue("m", {}, 8, 1.0, on_head_change=lambda: changes.append(len(q)))
     first = q.enter()
     second = q.enter()
     assert changes == [1]  # the second is not the oldest
@@ -225,9 +225,9 @@ def test_queue_reports_a_new_oldest_waiter_only() -> None:
 
 
 def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
-    from viiwork.agent.mesh_link import MeshWaitQueue
+    from viiwork.agent.waitqueue import WaitQueue
 
-    q = MeshWaitQueue()
+    q = WaitQueue("m", {}, 8, 1.0)
     busy = q.enter()  # routing right now (not parked): cannot take it
     pinned = q.enter(host="elsewhere")
     pinned.parked = True
@@ -247,10 +247,10 @@ def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
 
 
 def test_a_dispatched_waiter_does_not_wait_unless_refused() -> None:
-    from viiwork.agent.mesh_link import MeshWaitQueue
+    from viiwork.agent.waitqueue import WaitQueue
 
     changes: list[int] = []
-    q = MeshWaitQueue(on_head_change=lambda: changes.append(len(q)))
+    q = WaitQueue("m", {}, 8, 1.0, on_head_change=lambda: changes.append(len(q)))
     first, second = q.enter(), q.enter()
     first.parked = second.parked = True
     assert changes == [1] and len(q) == 2

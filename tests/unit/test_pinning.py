@@ -1,4 +1,4 @@
-"""GPU pinning and the engine environment (DESIGN §4): environment construction only."""
+"""GPU pinning and the engine environment (docs/architecture.md, "A backend's life"): environment construction only."""
 
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ from viiwork.agent.router import (
     RunOnPeer,
     mesh_models,
 )
+from viiwork.engines.registry import get_engine
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.summary import ModelCapacity, PublishedState
-from viiwork.engines.registry import get_engine
 
 SELF = NodeId("selfselfselfself")
 M = "qwen"
@@ -89,7 +89,7 @@ def test_local_picks_the_backend_with_most_free_slots():
     pytest.param((2, 4, 0), "c", id="four-free-beats-two-and-none"),
 ])
 def test_local_full_goes_to_the_peer_with_most_free_slots(busy, expected):
-    peers = [peer(n, cap(busy=b)) for n, b in zip("abc", busy)]
+    peers = [peer(n, cap(busy=b)) for n, b in zip("abc", busy, strict=True)]
     for seed in range(20):
         d = router(seed).route(M, local(0), peers)
         assert isinstance(d, RunOnPeer) and d.name == expected
@@ -463,7 +463,7 @@ def test_peer_snapshot_from_the_mesh_view():
     view = PeerView(node_id=nid("a"), name="a", api="10.0.0.1:8086", mesh="10.0.0.1:8087",
                     liveness=Liveness.ALIVE, state=PublishedState.SERVING, age_ms=420, protocol=2, version="0.1",
                     generation=3, boot="b", seq=17, models=(cap(busy=1),), rtt_ms=0.7,
-                    certificate_not_after=dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc))
+                    certificate_not_after=dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
     snap = PeerSnapshot.from_view(view)
     assert snap.order == (3, 17) and snap.age_ms == 420.0 and snap.rtt_ms == 0.7
     assert router().route(M, {}, [snap]) == RunOnPeer(nid("a"), "a", 3)

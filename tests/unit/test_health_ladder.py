@@ -1,0 +1,273 @@
+"""The health ladder as a pure transition function (viiwork.agent.health_ladder), in virtual time.
+
+No processes, no sleeps: ``step`` is fed events with a made-up monotonic clock. The same
+rules run the real supervisor (tests/unit/test_supervisor.py drives them with real fake-engine
+processes and wall-clock waits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from viiwork.agent import health_ladder as hl
+from viiwork.agent.backends import BackendState as S
+from viiwork.agent.config import HealthConfig
+
+RULES = hl.LadderRules(max_failures=3, max_respawns=3, respawn_backoff_s=1.0, respawn_backoff_max_s=5.0,
+                       healthy_refill_s=600.0)
+
+
+def at(state: S, **fields: object) -> hl.Ladder:
+    return hl.Ladder(state=state, **fields)  # type: ignore[arg-type]
+
+
+def kinds(actions: tuple[hl.Action, ...]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+# ----------------------------------------------------------------- every transition
+
+
+TRANSITIONS = [
+    (at(S.STARTING), hl.Launched(), S.STARTING, []),
+    (at(S.UNHEALTHY, reason="x"), hl.Launched(), S.STARTING, []),
+    (at(S.STOPPED), hl.Launched(), S.STARTING, []),
+    (at(S.STARTING), hl.Ready(), S.HEALTHY, []),
+    (at(S.HEALTHY, healthy_since=0.0, failures=2), hl.ProbeOk(), S.HEALTHY, []),
+    (at(S.HEALTHY, healthy_since=0.0), hl.ProbeFailed("500"), S.HEALTHY, ["ProbeCounted"]),
+    (at(S.HEALTHY, healthy_since=0.0), hl.ProbeFailed("t", timed_out=True, busy=True), S.HEALTHY,
+     ["ProbeExcused"]),
+    (at(S.HEALTHY, healthy_since=0.0, failures=2), hl.ProbeFailed("500"), S.UNHEALTHY,
+     ["ProbeCounted", "StopEngine", "Backoff"]),
+    (at(S.STARTING), hl.Failed("startup timeout"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
+    (at(S.HEALTHY, healthy_since=0.0), hl.Failed("exited"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
+    (at(S.STARTING, spent=3), hl.Failed("exited"), S.DEAD, ["StopEngine", "Die"]),
+    (at(S.STARTING, spent=3), hl.Failed("disk full", disk=True), S.UNHEALTHY, ["RetryDisk"]),
+    (at(S.UNHEALTHY, backoff_s=1.0), hl.BackoffOver(), S.STARTING, ["Respawn"]),
+    (at(S.HEALTHY, healthy_since=0.0), hl.Parked(), S.STOPPED, []),
+    (at(S.DEAD, spent=3, reason="gone"), hl.Parked(), S.STOPPED, []),
+    (at(S.DEAD, spent=3), hl.Revived(), S.STOPPED, []),
+    (at(S.HEALTHY, spent=2, healthy_since=0.0), hl.Revived(), S.HEALTHY, []),
+    (at(S.HEALTHY, healthy_since=0.0), hl.Broken("bug"), S.DEAD, ["Die"]),
+]
+
+
+@pytest.mark.parametrize(("before", "event", "state", "actions"), TRANSITIONS,
+                         ids=[f"{b.state}-{type(e).__name__}{'-' + '-'.join(a) if a else ''}"
+                              for b, e, _, a in TRANSITIONS])
+def test_every_transition(before: hl.Ladder, event: hl.Event, state: S, actions: list[str]) -> None:
+    after, did = hl.step(before, event, 10.0, RULES)
+    assert after.state is state
+    assert kinds(did) == actions
+    assert (after.healthy_since is not None) == (state is S.HEALTHY)
+
+
+@pytest.mark.parametrize(
+    ("state", "event"),
+    [
+        (S.DEAD, hl.Launched()),
+        (S.HEALTHY, hl.Ready()),
+        (S.STARTING, hl.ProbeOk()),
+        (S.UNHEALTHY, hl.ProbeFailed("x")),
+        (S.UNHEALTHY, hl.Failed("x")),
+        (S.DEAD, hl.Failed("x")),
+        (S.HEALTHY, hl.BackoffOver()),
+        (S.UNHEALTHY, hl.BackoffOver()),  # no backoff waited: after a disk fault
+        (S.DEAD, hl.BackoffOver()),
+    ],
+    ids=lambda v: str(v) if isinstance(v, S) else type(v).__name__,
+)
+def test_events_a_state_cannot_receive_are_refused(state: S, event: hl.Event) -> None:
+    with pytest.raises(hl.InvalidTransition, match=type(event).__name__):
+        hl.step(at(state), event, 0.0, RULES)
+
+
+def test_rules_come_from_the_health_section() -> None:
+    health = HealthConfig(max_failures=5, max_respawns=7, respawn_backoff_s=2.0, respawn_backoff_max_s=30.0,
+                          healthy_refill_s=60.0)
+    assert hl.LadderRules.from_config(health) == hl.LadderRules(5, 7, 2.0, 30.0, 60.0)
+    assert hl.LadderRules.from_config(HealthConfig()) == hl.LadderRules()
+
+
+# ----------------------------------------------------------------- probes
+
+
+def healthy(now: float = 0.0, **fields: object) -> hl.Ladder:
+    return hl.step(at(S.STARTING, **fields), hl.Ready(), now, RULES)[0]
+
+
+def test_max_failures_in_a_row_end_health_and_a_good_probe_resets_the_count() -> None:
+    ladder = healthy()
+    for n in (1, 2):
+        ladder, did = hl.step(ladder, hl.ProbeFailed("503"), float(n), RULES)
+        assert (ladder.state, did) == (S.HEALTHY, (hl.ProbeCounted(n),))
+    ladder, _ = hl.step(ladder, hl.ProbeOk(), 3.0, RULES)
+    assert ladder.failures == 0
+    for n in (1, 2):
+        ladder, _ = hl.step(ladder, hl.ProbeFailed("503"), 3.0 + n, RULES)
+    ladder, did = hl.step(ladder, hl.ProbeFailed("no answer within 5 s"), 6.0, RULES)
+    assert ladder.state is S.UNHEALTHY
+    assert ladder.reason == "3 failed probes in a row, last: no answer within 5 s"
+    assert did == (hl.ProbeCounted(3), hl.StopEngine(), hl.Backoff(1.0))
+
+
+@pytest.mark.parametrize(("timed_out", "busy", "counted"),
+                         [(True, True, False), (True, False, True), (False, True, True), (False, False, True)],
+                         ids=["timeout-while-busy", "timeout-idle", "error-while-busy", "error-idle"])
+def test_only_a_timeout_while_busy_is_excused(timed_out: bool, busy: bool, counted: bool) -> None:
+    ladder, _ = hl.step(healthy(), hl.ProbeFailed("x", timed_out=timed_out, busy=busy), 1.0, RULES)
+    assert ladder.failures == (1 if counted else 0)
+
+
+# ----------------------------------------------------------------- backoff, refill, dead
+
+
+@dataclass
+class Sim:
+    """A backend in virtual time whose engine loads in ``load_s`` and fails ``crash_after_s``
+    after each ready, until dead or ``horizon_s``: what the supervisor would do, minus I/O."""
+
+    rules: hl.LadderRules
+    load_s: float = 2.0
+    crash_after_s: float = 1.0
+    now: float = 0.0
+    ladder: hl.Ladder = field(default_factory=hl.Ladder)
+    backoffs: list[float] = field(default_factory=list)
+
+    def step(self, event: hl.Event) -> tuple[hl.Action, ...]:
+        self.ladder, actions = hl.step(self.ladder, event, self.now, self.rules)
+        return actions
+
+    def run(self, horizon_s: float = 1e6) -> hl.Ladder:
+        while self.now < horizon_s:
+            self.step(hl.Launched())
+            self.now += self.load_s
+            self.step(hl.Ready())
+            self.now += self.crash_after_s
+            actions = self.step(hl.Failed("exited: status 1"))
+            if any(isinstance(a, hl.Die) for a in actions):
+                return self.ladder
+            (backoff,) = [a for a in actions if isinstance(a, hl.Backoff)]
+            self.backoffs.append(backoff.delay_s)
+            self.now += backoff.delay_s
+            self.step(hl.BackoffOver())
+        return self.ladder
+
+
+def test_backoff_doubles_up_to_its_cap_and_dead_after_max_respawns() -> None:
+    rules = hl.LadderRules(max_respawns=6, respawn_backoff_s=0.5, respawn_backoff_max_s=5.0, healthy_refill_s=600)
+    sim = Sim(rules)
+    end = sim.run()
+    assert sim.backoffs == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert (end.state, end.respawns, end.spent, end.reason) == (S.DEAD, 6, 6, "exited: status 1")
+    assert sim.now == pytest.approx(7 * 3.0 + sum(sim.backoffs))
+
+
+def test_no_respawn_budget_is_dead_at_the_first_failure() -> None:
+    end = Sim(hl.LadderRules(max_respawns=0)).run()
+    assert (end.state, end.respawns) == (S.DEAD, 0)
+
+
+def test_healthy_for_refill_s_restores_the_budget_so_a_slow_crasher_lives_on() -> None:
+    rules = hl.LadderRules(max_respawns=2, respawn_backoff_s=1.0, healthy_refill_s=600.0)
+    # healthy for exactly healthy_refill_s each time: every failure finds a full budget
+    sim = Sim(rules, crash_after_s=600.0)
+    end = sim.run(horizon_s=100 * 600.0)
+    assert end.state is S.UNHEALTHY or end.state is S.STARTING
+    assert end.respawns >= 99 and set(sim.backoffs) == {1.0}
+    # a hair less: the budget is never refilled, dead after max_respawns
+    end = Sim(rules, crash_after_s=599.999).run(horizon_s=100 * 600.0)
+    assert (end.state, end.respawns) == (S.DEAD, 2)
+
+
+def test_a_disk_fault_spends_no_respawn() -> None:
+    ladder = at(S.STARTING, spent=3)
+    for _ in range(50):
+        ladder, did = hl.step(ladder, hl.Failed("engine key: no space left", disk=True), 0.0, RULES)
+        assert did == (hl.RetryDisk(),) and ladder.state is S.UNHEALTHY
+        ladder, _ = hl.step(ladder, hl.Launched(), 0.0, RULES)
+    assert (ladder.spent, ladder.respawns) == (3, 0)
+
+
+def test_up_revives_with_a_full_budget_and_down_keeps_it() -> None:
+    dead = Sim(RULES).run()
+    assert dead.state is S.DEAD
+    parked, _ = hl.step(dead, hl.Parked(), 0.0, RULES)
+    assert (parked.state, parked.spent, parked.reason) == (S.STOPPED, 3, "exited: status 1")
+    revived, _ = hl.step(parked, hl.Revived(), 0.0, RULES)
+    assert (revived.spent, revived.respawns) == (0, 3)  # respawns counts on (a counter)
+    again, did = hl.step(hl.step(revived, hl.Launched(), 0.0, RULES)[0], hl.Failed("exited"), 1.0, RULES)
+    assert again.state is S.UNHEALTHY and did[-1] == hl.Backoff(1.0)
+
+
+def test_backoff_stays_finite_for_any_budget() -> None:
+    rules = hl.LadderRules(respawn_backoff_s=86400.0, respawn_backoff_max_s=86400.0)
+    assert rules.backoff_s(10**6) == 86400.0
+
+
+@pytest.mark.parametrize(
+    ("load_at", "healthy_since", "now", "stale"),
+    [(10.0, 0.0, 12.9, False), (10.0, 0.0, 13.0, True), (None, 5.0, 7.9, False), (None, 5.0, 8.0, True),
+     (None, None, 100.0, False)],
+    ids=["read-recently", "read-long-ago", "healthy-recently", "healthy-long-ago", "never-healthy"],
+)
+def test_load_goes_stale_from_the_last_reading_else_from_health(load_at, healthy_since, now, stale) -> None:
+    assert hl.load_goes_stale(load_at, healthy_since, now, 3.0) is stale
+
+
+# ----------------------------------------------------------------- properties
+
+
+EVENTS = st.one_of(
+    st.just(hl.Launched()), st.just(hl.Ready()), st.just(hl.ProbeOk()),
+    st.builds(hl.ProbeFailed, st.just("x"), st.booleans(), st.booleans()),
+    st.builds(hl.Failed, st.just("x"), st.booleans()),
+    st.just(hl.BackoffOver()), st.just(hl.Parked()), st.just(hl.Revived()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(st.tuples(EVENTS, st.floats(min_value=0.0, max_value=900.0)), max_size=80),
+    max_failures=st.integers(1, 5), max_respawns=st.integers(0, 5),
+    base=st.floats(0.01, 10.0), cap=st.floats(0.01, 100.0),
+)
+def test_ladder_invariants_hold_for_any_event_sequence(events, max_failures, max_respawns, base, cap) -> None:
+    rules = hl.LadderRules(max_failures=max_failures, max_respawns=max_respawns, respawn_backoff_s=base,
+                           respawn_backoff_max_s=cap, healthy_refill_s=600.0)
+    ladder, now, respawns = hl.Ladder(), 0.0, 0
+    for event, dt in events:
+        now += dt
+        try:
+            after, actions = hl.step(ladder, event, now, rules)
+        except hl.InvalidTransition:
+            continue
+        if isinstance(event, hl.BackoffOver):
+            respawns += 1
+        assert after.respawns == respawns
+        assert 0 <= after.spent <= max_respawns  # never more respawns in a row than the budget
+        assert (after.healthy_since is not None) == (after.state is S.HEALTHY)
+        if after.state is S.HEALTHY:
+            assert after.failures < max_failures
+        for action in actions:
+            if isinstance(action, hl.Backoff):
+                assert action.delay_s == min(base * 2 ** after.spent, cap) and action.delay_s <= cap
+            if isinstance(action, hl.Die):
+                assert after.state is S.DEAD and after.spent >= max_respawns
+        if after.state is S.DEAD:
+            assert ladder.state is S.DEAD or any(isinstance(a, hl.Die) for a in actions)
+        if isinstance(event, hl.Failed) and event.disk:
+            assert (after.spent, after.respawns) == (ladder.spent, ladder.respawns)
+        ladder = after
+
+
+@settings(max_examples=200, deadline=None)
+@given(load_s=st.floats(0.0, 100.0), crash_after_s=st.floats(0.0, 599.0), max_respawns=st.integers(0, 8))
+def test_a_backend_that_never_stays_healthy_long_is_dead_after_exactly_max_respawns(
+        load_s: float, crash_after_s: float, max_respawns: int) -> None:
+    end = Sim(hl.LadderRules(max_respawns=max_respawns), load_s=load_s, crash_after_s=crash_after_s).run()
+    assert (end.state, end.respawns) == (S.DEAD, max_respawns)
