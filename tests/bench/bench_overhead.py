@@ -1,7 +1,7 @@
 """Proxy overhead side by side (issue 9 item 2), plus the agent's memory and start-up (item 3).
 
 usage: .venv/bin/python tests/bench/bench_overhead.py [-n 1000] [--wrk-s 5] [--profile]
-       [--litellm-python PATH] [--out FILE]
+       [--litellm-python PATH] [--out FILE] [--baseline REV] [--other-client]
 
 One instant upstream (``instant_upstream.py``, started by the agent as its llama.cpp engine)
 and, in front of that same process: nginx (plain reverse proxy, keep-alive upstream, buffering
@@ -24,6 +24,14 @@ Figures, all from one run:
 - ``--profile``: py-spy samples the agent under the c=32 load; the top frames are printed.
 - memory and start-up: an agent with no models, NOTIFY_SOCKET set to a datagram socket owned
   here; time from exec to ``READY=1`` and VmRSS after it settles.
+
+- ``--baseline REV`` (issue 15): a second agent, "viiwork@REV", runs commit REV's code from a
+  detached ``git worktree`` (removed at the end; the checkout is not touched) with the same
+  config, in the same c=1 rounds and wrk runs as the others; an A/B table checks the limits
+  (added p50 at c=1 / bare aiohttp's rises by at most 0.05; req/s at c=32 falls by at most 5%).
+  REV must be from issue 14 on (engine key and Unix socket).
+- ``--other-client``: bare aiohttp and the agent(s) again through ``loadgen.py`` (aiohttp
+  client): c=1 keep-alive, c=1 with a new connection per request, c=32 keep-alive.
 
 Prints a Markdown section (and writes it to --out when given).
 """
@@ -396,6 +404,71 @@ def agent_binary() -> Path:
     return Path(sys.executable).parent / "viiwork-agent"
 
 
+# -- another commit's agent (--baseline REV) ------------------------------------------------------
+
+REPO = HERE.parents[1]
+MAPPED = ("agent", "mesh", "engines")  # as tests/mutants/run.py: viiwork/<x> -> <x>/
+
+
+@dataclass
+class Baseline:
+    """Commit ``rev``'s code in a detached git worktree at ``tree`` (the checkout is not touched).
+
+    Its ``viiwork/`` folder gets links agent, mesh, engines to the worktree's folders and the
+    worktree goes first on PYTHONPATH: the path finder then finds ``viiwork`` there before the
+    editable install's finder (which comes after it on sys.meta_path) maps it to this checkout.
+    ``check_imports`` proves it."""
+
+    rev: str
+    commit: str
+    tree: Path
+
+    @classmethod
+    def create(cls, rev: str, work: Path) -> Baseline:
+        commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
+                                text=True, timeout=30)
+        if commit.returncode != 0:
+            raise RuntimeError(f"--baseline {rev}: not a commit: {commit.stderr.strip()}")
+        tree = work / "baseline-tree"
+        done = subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit.stdout.strip()], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"git worktree add failed: {done.stderr.strip()}")
+        base = cls(rev, commit.stdout.strip(), tree)
+        for folder in MAPPED:
+            link = tree / "viiwork" / folder
+            if not link.exists():
+                link.symlink_to(tree / folder, target_is_directory=True)
+        return base
+
+    def remove(self) -> None:
+        subprocess.run(["git", "worktree", "remove", "--force", str(self.tree)], cwd=REPO, capture_output=True,
+                       timeout=120)
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True, timeout=60)
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import sys; from viiwork.agent.main import main; "
+                "sys.argv[0] = 'viiwork-agent'; sys.exit(main(sys.argv[1:]))"]
+
+    def check_imports(self) -> None:
+        """Raise RuntimeError unless viiwork.agent/.mesh/.engines import from the worktree."""
+        probe = ("import viiwork.agent, viiwork.mesh, viiwork.engines as e, viiwork.agent.main; "
+                 "print('\\n'.join(m.__file__ for m in (viiwork.agent, viiwork.mesh, e, viiwork.agent.main)))")
+        done = subprocess.run([sys.executable, "-c", probe], cwd=self.tree, env=self.env(), capture_output=True,
+                              text=True, timeout=60)
+        files = done.stdout.split()
+        if done.returncode != 0 or len(files) != 4 or not all(Path(f).resolve().is_relative_to(self.tree.resolve())
+                                                               for f in files):
+            raise RuntimeError(f"the baseline's code is not what imports: {done.stdout.strip()} {done.stderr.strip()}")
+
+    @property
+    def name(self) -> str:
+        return f"viiwork@{self.rev}"
+
+
 @dataclass
 class Upstream:
     """The agent's engine: its loopback port (an operator arg), its socket and its key."""
@@ -405,9 +478,14 @@ class Upstream:
     headers: dict[str, str]
 
 
-def start_agent(cfg: Path, port: int, log: Path, engine_port: int = 0) -> tuple[subprocess.Popen, Upstream]:
-    proc = subprocess.Popen([str(agent_binary()), "--config", str(cfg), "--log-level", "warning"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+def start_agent(cfg: Path, port: int, log: Path, engine_port: int = 0,
+                baseline: Baseline | None = None) -> tuple[subprocess.Popen, Upstream]:
+    """Start an agent (the current tree's, or ``baseline``'s code) and wait until its backend is healthy."""
+    cmd = baseline.command() if baseline is not None else [str(agent_binary())]
+    proc = subprocess.Popen([*cmd, "--config", str(cfg), "--log-level", "warning"],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=baseline.env() if baseline is not None else None,
+                            cwd=baseline.tree if baseline is not None else None)
     end = time.monotonic() + 60
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -415,6 +493,8 @@ def start_agent(cfg: Path, port: int, log: Path, engine_port: int = 0) -> tuple[
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=1) as r:
                 b = json.load(r)["models"][0]["backends"][0]
+            if b["state"] == "healthy" and baseline is not None:
+                return proc, Upstream(0, "", {})  # only the current tree's engine is measured directly
             if b["state"] == "healthy":
                 handle = Agent(proc, f"http://127.0.0.1:{port}", log, cfg.parent / cfg.stem)
                 return proc, Upstream(engine_port, handle.engine_socket("m"), handle.engine_headers("m"))
@@ -632,8 +712,8 @@ def _layer(frame: str) -> str | None:
         return "viiwork agent/proxy.py (forward + relay)"
     if "agent/api.py" in f:
         return "viiwork agent/api.py (handler)"
-    if "agent/admission.py" in f:
-        return "viiwork agent/admission.py"
+    if "agent/pipeline.py" in f or "agent/waitqueue.py" in f:
+        return "viiwork agent/pipeline.py + waitqueue.py"
     if "aiohttp/client" in f or "aiohttp/connector" in f:
         return "aiohttp client (towards the engine)"
     if "aiohttp/web_protocol" in f or "aiohttp/web_response" in f or "aiohttp/web_request" in f:
@@ -768,6 +848,86 @@ def import_costs(top: int = 6) -> tuple[float, list[tuple[str, float]]]:
     return total, sorted(entries, key=lambda e: -e[1])[:top]
 
 
+# -- A/B against another commit (issue 15) and a second load client --------------------------------
+
+AB_RATIO_RISE = 0.05  # the added p50 at c=1 / bare aiohttp's may rise by at most this much
+AB_RPS_FALL = 0.05  # saturation at c=32 may fall by at most 5%
+
+
+def ab_table(base: Baseline, c1: dict[str, C1], wrk: dict[str, list[WrkResult]], direct: str,
+             args: argparse.Namespace) -> list[str]:
+    """Issue 15's limits: this tree's agent against ``base``'s, measured in the same rounds."""
+    now, was, bare = "viiwork (1 agent)", base.name, "bare aiohttp"
+    if not all(k in c1 for k in (now, was, bare)):
+        return ["", "A/B: a system is missing (the bare proxy, or an agent), no comparison."]
+    d50 = pct(c1[direct].total, .5)
+    b_add = pct(c1[bare].total, .5) - d50
+    n_add, w_add = pct(c1[now].total, .5) - d50, pct(c1[was].total, .5) - d50
+    n_ratio, w_ratio = n_add / b_add, w_add / b_add
+    best_rps = {k: max((r.rps for r in wrk[k] if r.rps == r.rps), default=float("nan")) for k in (now, was, bare)}
+    rps_ratio = best_rps[now] / best_rps[was]
+    ok_lat = n_ratio - w_ratio <= AB_RATIO_RISE
+    ok_rps = rps_ratio >= 1 - AB_RPS_FALL
+    cmd = (f"`.venv/bin/python tests/bench/bench_overhead.py --baseline {base.rev} -n {args.n} "
+           f"--stream-n {args.stream_n} --wrk-s {args.wrk_s:g} --startup-runs {args.startup_runs}"
+           f"{' --other-client' if args.other_client else ''}`")
+    return ["", f"#### Request pipeline A/B: this tree against {base.name} ({base.commit[:10]}), same run", "",
+            f"Command: {cmd}. {base.name} is commit {base.commit[:10]}'s code run from a detached git "
+            "worktree (its `viiwork/` links agent, mesh, engines to the worktree's folders, first on "
+            "PYTHONPATH; a probe checks that it is what imports), with the same config and its own instant "
+            "engine (the same program); both agents are in every c=1 round and both wrk rounds above.", "",
+            "| figure | this tree | " + was + " | difference | limit | holds |", "|---|---|---|---|---|---|",
+            f"| added p50 at c=1 (ms, vs direct) | +{f_ms(n_add)} | +{f_ms(w_add)} | {(n_add - w_add) * 1000:+.3f} | "
+            "| |",
+            f"| added p50 at c=1 / bare aiohttp's (+{f_ms(b_add)} ms) | {n_ratio:.2f}x | {w_ratio:.2f}x | "
+            f"{n_ratio - w_ratio:+.2f} | rise <= {AB_RATIO_RISE:.2f} | {'yes' if ok_lat else 'no'} |",
+            f"| req/s at c=32 (wrk, best of {len(wrk[now])}) | {best_rps[now]:.0f} | {best_rps[was]:.0f} | "
+            f"{rps_ratio:.3f}x | >= {1 - AB_RPS_FALL:.2f}x | {'yes' if ok_rps else 'no'} |",
+            f"| req/s at c=32 / bare aiohttp's ({best_rps[bare]:.0f}) | {best_rps[now] / best_rps[bare]:.2f}x | "
+            f"{best_rps[was] / best_rps[bare]:.2f}x | | | |", "",
+            f"A/B: {'PASS' if ok_lat and ok_rps else 'FAIL'} (added-p50 ratio {n_ratio - w_ratio:+.2f}, limit "
+            f"+{AB_RATIO_RISE:.2f}; c=32 throughput {rps_ratio:.3f}x, limit {1 - AB_RPS_FALL:.2f}x)"]
+
+
+def other_client(systems: list[System], base_name: str | None, n: int = 400, seconds_n: int = 3000) -> list[str]:
+    """The same systems through ``loadgen.py`` (an aiohttp client): c=1 keep-alive, c=1 with a
+    new connection per request, and c=32 keep-alive; interleaved in ROUNDS rounds."""
+    import asyncio
+
+    from loadgen import Series, run_series
+
+    names = ["direct", "bare aiohttp", "viiwork (1 agent)"] + ([base_name] if base_name else [])
+    chosen = [s for s in systems if s.name in names]
+    modes = {"c=1 keep-alive": (1, False, n), "c=1 new connection each": (1, True, n),
+             "c=32 keep-alive": (32, False, seconds_n)}
+    got: dict[tuple[str, str], Series] = {(s.name, m): Series(s.name) for s in chosen for m in modes}
+    for _round in range(ROUNDS):
+        for s in chosen:
+            for mode, (conc, fresh, count) in modes.items():
+                r = asyncio.run(run_series(s.name, f"http://127.0.0.1:{s.port}{PATH}", BODY, count // ROUNDS, conc,
+                                           warmup=10, fresh_connections=fresh, extra_headers=s.headers))
+                into = got[(s.name, mode)]
+                into.samples += r.samples
+                into.errors += r.errors
+                into.wall_s += r.wall_s
+    lines = ["", "#### The same systems through another client (loadgen.py: aiohttp, non-streamed)", "",
+             "| path | c=1 keep-alive p50 | added vs direct | / bare's | c=1 new connection p50 | added vs direct | "
+             "/ bare's | req/s at c=32 | / bare's | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    d1 = {m: got[("direct", m)].pct("total_s", .5) for m in modes}
+    bare = {m: got[("bare aiohttp", m)].pct("total_s", .5) - d1[m] for m in modes}
+    bare_rps = got[("bare aiohttp", "c=32 keep-alive")].rps
+    for s in chosen:
+        cells = []
+        for m in ("c=1 keep-alive", "c=1 new connection each"):
+            p50 = got[(s.name, m)].pct("total_s", .5)
+            cells += [f_ms(p50), "—" if s.name == "direct" else "+" + f_ms(p50 - d1[m]),
+                      "—" if s.name == "direct" else f"{(p50 - d1[m]) / bare[m]:.2f}x"]
+        rps = got[(s.name, "c=32 keep-alive")].rps
+        errors = sum(got[(s.name, m)].errors for m in modes)
+        lines.append(f"| {s.name} | " + " | ".join(cells) + f" | {rps:.0f} | {rps / bare_rps:.2f}x | {errors} |")
+    return lines
+
+
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -784,6 +944,12 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--startup-runs", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also run commit REV's agent (viiwork@REV, from a git worktree) in the same rounds, "
+                         "and print the A/B table of issue 15 (REV from issue 14 on: engine key and socket)")
+    ap.add_argument("--other-client", action="store_true",
+                    help="also measure bare aiohttp and the agent(s) with loadgen.py's aiohttp client "
+                         "(c=1 keep-alive, c=1 a new connection per request, c=32)")
     args = ap.parse_args()
     if not shutil.which("wrk"):
         print("wrk not installed (Debian package wrk): saturation figures need it", file=sys.stderr)
@@ -802,6 +968,8 @@ def main() -> int:
         systems: list[System] = []
         pair: list[System] = []
         extra: list[System] = []
+        base: Baseline | None = None
+        other: list[str] = []
         try:
             wait_post(aport, 30, agent)
             engine_pids = [p for p in _tree(agent.pid, True) if p != agent.pid]
@@ -809,6 +977,20 @@ def main() -> int:
             start_systems(work, upstream, args.litellm_python, notes, extra)
             systems += [s for s in extra if s.name in ("nginx", "bare aiohttp")]
             systems.append(System("viiwork (1 agent)", aport, agent))
+            if args.baseline:
+                base = Baseline.create(args.baseline, work)
+                base.check_imports()
+                bport = free_port()
+                try:
+                    bproc, _ = start_agent(agent_config(work, "bench-base", bport, engine, True,
+                                                        engine_port=free_port()),
+                                           bport, work / "agent-base.log", baseline=base)
+                    systems.append(System(base.name, bport, bproc))
+                    wait_post(bport, 30, bproc)
+                except (RuntimeError, TimeoutError) as exc:  # e.g. a REV before issue 14 (engines on TCP)
+                    log = (work / "agent-base.log").read_text(errors="replace")[-300:]
+                    notes.append(f"--baseline {args.baseline}: its agent did not serve ({exc}); REV must be from "
+                                 f"issue 14 on (engine key and Unix socket); log tail: {log!r}")
             pair = start_mesh_pair(work, engine, notes)
             systems += pair[:1]
             systems += [s for s in extra if s.name.startswith("LiteLLM")]
@@ -831,6 +1013,8 @@ def main() -> int:
                 for s in systems:
                     wrk[s.name].append(run_wrk(s.port, BODY, args.wrk_s, 32, work, s.pids(), s.headers))
                     wrks[s.name].append(run_wrk(s.port, SBODY, args.wrk_s, 32, work, s.pids(), s.headers))
+            if args.other_client:
+                other = other_client(systems, base.name if base else None)
             profile = profile_agent(agent.pid, aport, work, 6) if args.profile else []
             startup, rss, snote = startup_and_rss(work, args.startup_runs)
             rss_peers, pnote = rss_with_peers(work)
@@ -844,6 +1028,8 @@ def main() -> int:
                 if s.proc is not None and s.proc is not agent:
                     stop_process(s.proc, 10)
             stop_process(agent, 15)
+            if base is not None:
+                base.remove()
     load1 = os.getloadavg()
 
     def best(rs: list[WrkResult]) -> WrkResult:
@@ -878,7 +1064,8 @@ def main() -> int:
         added = pct(c.total, .5) - base_p50
         lines.append(f"| {s.name} | {f_ms(pct(c.ttfb, .5))} | {f_ms(pct(c.ttfb, .99))} | {f_ms(pct(c.total, .5))} | "
                      f"{f_ms(pct(c.total, .99))} | {'—' if s.name == d else ('+' + f_ms(added))} | {f_ms(w.p50)} | "
-                     f"{f_ms(w.p99)} | {w.rps:.0f} | {w.rps / bare:.2f}x | {w.cpu_us:.0f} | {c.errors + sum(r.errors for r in wrk[s.name])} |")
+                     f"{f_ms(w.p99)} | {w.rps:.0f} | {w.rps / bare:.2f}x | {w.cpu_us:.0f} | "
+                     f"{c.errors + sum(r.errors for r in wrk[s.name])} |")
     lines += ["", "#### Streaming, 20 chunks (ms)", "",
               "| path | TTFB p50 | total p50 | total p99 | per-chunk p50 | added per chunk vs direct | "
               "chunks/s c=1 | chunks/s at c=32 | errors |",
@@ -934,6 +1121,10 @@ def main() -> int:
               "/proc/PID/status VmRSS 2 s after READY; with 10 peers, 5 s after the agent sees all ten alive."]
     if profile:
         lines += ["", "#### Where the agent spends its time at c=32 (py-spy, 200 Hz, non-streamed)", ""] + profile
+    if base is not None and base.name in c1:
+        lines += ab_table(base, c1, wrk, d, args)
+    if other:
+        lines += other
     if notes:
         lines += ["", "Notes: " + "; ".join(notes)]
     text = "\n".join(lines) + "\n"

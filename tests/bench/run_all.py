@@ -1,7 +1,7 @@
 """``make bench``: run every benchmark under tests/bench/ and write docs/benchmarks.md.
 
 usage: .venv/bin/python tests/bench/run_all.py [--only NAME[,NAME]] [--out docs/benchmarks.md]
-       [--budget-s 1140] [--no-install]
+       [--budget-s 1140] [--no-install] [--baseline REV]
 
 Each ``tests/bench/bench_*.py`` runs as its own process with its own time budget (the table
 below; 90 s for a script not listed), in the order listed, under one overall budget (19 min
@@ -10,6 +10,11 @@ that fails or runs out of time is recorded in the document with its exit status 
 of its output, and the runner goes on. Output of a benchmark: the file it was told to write
 with ``--out`` when it takes one, else what it printed. ``docs/benchmarks-*.md`` (documents
 kept by the owners of the mesh, routing and packaging work) are appended, each with its date.
+
+A/B (issue 15): when the working tree has uncommitted changes, ``bench_overhead.py`` also runs
+HEAD's agent (``--baseline HEAD``, from a git worktree) in the same rounds as this tree's, so
+one run compares the change with the commit before it; ``--baseline REV`` names another commit
+(e.g. ``HEAD~1`` once the change is committed), ``--baseline ''`` turns it off.
 
 Tools only the benchmarks need are kept out of the product's dependencies:
 - ``.bench-venv/`` (created here): LiteLLM's proxy (``litellm[proxy]==1.108.7``) and py-spy;
@@ -50,7 +55,8 @@ class Bench:
 
 # Order: the issue-9 tables first, then the figures of the other issues.
 KNOWN: list[Bench] = [
-    Bench("bench_overhead.py", 270, ["-n", "1000", "--stream-n", "300", "--wrk-s", "4", "--profile"],
+    # With a baseline (A/B, issue 15): one more agent in every round, and the loadgen.py rows (~60 s more).
+    Bench("bench_overhead.py", 330, ["-n", "1000", "--stream-n", "300", "--wrk-s", "4", "--profile"],
           title="Proxy overhead, memory and start-up (issue 9)"),
     Bench("bench_proxy.py", 200, ["-n", "600"], title="Added latency of one agent, fake engine and llama-server (issue 2)"),
     # Sized for the 20-minute total on 2 cores: the mesh simulation's default (1000 simulated
@@ -153,10 +159,13 @@ def discover(only: set[str] | None) -> list[Bench]:
     return ordered
 
 
-def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path) -> Outcome:
+def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path,
+            baseline: str | None = None) -> Outcome:
     args = list(bench.args)
     if bench.script == "bench_overhead.py" and bench_python:
         args += ["--litellm-python", bench_python]
+    if bench.script == "bench_overhead.py" and baseline:
+        args += ["--baseline", baseline, "--other-client"]
     out_file = work / (bench.script + ".md")
     if bench.takes_out:
         args += ["--out", str(out_file)]
@@ -190,6 +199,15 @@ def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path)
         text = "Output (tail):\n\n```\n" + "\n".join(output.splitlines()[-40:]) + "\n```\n"
     print(f"    {status} in {seconds:.0f} s", flush=True)
     return Outcome(bench, shown, status, seconds, text)
+
+
+def default_baseline() -> str | None:
+    """HEAD when the working tree has uncommitted changes (A/B of the change against its commit), else None."""
+    try:
+        dirty = sh(["git", "status", "--porcelain"], cwd=ROOT, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "HEAD" if dirty.returncode == 0 and dirty.stdout.strip() else None
 
 
 def machine() -> str:
@@ -235,6 +253,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--budget-s", type=float, default=19 * 60, help="overall budget")
     ap.add_argument("--no-install", action="store_true", help="do not install wrk, nginx or .bench-venv")
+    ap.add_argument("--baseline", default=None, metavar="REV",
+                    help="commit whose agent bench_overhead.py measures beside this tree's (A/B, issue 15); "
+                         "default HEAD when the tree has uncommitted changes, else none; '' for none")
     args = ap.parse_args()
     t0 = time.monotonic()
     run_started = time.time()
@@ -243,6 +264,7 @@ def main() -> int:
     ensure_debian_tools(notes, not args.no_install)
     bench_python = ensure_bench_venv(notes, not args.no_install)
     only = set(args.only.split(",")) if args.only else None
+    baseline = args.baseline if args.baseline is not None else default_baseline()
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="vw-bench-all-") as tmp:
         for bench in discover(only):
@@ -251,10 +273,10 @@ def main() -> int:
                 outcomes.append(Outcome(bench, f".venv/bin/python tests/bench/{bench.script}", "not run: the overall "
                                         "budget was spent", 0.0, ""))
                 continue
-            outcomes.append(run_one(bench, min(bench.budget_s, left), bench_python, Path(tmp)))
+            outcomes.append(run_one(bench, min(bench.budget_s, left), bench_python, Path(tmp), baseline))
     load1 = os.getloadavg()
     total = time.monotonic() - t0
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     try:
         commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT).stdout.strip() or "unknown"
         dirty = " (with uncommitted changes)" if sh(["git", "status", "--porcelain"], cwd=ROOT).stdout.strip() else ""
@@ -280,7 +302,7 @@ def main() -> int:
             body = o.text if looks_like_markdown(o.text) or o.status != "ok" else "```\n" + o.text.strip() + "\n```\n"
             doc.append(as_section(body))
     for extra in sorted((ROOT / "docs").glob("benchmarks-*.md")):
-        when = datetime.datetime.fromtimestamp(extra.stat().st_mtime, datetime.timezone.utc)
+        when = datetime.datetime.fromtimestamp(extra.stat().st_mtime, datetime.UTC)
         fresh = "during this run" if extra.stat().st_mtime >= run_started else "before this run"
         doc += ["", f"## `docs/{extra.name}`", "",
                 f"Included as written by its owners (last written {when:%Y-%m-%d %H:%M} UTC, {fresh}); the "
