@@ -41,6 +41,7 @@ from aiohttp import web
 from aiohttp.web_runner import BaseRunner, BaseSite
 
 from viiwork.agent.errors import ErrorCode, error_body
+from viiwork.mesh.places import AddressPlaces
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,8 @@ class ConnectionGuard:
         self.server = server
         self.limits = limits
         self.node_name = node_name
-        self.open = 0
+        self.places = AddressPlaces()
         self.counters: Counter[str] = Counter()
-        self._by_address: dict[str, int] = {}
         self._by_handler: dict[Any, _GuardedConnection] = {}
         self.lingering = 0
         self._warned = False
@@ -111,28 +111,27 @@ class ConnectionGuard:
     def __call__(self) -> asyncio.Protocol:
         return _GuardedConnection(self)
 
+    @property
+    def open(self) -> int:
+        """Connections open now."""
+        return self.places.open
+
     def admit(self, address: str) -> str | None:
         """Take a place for a connection from ``address``; the refusal reason when none is free."""
         limits = self.limits
         if self.open >= limits.max_connections:
             return "max_connections"
-        from_address = self._by_address.get(address, 0)
+        from_address = self.places.held_by(address)
         if limits.max_connections_per_address and from_address >= limits.max_connections_per_address:
             return "per_address"
         if self.open >= limits.max_connections - limits.reserved and from_address >= RESERVED_PER_ADDRESS:
             return "reserved"
-        self.open += 1
-        self._by_address[address] = from_address + 1
+        self.places.take(address)
         self.counters["accepted"] += 1
         return None
 
     def release(self, address: str) -> None:
-        self.open -= 1
-        left = self._by_address.get(address, 1) - 1
-        if left > 0:
-            self._by_address[address] = left
-        else:
-            self._by_address.pop(address, None)
+        self.places.give_back(address)
 
     def refusal(self, reason: str, address: str) -> bytes:
         """The bytes of a refusal (a whole HTTP/1.1 503 answer), counted and logged once."""
@@ -141,11 +140,11 @@ class ConnectionGuard:
         if reason == "max_connections":
             what = f"{self.open} connections are open (api.max_connections = {limits.max_connections})"
         elif reason == "reserved":
-            what = (f"{self.open} connections are open and {self._by_address.get(address, 0)} from {address}; the "
+            what = (f"{self.open} connections are open and {self.places.held_by(address)} from {address}; the "
                     f"last {limits.reserved} of api.max_connections = {limits.max_connections} are kept for "
                     f"addresses holding fewer than {RESERVED_PER_ADDRESS}")
         else:
-            what = (f"{self._by_address.get(address, 0)} connections from {address} are open "
+            what = (f"{self.places.held_by(address)} connections from {address} are open "
                     f"(api.max_connections_per_address = {limits.max_connections_per_address})")
         if not self._warned:
             self._warned = True

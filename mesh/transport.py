@@ -58,6 +58,7 @@ from viiwork.mesh.counters import DropReason
 from viiwork.mesh.dialing import PeerMismatch, expect_node, peer_session_parts
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import GossipTarget, Membership
+from viiwork.mesh.places import AddressPlaces
 from viiwork.mesh.tls import peer_node_id
 
 log = logging.getLogger(__name__)
@@ -251,15 +252,13 @@ class MutualTlsSite(BaseSite):
         self._on_refused = on_handshake_refused
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: set[str] = set()
-        self._pending: dict[str, int] = {}  # source address -> handshakes pending from it
-        self.pending_handshakes = 0
+        self._pending = AddressPlaces()  # TLS handshakes pending, per source address
         self._refusals_warned = False
         self.max_connections = max_connections
         self.max_connections_per_address = max_connections_per_address
         self.first_request_timeout_s = first_request_timeout_s
         self._on_event = on_connection_event
-        self.connections_open = 0
-        self._open: dict[str, int] = {}  # source address -> connections open from it
+        self._open = AddressPlaces()  # connections open (pending handshakes included), per source address
         self._awaiting: dict[Any, _Established] = {}  # aiohttp handler -> its connection, until a request
         self.counters: Counter[str] = Counter()
         self._connection_refusals_warned = False
@@ -281,9 +280,17 @@ class MutualTlsSite(BaseSite):
         assert server is not None, "call runner.setup() before starting the site"
         return server
 
+    @property
+    def pending_handshakes(self) -> int:
+        return self._pending.open
+
+    @property
+    def connections_open(self) -> int:
+        return self._open.open
+
     def admit_connection(self, host: str) -> bool:
         """Take a connection place for ``host``; False (and counted) when none is free."""
-        from_host = self._open.get(host, 0)
+        from_host = self._open.held_by(host)
         if self.connections_open >= self.max_connections or from_host >= self.max_connections_per_address:
             if not self._connection_refusals_warned:
                 self._connection_refusals_warned = True
@@ -293,18 +300,12 @@ class MutualTlsSite(BaseSite):
                             self.max_connections_per_address)
             self.connection_event("connection_refused")
             return False
-        self.connections_open += 1
-        self._open[host] = from_host + 1
+        self._open.take(host)
         return True
 
     def connection_closed(self, host: str) -> None:
         """Give back the place :meth:`admit_connection` took."""
-        self.connections_open -= 1
-        left = self._open.get(host, 1) - 1
-        if left > 0:
-            self._open[host] = left
-        else:
-            self._open.pop(host, None)
+        self._open.give_back(host)
 
     def connection_event(self, name: str) -> None:
         self.counters[name] += 1
@@ -313,7 +314,7 @@ class MutualTlsSite(BaseSite):
 
     def admit_handshake(self, host: str) -> bool:
         """Take a pending-handshake place for ``host``; False (and counted) when none is free."""
-        from_host = self._pending.get(host, 0)
+        from_host = self._pending.held_by(host)
         if self.pending_handshakes >= self.max_pending_handshakes or from_host >= self.max_pending_per_address:
             if not self._refusals_warned:
                 self._refusals_warned = True
@@ -324,18 +325,12 @@ class MutualTlsSite(BaseSite):
             if self._on_refused is not None:
                 self._on_refused(host)
             return False
-        self.pending_handshakes += 1
-        self._pending[host] = from_host + 1
+        self._pending.take(host)
         return True
 
     def handshake_done(self, host: str) -> None:
         """Give back the place :meth:`admit_handshake` took (the handshake ended either way)."""
-        self.pending_handshakes -= 1
-        left = self._pending.get(host, 1) - 1
-        if left > 0:
-            self._pending[host] = left
-        else:
-            self._pending.pop(host, None)
+        self._pending.give_back(host)
 
     def handshake_failed(self, peer: Any, exc: BaseException) -> None:
         host = _host_of(peer)
