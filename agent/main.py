@@ -1,6 +1,6 @@
 """``viiwork-agent``: the daemon. ``--config FILE`` runs a config; ``--demo`` the embedded one.
 
-Lifecycle: load config -> lock and check ``node.state_dir`` (agent/statedir.py) -> bind the
+Lifecycle: load config -> lock and check ``node.state_dir`` (agent/host/statedir.py) -> bind the
 mesh listener, the admin socket and the client API -> start the supervisor (backends begin
 loading, or are adopted) -> serve until SIGTERM/SIGINT -> stop admitting, tell peers, let requests in
 flight end (at most ``health.drain_timeout_s``), close the mesh listener, stop (or hand
@@ -24,13 +24,10 @@ import aiohttp
 from aiohttp import web
 
 from viiwork import __version__
-from viiwork.agent import protocol_log
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
-from viiwork.agent.api import ClientApi
-from viiwork.agent.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
-from viiwork.agent.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
-from viiwork.agent.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
-from viiwork.agent.mesh_link import MeshLink
+from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
+from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
+from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
     Notifier,
     StopDecision,
@@ -40,11 +37,14 @@ from viiwork.agent.notify import (
     runner_stop_intent,
     status_line,
 )
-from viiwork.agent.proxy import Upstream
-from viiwork.agent.runners.base import Runner, RunnerError
-from viiwork.agent.statedir import StateDirLocked, take_state_dir
-from viiwork.agent.supervisor import Supervisor
-from viiwork.agent.waitqueue import Queues
+from viiwork.agent.peering.mesh_link import MeshLink
+from viiwork.agent.serving import protocol_log
+from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
+from viiwork.agent.serving.proxy import Upstream
+from viiwork.agent.serving.waitqueue import Queues
+from viiwork.agent.supervision.runners.base import Runner, RunnerError
+from viiwork.agent.supervision.supervisor import Supervisor
 from viiwork.mesh.node import MeshStartError
 from viiwork.mesh.persist import PendingWrites, StateDirFault
 
@@ -70,7 +70,7 @@ async def make_runner(config: Config) -> Runner:
     choice = config.supervisor.runner
     if choice in ("systemd", "auto"):
         try:
-            from viiwork.agent.runners import systemd as systemd_runner
+            from viiwork.agent.supervision.runners import systemd as systemd_runner
         except ImportError:
             systemd_runner = None  # type: ignore[assignment]
         if systemd_runner is not None and hasattr(systemd_runner, "create_runner"):
@@ -79,7 +79,7 @@ async def make_runner(config: Config) -> Runner:
                 return runner
         elif choice == "systemd":
             raise RunnerError('supervisor.runner = "systemd", but this build has no systemd runner')
-    from viiwork.agent.runners.process import ProcessRunner
+    from viiwork.agent.supervision.runners.process import ProcessRunner
 
     return ProcessRunner()
 
@@ -126,7 +126,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         loop.add_signal_handler(sig, stop.set)
     host, port = parse_hostport(config.api.listen, "api.listen")
     # Before anything else (sockets, runner, engines): one agent per state dir, and a state
-    # dir it can write, or one line and exit (agent/statedir.py; docs/reliability.md).
+    # dir it can write, or one line and exit (agent/host/statedir.py; docs/reliability.md).
     try:
         state_lock = await asyncio.to_thread(take_state_dir, config.node.state_dir)
     except (StateDirLocked, StateDirFault) as exc:
@@ -198,7 +198,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 return 1
             stack.push_async_callback(mesh.stop)
         writes = api.mesh.node.writes if api.mesh is not None else PendingWrites()
-        key_writes = supervisor.writes  # engine key files a launch could not write (agent/supervisor.py)
+        key_writes = supervisor.writes  # engine key files a launch could not write (agent/supervision/supervisor.py)
         api.extra_status["state_dir"] = lambda: {"path": str(config.node.state_dir),
                                                  "pending_writes": writes.status() + key_writes.status()}
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
@@ -229,7 +229,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
 
         reloads: set[asyncio.Task] = set()
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
-        # Connection caps and the request-head deadline: agent/api_listener.py.
+        # Connection caps and the request-head deadline: agent/serving/api_listener.py.
         site = ApiSite(app_runner, host, port, ConnectionLimits(
             head_timeout_s=config.api.head_timeout_s, max_connections=config.api.max_connections,
             max_connections_per_address=config.api.max_connections_per_address), node_name=config.node.name)
@@ -277,7 +277,7 @@ async def _stop_serving(api: ClientApi, runner: Runner, notifier: Notifier, conf
     gossip round and send no new forward here. Every request in flight, local or relayed in
     either direction, runs to its end within ``health.drain_timeout_s`` (the intent question
     to systemd included); what still runs then ends with an SSE error event or a 503
-    (viiwork.agent.drain). Only then does the mesh listener close (and push the final
+    (viiwork.agent.serving.drain). Only then does the mesh listener close (and push the final
     summary to a few peers), so no hop through it is cut.
     """
     began = time.monotonic()
@@ -323,10 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"viiwork-agent {__version__}")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    raise_open_file_limit()  # each client connection holds a descriptor: agent/api_listener.py
+    raise_open_file_limit()  # each client connection holds a descriptor: agent/serving/api_listener.py
     try:
         if args.demo:
-            from viiwork.agent.demo import DemoUnavailable, demo_config
+            from viiwork.agent.config.demo import DemoUnavailable, demo_config
 
             try:
                 config = demo_config()

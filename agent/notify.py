@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
-from viiwork.agent.backends import ModelRuntime
-from viiwork.agent.runners.base import Runner, RunnerError
-from viiwork.agent.runners.systemd import (
+from viiwork.agent.supervision.backends import ModelRuntime
+from viiwork.agent.supervision.runners.base import Runner, RunnerError
+from viiwork.agent.supervision.runners.systemd import (
     JOB_IFACE,
     MANAGER_IFACE,
     SYSTEMD_BUS_NAME,
@@ -55,7 +55,7 @@ from viiwork.agent.runners.systemd import (
 )
 
 if TYPE_CHECKING:
-    from viiwork.agent.supervisor import Supervisor
+    from viiwork.agent.supervision.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

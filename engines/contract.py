@@ -154,7 +154,7 @@ class LaunchCommand:
     key_env: for an engine that reads its key from an environment variable (vLLM's
     ``VLLM_API_KEY``), that variable's name; never the key in ``env``, which ``ps``-like
     tools and ``systemctl show`` reveal. The supervisor writes ``<name>=<key>`` to the
-    backend's environment file (agent/engine_keys.py) and the runner sets it from there.
+    backend's environment file (agent/supervision/engine_keys.py) and the runner sets it from there.
     """
 
     argv: tuple[str, ...]
@@ -256,7 +256,7 @@ def stops_nonstream_on_disconnect(engine: object) -> bool:
     Read from the adapter's optional class attribute ``nonstream_stops_on_disconnect: bool``
     (absent, or ``engine`` None: True). An adapter sets it False only from a measurement of
     its engine (docs/engines.md, "When the client goes away"); the agent then asks that
-    engine for a stream and assembles the non-streamed answer itself (agent/assemble.py),
+    engine for a stream and assembles the non-streamed answer itself (agent/serving/assemble.py),
     so a client that leaves frees its slot. Anything but a bool counts as True.
     """
     value = getattr(engine, "nonstream_stops_on_disconnect", True)

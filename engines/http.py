@@ -6,7 +6,7 @@ already reaches the backend. For a backend on a Unix socket (``BackendSpec.socke
 the supervisor builds it on an ``aiohttp.UnixConnector`` and ``base_url`` is
 ``http://localhost`` (the host is only a label); for a backend with a key
 (``BackendSpec.api_key_file``) the session sends ``Authorization: Bearer <key>`` as a default
-header (agent/supervisor.py, agent/engine_keys.py). So ``fetch`` adds no header and opens
+header (agent/supervision/supervisor.py, agent/supervision/engine_keys.py). So ``fetch`` adds no header and opens
 no connection of its own, and an engine that refuses the key answers 401: an answer, which
 the adapter reads like any other status, not a transport failure.
 """
@@ -46,7 +46,7 @@ async def fetch(http: aiohttp.ClientSession, base_url: str, path: str) -> Answer
     Returns the Answer whatever its status (a 404, 401 or 503 is for the adapter to read).
     Raises EngineUnavailable("GET <path>: <error class>: <error>") on a transport failure
     (``TRANSPORT_ERRORS``), chained ``from`` the aiohttp error, whose class the supervisor
-    reads: a ``TimeoutError`` cause is a timed-out read (agent/supervisor.py ``_timed_out``).
+    reads: a ``TimeoutError`` cause is a timed-out read (agent/supervision/supervisor.py ``_timed_out``).
     """
     try:
         async with http.get(f"{base_url}{path}") as resp:

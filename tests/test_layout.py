@@ -117,13 +117,13 @@ def test_the_scanner_sees_relative_and_dynamic_imports() -> None:
         "from .. import mesh\n"
         "from viiwork import agent\n"
         "import importlib\n"
-        "importlib.import_module('viiwork.agent.api')\n"
+        "importlib.import_module('viiwork.agent.serving.api')\n"
         "import viiwork.mesh.gossip as g\n"
     )
     names = [name for _, name in _imports_in(source, "viiwork.engines.probe", is_package=False)]
     assert "viiwork.agent" in names
     assert "viiwork.mesh" in names
-    assert "viiwork.agent.api" in names
+    assert "viiwork.agent.serving.api" in names
     assert "viiwork.mesh.gossip" in names
     forbidden = [n for n in names if any(_hits(n, p) for p in FORBIDDEN["engines"])]
     assert len(forbidden) == 6, forbidden
@@ -196,7 +196,7 @@ def test_bare_top_level_folders_are_not_importable(bare: str) -> None:
 
 
 def test_engine_registry_is_loaded_once() -> None:
-    importlib.import_module("viiwork.agent.config")  # imports the registry itself
+    importlib.import_module("viiwork.agent.config.schema")  # imports the registry itself
     registry = importlib.import_module("viiwork.engines.registry")
     source = (REPO / "engines" / "registry.py").resolve()
     assert Path(registry.__file__).resolve() == source, "tests must import this working tree's viiwork"

@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config import DEFAULT_CONFIG_PATH
-from viiwork.agent.doctor import DoctorReport, Verdict, run_checks
-from viiwork.agent.facts import gather_facts
+from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH
+from viiwork.agent.host.doctor import DoctorReport, Verdict, run_checks
+from viiwork.agent.host.facts import gather_facts
 
 _STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.FAIL: "bold red", Verdict.SKIPPED: "dim"}
 

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from viiwork.agent.cli.status import fetch_json
 from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from viiwork.mesh.identity import IdentityError, load_or_create_identity
 from viiwork.mesh.pins import PINS_FILE, PinStore
 from viiwork.mesh.trust import (

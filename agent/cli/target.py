@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from viiwork.agent.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_hostport
+from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_hostport
 
 DEFAULT_URL = "http://127.0.0.1:8086"
 

@@ -40,8 +40,8 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 from support.agent import run_agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
 from support.systemd import missing_user_manager, user_manager  # noqa: E402
-from viiwork.agent.runners.base import LaunchRequest  # noqa: E402
-from viiwork.agent.runners.systemd import SystemdRunner, engine_unit_stem  # noqa: E402
+from viiwork.agent.supervision.runners.base import LaunchRequest  # noqa: E402
+from viiwork.agent.supervision.runners.systemd import SystemdRunner, engine_unit_stem  # noqa: E402
 
 
 def summary(samples_ms: list[float]) -> str:
@@ -155,7 +155,7 @@ def main() -> int:
                                                          "bus_address": um.bus_address})
             model = args.model
             if model is None:
-                from viiwork.agent.demo import DemoUnavailable, find_demo_model
+                from viiwork.agent.config.demo import DemoUnavailable, find_demo_model
 
                 try:
                     model = Path(find_demo_model())

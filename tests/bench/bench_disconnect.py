@@ -38,7 +38,7 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-from viiwork.agent.demo import find_demo_model  # noqa: E402
+from viiwork.agent.config.demo import find_demo_model  # noqa: E402
 from viiwork.engines.contract import BackendSpec, Kind  # noqa: E402
 from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions  # noqa: E402
 

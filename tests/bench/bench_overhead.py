@@ -585,7 +585,7 @@ def start_systems(work: Path, upstream: Upstream, litellm_python: str | None, lo
     else:
         logs.append("nginx not installed (Debian package nginx or nginx-light): row skipped")
     port = free_port()
-    key_file = Path(upstream.socket).parent / "key"  # agent/engine_keys.py
+    key_file = Path(upstream.socket).parent / "key"  # agent/supervision/engine_keys.py
     proc = subprocess.Popen([sys.executable, str(HERE / "bare_proxy.py"), "--port", str(port),
                              "--upstream", "http://localhost", "--upstream-socket", upstream.socket,
                              "--key-file", str(key_file)],
@@ -708,12 +708,12 @@ def _owner(frame: str) -> str:
 
 def _layer(frame: str) -> str | None:
     f = frame
-    if "viiwork/agent/proxy" in f or "agent/proxy.py" in f:
-        return "viiwork agent/proxy.py (forward + relay)"
-    if "agent/api.py" in f:
-        return "viiwork agent/api.py (handler)"
-    if "agent/pipeline.py" in f or "agent/waitqueue.py" in f:
-        return "viiwork agent/pipeline.py + waitqueue.py"
+    if "viiwork/agent/serving/proxy" in f or "agent/serving/proxy.py" in f:
+        return "viiwork agent/serving/proxy.py (forward + relay)"
+    if "agent/serving/api.py" in f:
+        return "viiwork agent/serving/api.py (handler)"
+    if "agent/serving/pipeline.py" in f or "agent/serving/waitqueue.py" in f:
+        return "viiwork agent/serving/pipeline.py + waitqueue.py"
     if "aiohttp/client" in f or "aiohttp/connector" in f:
         return "aiohttp client (towards the engine)"
     if "aiohttp/web_protocol" in f or "aiohttp/web_response" in f or "aiohttp/web_request" in f:

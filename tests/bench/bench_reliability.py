@@ -366,7 +366,7 @@ async def fake_part(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 async def real_part(args: argparse.Namespace, tmp: Path) -> dict:
-    from viiwork.agent.demo import find_demo_model
+    from viiwork.agent.config.demo import find_demo_model
 
     model = {"name": "real", "engine": "llamacpp", "path": str(find_demo_model()), "ctx_per_slot": 4096,
              "parallel": 1, "backends": 1, "startup_timeout_s": 120, "llamacpp": {"binary": str(LLAMA_SERVER)}}

@@ -18,13 +18,13 @@ Not a test. Discrete-event simulation in virtual time (fixed seeds, one model):
 - Origin queueing: a request that finds no free slot waits in its origin's FIFO queue; the
   queue is retried (head first) whenever that origin sees a slot free: a local release, the
   end of a request it forwarded, or a fresher picture of a peer.
-- Slot offers (viiwork.agent.offers, the production WantBook): an origin whose oldest
+- Slot offers (viiwork.agent.peering.offers, the production WantBook): an origin whose oldest
   waiter changes sends a want to every peer (arrives RTT/2 later); a node whose slot frees
   gives it to the oldest waiter it knows of: its own, or a peer's, by keeping the slot and
   offering it (RTT/2); the origin sends its oldest waiter (RTT/2) or declines, and the
   node then asks again. A want that reaches a node with a free slot gets an offer at once.
 
-Policies: ``viiwork`` (viiwork.agent.router.Router with Reservations and its defaults, and
+Policies: ``viiwork`` (viiwork.agent.serving.router.Router with Reservations and its defaults, and
 slot offers: the production code), ``viiwork-no-offers`` (the router before slot offers:
 no offers, probing on, its best setting then), ``oracle`` (sees true load instantly; one
 global FIFO queue, the freed slot goes to the oldest waiter at once: the best any
@@ -57,8 +57,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from viiwork.agent.offers import Want, WantBook
-from viiwork.agent.router import (
+from viiwork.agent.peering.offers import Want, WantBook
+from viiwork.agent.serving.router import (
     LocalBackend,
     LocalModel,
     PeerSnapshot,
@@ -255,7 +255,7 @@ class Simulation:
             q.popleft()
         self.announce(o)
 
-    # -- slot offers (viiwork.agent.offers) ----------------------------------------------
+    # -- slot offers (viiwork.agent.peering.offers) ----------------------------------------------
 
     def announce(self, o: int) -> None:
         """A want to every peer when o's oldest waiter changed (arrives RTT/2 later)."""

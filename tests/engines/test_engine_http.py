@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from viiwork.agent.engine_keys import auth_headers
+from viiwork.agent.supervision.engine_keys import auth_headers
 from viiwork.engines.contract import EngineUnavailable
 from viiwork.engines.http import Answer, fetch
 from viiwork.engines.registry import ENGINES
@@ -58,7 +58,7 @@ async def keyed_socket_engine(sock_dir: Path) -> AsyncIterator[tuple[str, list[t
 
 
 def _socket_session(path: str, key: str | None, total_s: float = 10.0) -> aiohttp.ClientSession:
-    # As agent/supervisor.py builds a socket backend's session: its own UnixConnector, the
+    # As agent/supervision/supervisor.py builds a socket backend's session: its own UnixConnector, the
     # launch's key as a default header.
     return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path),
                                  timeout=aiohttp.ClientTimeout(total=total_s), headers=auth_headers(key))

@@ -1,5 +1,5 @@
-"""Slot offers between real agents on loopback (``viiwork.agent.offers``, the slot-offer glue
-in ``viiwork.agent.mesh_link`` and ``viiwork.agent.api``).
+"""Slot offers between real agents on loopback (``viiwork.agent.peering.offers``, the slot-offer glue
+in ``viiwork.agent.peering.mesh_link`` and ``viiwork.agent.serving.api``).
 
 - three agents, ``parallel = 1`` each, slow gossip: a request queued at A runs on B within
   one round trip of B's slot freeing (B offers it to A), not at B's next summary;

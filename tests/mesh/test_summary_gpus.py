@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from viiwork.agent.cli.mesh import gpus_cell
-from viiwork.agent.gpus import Gpu, GpuInventory, Vendor
-from viiwork.agent.mesh_link import gpu_capacities
+from viiwork.agent.host.gpus import Gpu, GpuInventory, Vendor
+from viiwork.agent.peering.mesh_link import gpu_capacities
 from viiwork.mesh.summary import (
     GpuCapacity,
     MalformedSummary,

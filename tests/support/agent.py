@@ -59,11 +59,11 @@ class Agent:
 
     def engine_headers(self, model: str, index: int = 0) -> dict[str, str]:
         """The ``Authorization`` header that backend ``index`` of ``model`` accepts (its key
-        file under the state dir: viiwork.agent.engine_keys), for tests that call an engine
+        file under the state dir: viiwork.agent.supervision.engine_keys), for tests that call an engine
         directly."""
         assert self.state_dir is not None
-        from viiwork.agent.engine_keys import auth_headers, read_key
-        from viiwork.agent.supervisor import escape_name
+        from viiwork.agent.supervision.engine_keys import auth_headers, read_key
+        from viiwork.agent.supervision.supervisor import escape_name
 
         return auth_headers(read_key(self.state_dir / "engines" / f"{escape_name(model)}-{index}"))
 

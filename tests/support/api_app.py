@@ -8,9 +8,9 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from viiwork.agent.api import ClientApi
-from viiwork.agent.backends import ModelRuntime
-from viiwork.agent.proxy import Upstream
+from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.proxy import Upstream
+from viiwork.agent.supervision.backends import ModelRuntime
 
 
 @asynccontextmanager

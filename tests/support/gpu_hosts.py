@@ -1,7 +1,7 @@
 """GPU hosts that are not here: NVML recordings and fake sysfs/proc trees.
 
 NVML recordings live in ``tests/unit/fixtures/gpus`` (``nvml-*.json``; shapes as pynvml
-returns them, see viiwork.agent.gpus.nvml_record). Fake sysfs trees mirror the kernel's
+returns them, see viiwork.agent.host.gpus.nvml_record). Fake sysfs trees mirror the kernel's
 layout: ``sys/class/drm/cardN`` links into ``sys/devices/pci0000:00/<bus>/drm/cardN``, whose
 ``device`` link points back at the PCI device directory holding the amdgpu files.
 """

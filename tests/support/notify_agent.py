@@ -1,7 +1,7 @@
 """A stand-in agent for testing viiwork's unit files and lifecycle code under a real systemd.
 
 It does what the real agent does around systemd, with the real modules
-(``viiwork.agent.notify``, ``viiwork.agent.runners.systemd``) and nothing else: adopts its
+(``viiwork.agent.notify``, ``viiwork.agent.supervision.runners.systemd``) and nothing else: adopts its
 engine units or starts them (``/usr/bin/sleep infinity`` as the engine), sends READY=1 and
 STATUS=, pings the watchdog from its event loop, and on SIGTERM asks systemd whether this is
 a restart or a stop (``stop_intent``), stopping its engines only on a stop.
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from viiwork.agent.notify import Notifier, StopIntent, stop_intent
-from viiwork.agent.runners.base import LaunchRequest
-from viiwork.agent.runners.systemd import SystemdRunner, engine_unit_stem
+from viiwork.agent.supervision.runners.base import LaunchRequest
+from viiwork.agent.supervision.runners.systemd import SystemdRunner, engine_unit_stem
 
 ENGINE_ARGV = ("/usr/bin/sleep", "infinity")
 

@@ -16,8 +16,8 @@ from support.engines import FAKE_ENGINE
 from support.procs import free_port, wait_http
 from support.systemd import UserManager
 from viiwork.agent.notify import Notifier, StopIntent, one_line, stop_intent
-from viiwork.agent.runners.base import LaunchRequest
-from viiwork.agent.runners.systemd import (
+from viiwork.agent.supervision.runners.base import LaunchRequest
+from viiwork.agent.supervision.runners.systemd import (
     MANAGER_IFACE,
     SYSTEMD_BUS_NAME,
     SYSTEMD_PATH,
@@ -174,7 +174,7 @@ async def test_stop_intent_reads_the_job_queued_for_the_unit(systemd_user: UserM
 
 async def test_runner_stop_intent_depends_on_the_runner(systemd_user: UserManager) -> None:
     from viiwork.agent.notify import runner_stop_intent
-    from viiwork.agent.runners.process import ProcessRunner
+    from viiwork.agent.supervision.runners.process import ProcessRunner
 
     decision = await runner_stop_intent(ProcessRunner())
     assert decision.intent is StopIntent.STOP and "process runner" in decision.reason

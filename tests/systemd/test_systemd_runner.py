@@ -23,8 +23,8 @@ from dbus_fast.aio import MessageBus
 from support.engines import FAKE_ENGINE, fake_engine_binary
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_main_pid, unit_show
-from viiwork.agent.runners.base import ExitInfo, LaunchRequest, RunnerError
-from viiwork.agent.runners.systemd import (
+from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, RunnerError
+from viiwork.agent.supervision.runners.systemd import (
     ENGINE_SLICE,
     MANAGER_IFACE,
     SYSTEMD_BUS_NAME,
@@ -416,7 +416,7 @@ async def test_strict_sandbox_engine_binds_its_socket_in_its_private_dir(user_ru
                                                                           systemd_user: UserManager,
                                                                           tmp_path: Path) -> None:
     """ProtectSystem=strict makes everything read-only: the runner adds ReadWritePaths= for the
-    backend's private directory (agent/engine_keys.py), where the engine binds its socket."""
+    backend's private directory (agent/supervision/engine_keys.py), where the engine binds its socket."""
     import shutil
     import tempfile
 
@@ -450,12 +450,12 @@ async def test_strict_sandbox_engine_binds_its_socket_in_its_private_dir(user_ru
 async def test_environment_file_key_reaches_the_engine_not_the_unit_properties(
         user_runner: SystemdRunner, systemd_user: UserManager, tmp_path: Path) -> None:
     """An engine that reads its key from the environment (vLLM's VLLM_API_KEY) gets it from
-    EnvironmentFile= (agent/engine_keys.py write_env_file, 0600): the engine sees it, while
+    EnvironmentFile= (agent/supervision/engine_keys.py write_env_file, 0600): the engine sees it, while
     ExecStart= and Environment=, which `systemctl show` prints to anyone, do not carry it."""
     import shutil
     import tempfile
 
-    from viiwork.agent.engine_keys import write_env_file
+    from viiwork.agent.supervision.engine_keys import write_env_file
 
     root = Path(tempfile.mkdtemp(prefix="viiwork-key-", dir=Path.home()))  # the agent's engine dir
     private = root / "v-0"

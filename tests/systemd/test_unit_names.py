@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from viiwork.agent.runners.base import ExitInfo
-from viiwork.agent.runners.systemd import (
+from viiwork.agent.supervision.runners.base import ExitInfo
+from viiwork.agent.supervision.runners.systemd import (
     engine_unit_stem,
     escape_unit_component,
     exit_info,

@@ -1,16 +1,16 @@
 """Local admission: most-free-slot choice, the FIFO origin queue with one freed slot per
 waiter, its bounds, and what a standalone node answers when nothing can serve
-(agent/waitqueue.py, agent/pipeline.py NoPeers; the whole path over HTTP: test_api.py)."""
+(agent/serving/waitqueue.py, agent/serving/pipeline.py NoPeers; the whole path over HTTP: test_api.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime, ModelState
-from viiwork.agent.config import ModelConfig
-from viiwork.agent.pipeline import NoPeers
-from viiwork.agent.router import Queue, Refuse, RunLocal
-from viiwork.agent.waitqueue import Queues
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.serving.pipeline import NoPeers
+from viiwork.agent.serving.router import Queue, Refuse, RunLocal
+from viiwork.agent.serving.waitqueue import Queues
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime, ModelState
 from viiwork.engines.registry import get_engine
 
 

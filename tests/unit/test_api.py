@@ -14,8 +14,8 @@ import pytest
 
 from support.api_app import agent_api
 from support.procs import fake_engine
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
-from viiwork.agent.config import ModelConfig
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.registry import get_engine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -149,7 +149,7 @@ async def test_engine_silent_mid_stream_ends_with_error_event() -> None:
 
 async def test_engine_silent_before_answering_gives_504() -> None:
     # A non-streamed answer is computed whole before its headers: silence from the start.
-    # (llama.cpp's is asked as a stream and assembled, agent/assemble.py: its headers come
+    # (llama.cpp's is asked as a stream and assembled, agent/serving/assemble.py: its headers come
     # first, the silence after them; the answer is the same 504.)
     with fake_engine("m", parallel=1, env={"FAKE_TOKENS": "3", "FAKE_TOKEN_DELAY_S": "5"}) as port:
         rt = make_runtime("m", [port], 1)

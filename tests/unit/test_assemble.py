@@ -1,4 +1,4 @@
-"""The non-streamed answer assembled from an engine's stream (agent/assemble.py).
+"""The non-streamed answer assembled from an engine's stream (agent/serving/assemble.py).
 
 Against real captures (tests/engines/llamacpp/captures, tests/engines/vllm/captures):
 llama-server's streamed and non-streamed chat answers, vLLM's. Tool calls, logprobs and the
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from viiwork.agent.assemble import (
+from viiwork.agent.serving.assemble import (
     ASSEMBLED_PATHS,
     StreamBroken,
     StreamError,

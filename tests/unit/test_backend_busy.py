@@ -1,13 +1,13 @@
 """Backend.busy: what a node publishes as busy slots, and ModelRuntime.capacity, the one sum
 over a model's backends that status, /metrics, routing and the gossiped summary read
-(viiwork.agent.backends)."""
+(viiwork.agent.supervision.backends)."""
 
 from __future__ import annotations
 
 import time
 
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
-from viiwork.agent.config import ModelConfig
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.contract import Load
 from viiwork.engines.registry import get_engine
 

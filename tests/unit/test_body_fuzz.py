@@ -1,8 +1,8 @@
 """No input makes the agent answer 5xx from its own code (issue 13, item 4).
 
 Property-based (hypothesis): over 100,000 generated bodies, mesh messages, engine error
-bodies and header values against the pure parsing and validation (``agent/body.py``,
-``agent/offers.py``, ``agent/errors.py``, the router), then at most 2,000 requests over
+bodies and header values against the pure parsing and validation (``agent/serving/body.py``,
+``agent/peering/offers.py``, ``agent/serving/errors.py``, the router), then at most 2,000 requests over
 HTTP: 1,000 to a real ClientApi app on loopback (fake llama-server process behind it), 500
 to the forward route of a real agent's mesh listener (mutual TLS, an open-mesh client
 certificate, as a peer sends them). Every answer is < 500, or 502/503/504 with an
@@ -39,14 +39,14 @@ from hypothesis import strategies as st
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
 from support.procs import fake_engine
-from viiwork.agent.api import ClientApi
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
-from viiwork.agent.body import MAX_JSON_DEPTH, BodyError, json_depth, parse_json, parse_json_object
-from viiwork.agent.config import ModelConfig
-from viiwork.agent.errors import engine_error
-from viiwork.agent.offers import Want, WantError, parse_offer
-from viiwork.agent.proxy import Upstream
-from viiwork.agent.router import LocalBackend, LocalModel, PeerSnapshot, Refuse, Reservations, Router
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.peering.offers import Want, WantError, parse_offer
+from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.body import MAX_JSON_DEPTH, BodyError, json_depth, parse_json, parse_json_object
+from viiwork.agent.serving.errors import engine_error
+from viiwork.agent.serving.proxy import Upstream
+from viiwork.agent.serving.router import LocalBackend, LocalModel, PeerSnapshot, Refuse, Reservations, Router
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.registry import get_engine
 from viiwork.mesh import tls
 from viiwork.mesh.identity import NodeId, load_or_create_identity

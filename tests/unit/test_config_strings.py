@@ -18,7 +18,7 @@ import pytest
 from conftest import venv_bin
 
 from support.mesh_crypto import ManualClock, TestCA, chat_model, core
-from viiwork.agent.config import (
+from viiwork.agent.config.schema import (
     ConfigError,
     ConfigIssue,
     largest_summary_bytes,

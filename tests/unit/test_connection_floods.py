@@ -31,7 +31,7 @@ MESH = {"trust": "open", "mesh_id": "flood-mesh", "listen": "127.0.0.1:0", "adve
 @pytest.fixture(autouse=True)
 def many_descriptors() -> Iterator[None]:
     """13,000+ sockets here and as many in the agent (which inherits this limit and raises its
-    own soft limit to the hard one: agent/api_listener.py)."""
+    own soft limit to the hard one: agent/serving/api_listener.py)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 16_000:
         pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 16,000: cannot hold the floods' sockets")

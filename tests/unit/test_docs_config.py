@@ -1,6 +1,6 @@
 """docs/configuration.md documents exactly the keys the loader accepts, with their defaults.
 
-The pydantic models of viiwork.agent.config (and each registered engine's options model)
+The pydantic models of viiwork.agent.config.schema (and each registered engine's options model)
 are the source of truth; this test fails when a key is added, renamed or removed, or a
 default changed, without the docs following. The docs keep one heading per section
 (``## `[api]` ``, ``## `[[models]]` ``, ``### `[models.llamacpp]` ``) with a table whose
@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from viiwork.agent.config import Config, ModelConfig
+from viiwork.agent.config.schema import Config, ModelConfig
 from viiwork.engines.registry import ENGINES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

@@ -17,8 +17,8 @@ from support.agent import render_config, run_agent
 from support.engines import fake_engine_binary
 from support.gpu_hosts import nvml_recording, write_drm_card
 from support.procs import free_port
-from viiwork.agent.config import parse_config
-from viiwork.agent.doctor import (
+from viiwork.agent.config.schema import parse_config
+from viiwork.agent.host.doctor import (
     REGISTRY,
     Check,
     CheckResult,
@@ -29,7 +29,7 @@ from viiwork.agent.doctor import (
     render_markdown,
     run_checks,
 )
-from viiwork.agent.facts import (
+from viiwork.agent.host.facts import (
     AgentFacts,
     BinaryState,
     DiskFact,
@@ -40,11 +40,11 @@ from viiwork.agent.facts import (
     resolve_binary,
     version_at_least,
 )
-from viiwork.agent.gpus.amd import AmdSysfsReader
-from viiwork.agent.gpus.inventory import Vendor
-from viiwork.agent.gpus.nvml import NvmlReader
-from viiwork.agent.gpus.nvml_record import ReplayNvml
-from viiwork.agent.gpus.udev import PciGpu
+from viiwork.agent.host.gpus.amd import AmdSysfsReader
+from viiwork.agent.host.gpus.inventory import Vendor
+from viiwork.agent.host.gpus.nvml import NvmlReader
+from viiwork.agent.host.gpus.nvml_record import ReplayNvml
+from viiwork.agent.host.gpus.udev import PciGpu
 from viiwork.engines.llamacpp import LlamaCppEngine
 
 NOW = dt.datetime(2025, 6, 1, 12, 0, tzinfo=dt.UTC)
@@ -339,7 +339,7 @@ def test_expired_certificate_is_a_fail(tmp_path):
     facts = host(tmp_path, write_config(tmp_path, mesh={"trust": "ca", "ca_certificate": str(ca_path)}),
                  now=dt.datetime.now(dt.UTC))
     later = dt.datetime.now(dt.UTC) + dt.timedelta(days=60)
-    from viiwork.agent.facts import read_mesh_facts
+    from viiwork.agent.host.facts import read_mesh_facts
 
     mesh = read_mesh_facts(facts.config.config, tmp_path / "net", later)
     results = derive_conflicts(HostFacts(later, facts.config, mesh=mesh))
@@ -526,7 +526,7 @@ def test_docs_doctor_md_is_generated_from_the_registry():
     doc = REPO / "docs" / "doctor.md"
     assert doc.read_text() == render_markdown(), (
         "docs/doctor.md differs from the check registry: run "
-        "`python -m viiwork.agent.doctor --markdown > docs/doctor.md`")
+        "`python -m viiwork.agent.host.doctor --markdown > docs/doctor.md`")
 
 
 # -- viiworkctl doctor as a real subprocess -------------------------------------------------
@@ -586,10 +586,10 @@ def test_viiworkctl_doctor_against_a_running_agent(tmp_path):
 
 
 async def test_startup_conflicts_are_logged(tmp_path, caplog):
-    from viiwork.agent.doctor import async_startup_conflicts
+    from viiwork.agent.host.doctor import async_startup_conflicts
 
     config = write_config(tmp_path, [model(binary="/nonexistent/llama-server")])
-    with caplog.at_level("WARNING", logger="viiwork.agent.doctor"):
+    with caplog.at_level("WARNING", logger="viiwork.agent.host.doctor"):
         conflicts = await async_startup_conflicts(
             config, gpu_sources=[NvmlReader(ReplayNvml(nvml_recording("nvml-2x-h100")))], pci_gpus=lambda: (),
             read_versions=False)
@@ -599,7 +599,7 @@ async def test_startup_conflicts_are_logged(tmp_path, caplog):
 
 
 def test_gpus_module_prints_this_machine(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "viiwork.agent.gpus", "--json"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "viiwork.agent.host.gpus", "--json"], capture_output=True, text=True,
                           timeout=60, check=True)
     doc = json.loads(done.stdout)
     assert {s["vendor"] for s in doc["sources"]} == {"nvidia", "amd"}

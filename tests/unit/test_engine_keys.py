@@ -28,7 +28,7 @@ import pytest
 
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
-from viiwork.agent.engine_keys import EngineKeyError, read_key, write_env_file, write_key
+from viiwork.agent.supervision.engine_keys import EngineKeyError, read_key, write_env_file, write_key
 from viiwork.engines.contract import BackendSpec, Kind
 from viiwork.engines.llamacpp import LlamaCppOptions
 

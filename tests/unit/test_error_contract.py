@@ -22,9 +22,9 @@ from support.api_app import agent_api
 from support.procs import fake_engine
 from support.replay import Captured, ReplayServer, read_capture, refused_base_url
 from viiwork.agent.admin import ActionError, AdminActions, build_admin_app
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
-from viiwork.agent.config import ModelConfig
-from viiwork.agent.errors import engine_error, engine_message
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.serving.errors import engine_error, engine_message
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.registry import get_engine
 
 CAPTURES = Path(__file__).resolve().parent.parent / "engines"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from support.gpu_hosts import write_drm_card, write_fake_proc
-from viiwork.agent.gpus.amd import AmdSysfsReader, drm_devices_of_pid
-from viiwork.agent.gpus.inventory import SourceState, Vendor
+from viiwork.agent.host.gpus.amd import AmdSysfsReader, drm_devices_of_pid
+from viiwork.agent.host.gpus.inventory import SourceState, Vendor
 
 
 def test_one_card_every_field(tmp_path):

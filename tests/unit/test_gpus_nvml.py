@@ -9,9 +9,9 @@ import pynvml
 import pytest
 
 from support.gpu_hosts import nvml_recording
-from viiwork.agent.gpus.inventory import SourceState, Vendor, normalize_bus_id
-from viiwork.agent.gpus.nvml import NvmlReader
-from viiwork.agent.gpus.nvml_record import FORMAT, RecordingError, ReplayNvml, record_nvml
+from viiwork.agent.host.gpus.inventory import SourceState, Vendor, normalize_bus_id
+from viiwork.agent.host.gpus.nvml import NvmlReader
+from viiwork.agent.host.gpus.nvml_record import FORMAT, RecordingError, ReplayNvml, record_nvml
 
 
 def read(name_or_recording):

@@ -10,13 +10,13 @@ import time
 import pytest
 
 from support.gpu_hosts import nvml_recording, write_drm_card, write_fake_proc
-from viiwork.agent.backends import Backend, BackendId, BackendState
-from viiwork.agent.gpus.amd import AmdSysfsReader
-from viiwork.agent.gpus.inventory import read_inventory
-from viiwork.agent.gpus.monitor import GpuMonitor
-from viiwork.agent.gpus.nvml import NvmlReader
-from viiwork.agent.gpus.nvml_record import ReplayNvml
-from viiwork.agent.gpus.placement import PlacementVerdict, gpu_pids, process_tree, verify_placement
+from viiwork.agent.host.gpus.amd import AmdSysfsReader
+from viiwork.agent.host.gpus.inventory import read_inventory
+from viiwork.agent.host.gpus.monitor import GpuMonitor
+from viiwork.agent.host.gpus.nvml import NvmlReader
+from viiwork.agent.host.gpus.nvml_record import ReplayNvml
+from viiwork.agent.host.gpus.placement import PlacementVerdict, gpu_pids, process_tree, verify_placement
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState
 
 OK, MISMATCH, UNKNOWN = PlacementVerdict.OK, PlacementVerdict.MISMATCH, PlacementVerdict.UNKNOWN
 A, B, C = "GPU-a", "GPU-b", "GPU-c"

@@ -11,13 +11,12 @@ import pytest
 from conftest import require
 
 from support.gpu_hosts import nvml_recording
-from viiwork.agent.backends import Backend, BackendId, BackendState
-from viiwork.agent.gpus.amd import AmdSysfsReader
-from viiwork.agent.gpus.inventory import Vendor
-from viiwork.agent.gpus.monitor import GpuMonitor
-from viiwork.agent.gpus.nvml import NvmlReader
-from viiwork.agent.gpus.nvml_record import ReplayNvml
-from viiwork.agent.gpus.udev import (
+from viiwork.agent.host.gpus.amd import AmdSysfsReader
+from viiwork.agent.host.gpus.inventory import Vendor
+from viiwork.agent.host.gpus.monitor import GpuMonitor
+from viiwork.agent.host.gpus.nvml import NvmlReader
+from viiwork.agent.host.gpus.nvml_record import ReplayNvml
+from viiwork.agent.host.gpus.udev import (
     GpuHotplug,
     UdevEvent,
     UdevGpuEvents,
@@ -25,6 +24,7 @@ from viiwork.agent.gpus.udev import (
     gpu_hotplug_from,
     pci_gpu_from,
 )
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState
 
 UUID0 = "GPU-5b1c7a4e-91f3-2d6e-8a0b-3c4d5e6f7a8b"
 UUID1 = "GPU-0e6f2a19-4c7d-8b3a-5f1e-9d2c6b8a4e70"
@@ -204,7 +204,7 @@ async def test_run_refreshes_verifies_and_follows_udev(tmp_path):
 async def test_a_hung_driver_read_times_out_without_piling_up_threads(tmp_path):
     import threading
 
-    from viiwork.agent.gpus.monitor import GpuReadTimeout
+    from viiwork.agent.host.gpus.monitor import GpuReadTimeout
 
     release = threading.Event()
     calls = []

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from support.gpu_hosts import nvml_recording, write_drm_card
-from viiwork.agent.config import ConfigError, parse_config
-from viiwork.agent.gpus.amd import AmdSysfsReader
-from viiwork.agent.gpus.inventory import GpuInventory, SourceState, SourceStatus, Vendor, read_inventory
-from viiwork.agent.gpus.nvml import NvmlReader
-from viiwork.agent.gpus.nvml_record import ReplayNvml
-from viiwork.agent.gpus.validate import check_config_gpus, gpu_config_issues
+from viiwork.agent.config.schema import ConfigError, parse_config
+from viiwork.agent.host.gpus.amd import AmdSysfsReader
+from viiwork.agent.host.gpus.inventory import GpuInventory, SourceState, SourceStatus, Vendor, read_inventory
+from viiwork.agent.host.gpus.nvml import NvmlReader
+from viiwork.agent.host.gpus.nvml_record import ReplayNvml
+from viiwork.agent.host.gpus.validate import check_config_gpus, gpu_config_issues
 
 UUID0 = "GPU-5b1c7a4e-91f3-2d6e-8a0b-3c4d5e6f7a8b"
 UUID1 = "GPU-0e6f2a19-4c7d-8b3a-5f1e-9d2c6b8a4e70"

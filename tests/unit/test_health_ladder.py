@@ -1,4 +1,4 @@
-"""The health ladder as a pure transition function (viiwork.agent.health_ladder), in virtual time.
+"""The health ladder as a pure transition function (viiwork.agent.supervision.health_ladder), in virtual time.
 
 No processes, no sleeps: ``step`` is fed events with a made-up monotonic clock. The same
 rules run the real supervisor (tests/unit/test_supervisor.py drives them with real fake-engine
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from viiwork.agent import health_ladder as hl
-from viiwork.agent.backends import BackendState as S
-from viiwork.agent.config import HealthConfig
+from viiwork.agent.config.schema import HealthConfig
+from viiwork.agent.supervision import health_ladder as hl
+from viiwork.agent.supervision.backends import BackendState as S
 
 RULES = hl.LadderRules(max_failures=3, max_respawns=3, respawn_backoff_s=1.0, respawn_backoff_max_s=5.0,
                        healthy_refill_s=600.0)

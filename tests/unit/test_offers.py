@@ -1,10 +1,10 @@
-"""Slot offers, the pure core (viiwork.agent.offers): who gets a freed slot, holds, messages."""
+"""Slot offers, the pure core (viiwork.agent.peering.offers): who gets a freed slot, holds, messages."""
 
 from __future__ import annotations
 
 import pytest
 
-from viiwork.agent.offers import HOLD_MS, Holds, Want, WantBook, WantError, parse_offer
+from viiwork.agent.peering.offers import HOLD_MS, Holds, Want, WantBook, WantError, parse_offer
 from viiwork.mesh.identity import NodeId
 
 A, B, C = NodeId("a" * 16), NodeId("b" * 16), NodeId("c" * 16)
@@ -205,7 +205,7 @@ def test_malformed_offers_name_the_field(doc: object, field: str) -> None:
 
 
 def test_queue_reports_a_new_oldest_waiter_only() -> None:
-    from viiwork.agent.waitqueue import WaitQueue
+    from viiwork.agent.serving.waitqueue import WaitQueue
 
     changes: list[int] = []
     q = WaitQueue("m", {}, 8, 1.0, on_head_change=lambda: changes.append(len(q)))
@@ -225,7 +225,7 @@ def test_queue_reports_a_new_oldest_waiter_only() -> None:
 
 
 def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
-    from viiwork.agent.waitqueue import WaitQueue
+    from viiwork.agent.serving.waitqueue import WaitQueue
 
     q = WaitQueue("m", {}, 8, 1.0)
     busy = q.enter()  # routing right now (not parked): cannot take it
@@ -247,7 +247,7 @@ def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
 
 
 def test_a_dispatched_waiter_does_not_wait_unless_refused() -> None:
-    from viiwork.agent.waitqueue import WaitQueue
+    from viiwork.agent.serving.waitqueue import WaitQueue
 
     changes: list[int] = []
     q = WaitQueue("m", {}, 8, 1.0, on_head_change=lambda: changes.append(len(q)))

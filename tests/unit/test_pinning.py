@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from viiwork.agent.pinning import engine_environment, inheritable, pinning_variables
+from viiwork.agent.supervision.pinning import engine_environment, inheritable, pinning_variables
 
 BASE = {"PATH": "/usr/bin:/bin", "HOME": "/var/lib/viiwork", "LANG": "C.UTF-8"}
 

@@ -15,8 +15,8 @@ import pytest
 
 from support.engines import fake_engine_binary
 from support.procs import free_port
-from viiwork.agent.runners.base import LaunchRequest, RunHandle, RunnerError
-from viiwork.agent.runners.process import ProcessRunner
+from viiwork.agent.supervision.runners.base import LaunchRequest, RunHandle, RunnerError
+from viiwork.agent.supervision.runners.process import ProcessRunner
 
 
 def alive(pid: int) -> bool:
@@ -198,8 +198,8 @@ async def test_adoptable_is_empty():
 
 PARENT = textwrap.dedent("""
     import asyncio, os, sys
-    from viiwork.agent.runners.base import LaunchRequest
-    from viiwork.agent.runners.process import ProcessRunner
+    from viiwork.agent.supervision.runners.base import LaunchRequest
+    from viiwork.agent.supervision.runners.process import ProcessRunner
 
     async def main():
         req = LaunchRequest(name="pd", argv=tuple(sys.argv[1:]), env=dict(os.environ), description="pd")

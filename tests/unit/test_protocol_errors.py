@@ -1,6 +1,6 @@
 """Errors outside any route's handler: the admin socket's unknown paths and wrong methods
 (JSON, agent/admin.py) and requests aiohttp's HTTP parser refuses (plain 400, logged once by
-agent/protocol_log.py). Real aiohttp servers on a Unix socket and on loopback."""
+agent/serving/protocol_log.py). Real aiohttp servers on a Unix socket and on loopback."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from viiwork.agent import protocol_log
 from viiwork.agent.admin import AdminActions, build_admin_app, start_admin_site
+from viiwork.agent.serving import protocol_log
 
 
 async def _never(*_: Any) -> dict[str, Any]:
@@ -147,10 +147,10 @@ def test_malformed_requests_warn_once_per_address_per_minute() -> None:
 
 
 async def test_bodies_that_do_not_decode_are_logged_once_without_traceback(caplog: pytest.LogCaptureFixture) -> None:
-    """A gzip/deflate body that is not gzip/deflate: the handler answers 400 (agent/body.py),
+    """A gzip/deflate body that is not gzip/deflate: the handler answers 400 (agent/serving/body.py),
     then aiohttp's drain after the handler meets the payload error again and logs
     "Unhandled exception" with a traceback: rewritten to one WARNING per address, counted."""
-    from viiwork.agent.body import BodyError, read_body
+    from viiwork.agent.serving.body import BodyError, read_body
 
     async def handler(request: web.Request) -> web.Response:
         try:

@@ -9,9 +9,8 @@ from collections import Counter
 
 import pytest
 
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
-from viiwork.agent.config import ModelConfig
-from viiwork.agent.router import (
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.serving.router import (
     LocalBackend,
     LocalModel,
     PeerSnapshot,
@@ -23,6 +22,7 @@ from viiwork.agent.router import (
     RunOnPeer,
     mesh_models,
 )
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.registry import get_engine
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView

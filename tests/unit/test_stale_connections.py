@@ -1,4 +1,4 @@
-"""The retry of a pooled connection that the engine closed (agent/proxy.py, module doc).
+"""The retry of a pooled connection that the engine closed (agent/serving/proxy.py, module doc).
 
 An engine may close a keep-alive connection just as the next request is written to it (its
 keep-alive timer firing, llama-server ending a connection): the agent's pooled socket is
@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from viiwork.agent.api import ClientApi
-from viiwork.agent.backends import Backend, BackendId, BackendState, ModelRuntime
-from viiwork.agent.config import ModelConfig
-from viiwork.agent.proxy import Upstream
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.proxy import Upstream
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.registry import get_engine
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

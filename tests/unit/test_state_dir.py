@@ -323,7 +323,7 @@ def test_a_full_disk_at_respawn_is_a_pending_write_not_a_dead_backend(tmp_path: 
 def test_a_second_demo_is_told_one_demo_per_user(tmp_path: Path) -> None:
     """The demo has no config in which to give another state dir: its refusal says to stop the
     other demo, naming its pid (the lock is taken before the demo's engine starts)."""
-    from viiwork.agent.statedir import take_state_dir
+    from viiwork.agent.host.statedir import take_state_dir
 
     held = take_state_dir(tmp_path / "viiwork-demo")
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
-from viiwork.agent.config import HealthConfig, SupervisorConfig
+from viiwork.agent.config.schema import HealthConfig, SupervisorConfig
 
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "viiwork.service"
 MARGIN_S = 5.0  # the agent's own bound: drain + engine stop + 5 s

@@ -1,0 +1,687 @@
+"""The agent's configuration: TOML read with ``tomllib``, modelled with pydantic v2.
+
+Strict: unknown keys are errors. Every error names its path, counting array indexes from 0
+(``models[1].llamacpp.thread``), and the line where it can be found:
+``models[1].llamacpp.thread: unknown key (line 23)``. Defaults are docs/configuration.md's tables.
+``viiworkctl config check`` and the agent share ``load_config``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from viiwork.agent.config.toml_lines import line_of
+from viiwork.engines.contract import Kind
+from viiwork.engines.registry import ENGINES, engine_names
+from viiwork.mesh.identity import NodeId
+from viiwork.mesh.summary import (
+    MAX_ADDRESS_CHARS,
+    MAX_INT,
+    MAX_LABEL_CHARS,
+    MAX_MODELS,
+    MAX_NAME_CHARS,
+    MAX_SUMMARY_BYTES,
+    PROTOCOL_VERSION,
+    STATES_OF_PROTOCOL,
+    ModelCapacity,
+    SummaryPayload,
+    canonical_json,
+    payload_to_obj,
+)
+
+MiB = 1024 * 1024
+DEFAULT_CONFIG_PATH = Path("/etc/viiwork/viiwork.toml")
+
+# Bounds of the numbers in the file; docs/configuration.md gives each key's range. A number
+# past them is a typo, and an unbounded one reaches an engine as a flag (``--ctx-size``) or
+# the agent as a sleep: every duration is finite and at most a day.
+MAX_DURATION_S = 86_400.0
+MAX_DURATION_MS = 86_400_000
+MAX_PARALLEL = 1024
+# ctx_per_slot * parallel stays below this: llama.cpp's n_ctx (the --ctx-size it is given) is
+# a 32-bit int.
+MAX_CTX_TOTAL = 2**31
+MAX_GPU_INDEX = 1023
+# Strings that reach the mesh (docs/configuration.md): a mesh id peers compare (mDNS TXT,
+# every gossip message), a Linux interface name (IFNAMSIZ - 1 bytes), at most as many
+# models as a summary carries. The summary itself must fit MAX_SUMMARY_BYTES (_check_summary_fits).
+MAX_MESH_ID_CHARS = 64
+_MESH_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_IFNAME_BYTES = 15
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Strict(BaseModel):
+    # strict: TOML has real types, so "4" for an integer or "yes" for a boolean is a
+    # mistake to report, not to coerce. Paths and enums opt out (TOML has no such types).
+    # allow_inf_nan: a float key is finite (inf and nan pass no bound; tests/unit/test_config_bounds.py
+    # checks every numeric key of every section has an upper bound).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False
+    )
+
+
+def parse_hostport(value: str, field: str = "address", *, allow_port_zero: bool = True) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:8086``); ValueError naming the problem.
+
+    Port 0..65535; 1..65535 with ``allow_port_zero=False`` (an address to dial: port 0 is
+    only meaningful to bind, as "any free port")."""
+    if not isinstance(value, str) or ":" not in value:
+        raise ValueError(f"{field} must be host:port, got {value!r}")
+    host, _, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"{field} has an empty host in {value!r}")
+    # ASCII digits only: int() also takes "8_0_8_6", " 8086" and other scripts' digits.
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ValueError(f"{field} port must be a number, got {port_text!r}")
+    port = int(port_text)
+    low = 0 if allow_port_zero else 1
+    if not low <= port < 65536:
+        raise ValueError(f"{field} port must be {low}..65535, got {port}")
+    return host, port
+
+
+def _check_listen(value: str) -> str:
+    parse_hostport(value, "listen address")
+    return value
+
+
+class NodeConfig(_Strict):
+    """This node: ``name`` is a label (default: hostname), ``state_dir`` holds keys and state."""
+
+    name: str = Field(default_factory=socket.gethostname, min_length=1, max_length=63)
+    state_dir: Path = Field(default=Path("/var/lib/viiwork"), strict=False)
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, v: str) -> str:
+        if not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("node name may contain letters, digits, '-', '_' and '.' only")
+        return v
+
+    _state_dir = field_validator("state_dir")(classmethod(lambda cls, v: _absolute(v, "state_dir")))
+
+
+class ApiConfig(_Strict):
+    """The client API (HTTP) and the admin socket."""
+
+    listen: str = "0.0.0.0:8086"
+    max_body_bytes: int = Field(default=32 * MiB, ge=1024, le=1024 * MiB)
+    stream_idle_timeout_s: float = Field(default=120.0, gt=0, le=MAX_DURATION_S)
+    client_stall_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    # Connection limits (agent/serving/api_listener.py; docs/configuration.md gives the reasons).
+    head_timeout_s: float = Field(default=10.0, gt=0, le=3600.0)
+    body_read_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    body_timeout_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    keepalive_timeout_s: float = Field(default=75.0, gt=0, le=MAX_DURATION_S)
+    max_connections: int = Field(default=4096, ge=1, le=1_000_000)
+    max_connections_per_address: int = Field(default=256, ge=0, le=1_000_000)  # 0: no per-address cap
+    admin_socket: Path = Field(default=Path("/run/viiwork/admin.sock"), strict=False)
+
+    _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
+    _admin_socket = field_validator("admin_socket")(classmethod(lambda cls, v: _absolute(v, "admin_socket")))
+
+
+class HealthConfig(_Strict):
+    """The health ladder (docs/architecture.md, "A backend's life")."""
+
+    interval_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
+    timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    max_failures: int = Field(default=3, ge=1, le=1000)
+    max_respawns: int = Field(default=3, ge=0, le=1000)
+    drain_timeout_s: float = Field(default=60.0, ge=0, le=MAX_DURATION_S)
+    respawn_backoff_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S)
+    respawn_backoff_max_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    healthy_refill_s: float = Field(default=600.0, gt=0, le=MAX_DURATION_S)
+
+
+class SupervisorConfig(_Strict):
+    """How backends are run: ``runner`` auto (systemd when the bus has systemd1), systemd, process."""
+
+    runner: Literal["auto", "systemd", "process"] = "auto"
+    bus: Literal["system", "user"] = "system"
+    bus_address: str | None = None
+    max_parallel_loads: int = Field(default=1, ge=1, le=1024)
+    stop_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    load_poll_interval_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S)
+    load_stale_after_s: float = Field(default=3.0, gt=0, le=MAX_DURATION_S)
+    log_dir: Path | None = Field(default=None, strict=False)
+
+    _log_dir = field_validator("log_dir")(classmethod(lambda cls, v: v if v is None else _absolute(v, "log_dir")))
+
+
+class RoutingConfig(_Strict):
+    """Admission and routing (docs/routing.md)."""
+
+    queue_max: int = Field(default=64, ge=0, le=65536)
+    queue_timeout_s: float = Field(default=20.0, gt=0, le=MAX_DURATION_S)
+    forward_retry: int = Field(default=1, ge=0, le=64)
+    stale_after_ms: int = Field(default=3000, ge=1, le=MAX_DURATION_MS)
+    slot_offers: bool = True
+
+
+# How a node finds its peers (mesh.discovery); the default is both, in this order.
+DiscoveryMethod = Literal["mdns", "seeds"]
+DISCOVERY_METHODS: tuple[DiscoveryMethod, ...] = ("mdns", "seeds")
+
+
+class MeshConfig(_Strict):
+    """The mesh (docs/mesh.md). Present means this node joins a mesh; ``trust`` has no default."""
+
+    trust: Literal["ca", "open"]
+    listen: str = "0.0.0.0:8087"
+    advertise: str | None = None
+    interfaces: list[str] = Field(default_factory=list)
+    discovery: list[DiscoveryMethod] = Field(default_factory=lambda: list(DISCOVERY_METHODS))
+    seeds: list[str] = Field(default_factory=list)
+    mesh_id: str | None = None
+    ca_certificate: Path | None = Field(default=None, strict=False)
+    node_certificate: Path | None = Field(default=None, strict=False)
+    node_key: Path | None = Field(default=None, strict=False)
+    # Rounds vs timeouts: suspect_after_ms >= 2 rounds, dead_after_ms >= 3 (_trust_needs), so a
+    # round is at most a third of a day.
+    gossip_interval_ms: int = Field(default=500, ge=10, le=MAX_DURATION_MS // 3)
+    fanout: int = Field(default=3, ge=1, le=1024)
+    suspect_after_ms: int = Field(default=2000, ge=20, le=MAX_DURATION_MS)
+    dead_after_ms: int = Field(default=10000, ge=30, le=MAX_DURATION_MS)
+    max_peers: int = Field(default=1024, ge=1, le=65536)
+
+    _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: list[str]) -> list[str]:
+        for seed in v:
+            parse_hostport(seed, "seed", allow_port_zero=False)
+        return v
+
+    @field_validator("advertise")
+    @classmethod
+    def _advertise(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_advertise(v)
+        return v
+
+    @field_validator("mesh_id")
+    @classmethod
+    def _mesh_id(cls, v: str | None) -> str | None:
+        if v is not None and not (len(v) <= MAX_MESH_ID_CHARS and _MESH_ID_RE.fullmatch(v)):
+            raise ValueError(f"mesh_id must be 1-{MAX_MESH_ID_CHARS} characters: letters, digits, '.', '_', '-' "
+                             f"(starting with a letter or digit), got {_short(v)}")
+        return v
+
+    @field_validator("interfaces")
+    @classmethod
+    def _interfaces(cls, v: list[str]) -> list[str]:
+        for i, name in enumerate(v):
+            if not name or len(name.encode()) > MAX_IFNAME_BYTES or name in (".", "..") \
+                    or any(c == "/" or c.isspace() or not c.isprintable() for c in name):
+                raise _PathError((i,), (
+                    f"not an interface name or IPv4 address: {_short(name)} (a Linux interface name is "
+                    f"1-{MAX_IFNAME_BYTES} bytes without '/', whitespace or control characters)"))
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trust_present(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "trust" not in data:
+            raise _PathError(("trust",), (
+                "not set; a [mesh] section must say how nodes trust each other: set "
+                "trust = \"ca\" with ca_certificate (the mesh CA's certificate), or "
+                "trust = \"open\" with mesh_id (labs: no CA, peers pinned on first use); "
+                "remove [mesh] to run a standalone node"
+            ))
+        return data
+
+    @model_validator(mode="after")
+    def _trust_needs(self) -> MeshConfig:
+        if self.trust == "open" and not self.mesh_id:
+            raise _PathError(("mesh_id",), "trust = \"open\" requires mesh_id (a name shared by the nodes of this mesh)")
+        if self.trust == "ca" and self.ca_certificate is None:
+            raise _PathError(("ca_certificate",), (
+                "trust = \"ca\" requires ca_certificate (the mesh CA's certificate; "
+                "create one with `viiworkctl mesh ca init --out DIR`)"
+            ))
+        if self.dead_after_ms <= self.suspect_after_ms:
+            raise _PathError(("dead_after_ms",), "dead_after_ms must be greater than suspect_after_ms")
+        # A heartbeat needs rounds to spread (docs/mesh.md, "Larger meshes"): a timeout
+        # shorter than a few rounds would mark every peer suspect or dead between two rounds.
+        for key, rounds in (("suspect_after_ms", 2), ("dead_after_ms", 3)):
+            if getattr(self, key) < rounds * self.gossip_interval_ms:
+                raise _PathError((key,), (
+                    f"{key} = {getattr(self, key)} must be at least {rounds} gossip rounds "
+                    f"({rounds} * gossip_interval_ms = {rounds * self.gossip_interval_ms})"))
+        return self
+
+
+GpuRef = Annotated[int | str, Field(union_mode="left_to_right")]
+
+
+class ModelConfig(_Strict):
+    """One ``[[models]]`` entry.
+
+    ``gpus``: NVML indexes (PCI bus order) or GPU UUIDs; empty = CPU. ``gpus_per_backend``
+    splits them into backends; ``backends`` is the count for CPU models. ``ctx_per_slot``
+    tokens per sequence; ``parallel`` sequences per backend. The engine's own block is named
+    for the engine (``[models.llamacpp]``) and is validated by that engine's options model;
+    it is stored in ``options``.
+    """
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    engine: str
+    path: str = Field(min_length=1)
+    kind: Kind = Field(default=Kind.CHAT, strict=False)
+    gpus: list[GpuRef] = Field(default_factory=list)
+    gpus_per_backend: int = Field(default=1, ge=1, le=MAX_GPU_INDEX + 1)
+    backends: int | None = Field(default=None, ge=1, le=64)
+    ctx_per_slot: int = Field(default=4096, ge=1, le=MAX_CTX_TOTAL - 1)
+    parallel: int = Field(default=4, ge=1, le=MAX_PARALLEL)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    # Per-backend limits and sandbox, applied by the systemd runner (MemoryMax=, CPUWeight=,
+    # TasksMax=, a profile of systemd.exec(5) options); the process runner ignores them.
+    memory_max_bytes: int | None = Field(default=None, ge=MiB, le=2**50)
+    cpu_weight: int | None = Field(default=None, ge=1, le=10000)
+    tasks_max: int | None = Field(default=None, ge=1, le=4_194_304)
+    sandbox: Literal["none", "basic", "strict"] = "basic"
+    options: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_block(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        engine = data.get("engine")
+        if "options" in data:
+            raise _PathError(("options",), "'options' is not a key here: put engine options in a block named for the engine")
+        if isinstance(engine, str) and engine not in ENGINES:
+            # Reported by the field validator below with the known names; its block (if
+            # any) is not reported again as an unknown key.
+            if engine not in cls.model_fields:
+                data.pop(engine, None)
+            return data
+        for name in ENGINES:
+            if name in data and name != engine:
+                raise _PathError((name,), f"block '{name}' does not match engine = {engine!r}")
+        if isinstance(engine, str):
+            block = data.pop(engine, {})
+            if not isinstance(block, dict):
+                raise _PathError((engine,), f"'{engine}' must be a table of engine options")
+            try:
+                data["options"] = ENGINES[engine].options_model.model_validate(block)
+            except ValidationError as exc:
+                # Reported by the `options` validator, so the entry's other keys are still checked.
+                data["options"] = _InvalidBlock(engine, exc)
+        return data
+
+    @field_validator("options")
+    @classmethod
+    def _options_valid(cls, v: Any) -> Any:
+        if isinstance(v, _InvalidBlock):
+            raise _BlockError(v.engine, v.error)
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        if v not in ENGINES:
+            raise ValueError(f"unknown engine {v!r}; known engines: {', '.join(engine_names())}")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, v: str) -> str:
+        if any(c.isspace() or not c.isprintable() for c in v):
+            raise ValueError("model name may not contain spaces or control characters")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not _ENV_NAME_RE.fullmatch(key):
+                raise ValueError(f"invalid environment variable name {_short(key)} "
+                                 "(letters, digits and '_', not starting with a digit)")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelConfig:
+        if self.gpus:
+            if len(set(map(str, self.gpus))) != len(self.gpus):
+                raise _PathError(("gpus",), "gpus lists a GPU twice")
+            if len(self.gpus) % self.gpus_per_backend:
+                raise _PathError(("gpus_per_backend",), (
+                    f"gpus_per_backend = {self.gpus_per_backend} does not divide the "
+                    f"{len(self.gpus)} GPUs listed in gpus"
+                ))
+            if self.backends is not None and self.backends != len(self.gpus) // self.gpus_per_backend:
+                raise _PathError(("backends",), "backends is for CPU models; with gpus it is len(gpus) / gpus_per_backend")
+        if isinstance(self.gpus, list):
+            for g in self.gpus:
+                if isinstance(g, int) and g < 0:
+                    raise _PathError(("gpus",), f"gpu index must be >= 0, got {g}")
+                if isinstance(g, int) and g > MAX_GPU_INDEX:
+                    raise _PathError(("gpus",), f"gpu index must be <= {MAX_GPU_INDEX}, got {g}")
+        if self.ctx_per_slot * self.parallel >= MAX_CTX_TOTAL:
+            # Named at ctx_per_slot (the line shown); the message names both fields.
+            raise _PathError(("ctx_per_slot",), (
+                f"ctx_per_slot * parallel = {self.ctx_per_slot} * {self.parallel} = "
+                f"{self.ctx_per_slot * self.parallel} must be below 2**31 = {MAX_CTX_TOTAL} "
+                "(the engine's whole context, llama.cpp's --ctx-size)"
+            ))
+        return self
+
+    @property
+    def backend_count(self) -> int:
+        """How many backends this model runs on this node."""
+        if self.gpus:
+            return len(self.gpus) // self.gpus_per_backend
+        return self.backends or 1
+
+    def backend_gpus(self, index: int) -> tuple[str, ...]:
+        """The GPUs of backend ``index`` (0-based), as strings; () for CPU."""
+        if not self.gpus:
+            return ()
+        n = self.gpus_per_backend
+        return tuple(str(g) for g in self.gpus[index * n:(index + 1) * n])
+
+    @property
+    def effective_startup_timeout_s(self) -> float:
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return float(ENGINES[self.engine].default_startup_timeout_s)
+
+
+class Config(_Strict):
+    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, models."""
+
+    node: NodeConfig = Field(default_factory=NodeConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    mesh: MeshConfig | None = None
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        seen: dict[str, int] = {}
+        owner: dict[str, str] = {}
+        for i, m in enumerate(self.models):
+            if m.name in seen:
+                raise _PathError(("models", i, "name"), f"model {m.name!r} is already defined by models[{seen[m.name]}]")
+            seen[m.name] = i
+            for g in m.gpus:
+                if str(g) in owner:
+                    raise _PathError(("models", i, "gpus"),
+                                     f"GPU {g} already belongs to model {owner[str(g)]!r}; a GPU belongs to one model")
+                owner[str(g)] = m.name
+        if self.mesh is not None:
+            _check_summary_fits(self)
+        return self
+
+
+_HOST_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _check_advertise(value: str) -> None:
+    """``advertise``: an IP address, or a DNS name or IPv4 address with an optional ``:port``
+    (mesh/node.py splits a single colon off as the port). It goes into every summary and
+    into mDNS, so it is refused here, not by a resolver at start."""
+    try:
+        ipaddress.ip_address(value)
+        return
+    except ValueError:
+        pass
+    host = value
+    if value.count(":") == 1:
+        host, _ = parse_hostport(value, "advertise", allow_port_zero=False)
+    if len(host) > 253 or not all(_HOST_LABEL_RE.fullmatch(label) for label in host.rstrip(".").split(".")):
+        raise ValueError(f"advertise must be an IP address or a host name, optionally with :port, got {_short(value)}")
+
+
+def _absolute(value: Path, field: str) -> Path:
+    # An empty or relative path would resolve against the agent's working directory.
+    if not str(value) or not value.is_absolute():
+        raise ValueError(f"{field} must be an absolute path, got {_short(str(value))}")
+    return value
+
+
+def largest_summary_bytes(config: Config) -> int:
+    """The canonical size of the largest summary ``config`` can publish, built with the real
+    encoder (mesh/summary.py) from the worst case of every value the config does not fix:
+    the longest addresses, version and boot nonce, counters at their decoders' bounds, a
+    fingerprint for every model. GPUs are not counted: they come from the host, and the
+    publisher drops them from a summary that would not fit (mesh/publisher.py)."""
+    worst_int = MAX_INT
+    models = tuple(ModelCapacity(
+        name=m.name, engine=m.engine, kind=m.kind.value, slots=1 << 20, busy=1 << 20, waiting=worst_int,
+        ctx_per_slot=1 << 30, healthy=1 << 16, total=1 << 16, fingerprint="f" * 16) for m in config.models)
+    payload = SummaryPayload(
+        protocol=PROTOCOL_VERSION, mesh_id=(config.mesh.mesh_id if config.mesh and config.mesh.mesh_id else "m" * 16),
+        node_id=NodeId("n" * 16), name=config.node.name, api="a" * MAX_ADDRESS_CHARS,
+        mesh="a" * MAX_ADDRESS_CHARS, version="v" * MAX_LABEL_CHARS, generation=worst_int,
+        boot="b" * MAX_LABEL_CHARS, seq=worst_int, speaks=1 << 16, models=models,
+        state=max(STATES_OF_PROTOCOL[PROTOCOL_VERSION], key=lambda st: len(st.value)))
+    return len(canonical_json(payload_to_obj(payload)))
+
+
+def _check_summary_fits(config: Config) -> None:
+    if len(config.models) > MAX_MODELS:  # peers refuse a summary with more (mesh/summary.py)
+        raise _PathError(("models", MAX_MODELS), (
+            f"{len(config.models)} [[models]]: a node in a mesh serves at most {MAX_MODELS} "
+            "(its summary carries no more)"))
+    size = largest_summary_bytes(config)
+    if size > MAX_SUMMARY_BYTES:
+        longest = max(range(len(config.models)), key=lambda i: len(config.models[i].name))
+        raise _PathError(("models", longest, "name"), (
+            f"the node's mesh summary could reach {size} bytes with these {len(config.models)} models, over the "
+            f"{MAX_SUMMARY_BYTES}-byte limit: shorten the model names (this one is "
+            f"{len(config.models[longest].name)} characters) or serve fewer models"))
+
+
+class _PathError(ValueError):
+    """An error that knows its path below the object being validated (raised inside
+    validators; the loader prefixes the object's own location)."""
+
+    def __init__(self, path: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+@dataclass(frozen=True)
+class _InvalidBlock:
+    """An engine block that failed its options model (stands in for ``options``)."""
+
+    engine: str
+    error: ValidationError
+
+
+class _BlockError(ValueError):
+    """An engine block's own validation errors, re-pathed under ``models[i].<engine>``."""
+
+    def __init__(self, engine: str, error: ValidationError) -> None:
+        super().__init__(f"invalid '{engine}' block")
+        self.engine = engine
+        self.error = error
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem: ``path`` as a tuple, ``message``, ``line`` (1-based) or None."""
+
+    path: tuple[str | int, ...]
+    message: str
+    line: int | None = None
+
+    @property
+    def dotted(self) -> str:
+        return format_path(self.path)
+
+    def __str__(self) -> str:
+        where = f" (line {self.line})" if self.line else ""
+        prefix = f"{self.dotted}: " if self.path else ""
+        return f"{prefix}{self.message}{where}"
+
+
+class ConfigError(Exception):
+    """The config cannot be used; ``issues`` lists every problem found."""
+
+    def __init__(self, source: str, issues: list[ConfigIssue]) -> None:
+        self.source = source
+        self.issues = issues
+        text = "\n".join(f"  {i}" for i in issues)
+        super().__init__(f"{source}: {len(issues)} error(s) in config\n{text}")
+
+
+def format_path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_MESSAGES = {
+    "extra_forbidden": "unknown key",
+    "missing": "required key is missing",
+    "model_type": "must be a table",
+    "model_attributes_type": "must be a table",
+    "dict_type": "must be a table",
+    "list_type": "must be an array",
+}
+
+
+def _issues_from(exc: ValidationError, text: str, prefix: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = prefix + tuple(err["loc"])
+        ctx = err.get("ctx") or {}
+        inner = ctx.get("error")
+        if isinstance(inner, _PathError):
+            loc, message = loc + inner.path, inner.message
+        elif isinstance(inner, _BlockError):
+            # Reported at models[i].options; the operator wrote models[i].<engine>.
+            issues.extend(_issues_from(inner.error, text, loc[:-1] + (inner.engine,)))
+            continue
+        else:
+            message = _MESSAGES.get(err["type"], err["msg"])
+            if message.startswith("Value error, "):
+                message = message[len("Value error, "):]
+            if err["type"] == "literal_error" and "expected" in ctx:
+                message = f"must be one of {ctx['expected']}, got {err.get('input')!r}"
+            elif err["type"] not in ("missing", "extra_forbidden", "value_error") and isinstance(
+                err.get("input"), (str, int, float, bool)
+            ):
+                message += f", got {_short(err['input'])}"
+        loc = _fix_engine_loc(loc)
+        issues.append(ConfigIssue(loc, message, line_of(text, loc) if text else None))
+    return issues
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fix_engine_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    # pydantic puts engine option errors under "options" only if validated as a field; the
+    # before-validator raises a nested ValidationError, reported at models[i] with the
+    # options model's own loc. Keep loc as is; engine blocks are re-pathed in _validate.
+    return tuple(p for p in loc if p not in ("function-after[_shape(), ModelConfig]",))
+
+
+def _nul_issues(value: Any, text: str, path: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
+    """Every string (key or value) holding a NUL byte: one check for all of them, engine
+    blocks included. Strings become argv, environment entries and paths, where a NUL is an
+    error only when the backend starts (``ValueError: embedded null byte``)."""
+    issues: list[ConfigIssue] = []
+    if isinstance(value, str):
+        if "\0" in value:
+            issues.append(ConfigIssue(path, "may not contain a NUL character (\\u0000)", line_of(text, path) if text else None))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if "\0" in key:
+                issues.extend(_nul_issues(key, text, path))
+            else:
+                issues.extend(_nul_issues(item, text, path + (key,)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            issues.extend(_nul_issues(item, text, path + (i,)))
+    return issues
+
+
+def _validate(data: dict[str, Any], text: str) -> Config:
+    nul = _nul_issues(data, text)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("config", nul + _issues_from(exc, text)) from None
+    except _PathError as exc:
+        raise ConfigError("config", nul + [ConfigIssue(exc.path, exc.message, line_of(text, exc.path))]) from None
+    if nul:
+        raise ConfigError("config", nul)
+    return config
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    """Parse and validate TOML text; ConfigError listing every problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, [_toml_issue(exc)]) from None
+    try:
+        return _validate(data, text)
+    except ConfigError as exc:
+        raise ConfigError(source, exc.issues) from None
+
+
+def _toml_issue(exc: tomllib.TOMLDecodeError) -> ConfigIssue:
+    # Python 3.11's TOMLDecodeError has no lineno attribute; the position is in the text.
+    text = str(exc)
+    where = re.search(r"\s*\(at line (\d+), column (\d+)\)", text)
+    if where:
+        detail = text[:where.start()] + text[where.end():]
+        return ConfigIssue((), f"not valid TOML: {detail} (column {where.group(2)})", int(where.group(1)))
+    return ConfigIssue((), f"not valid TOML: {text}", getattr(exc, "lineno", None))
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a config file; ConfigError (also for unreadable files)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), [ConfigIssue((), f"cannot read config: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(p), [ConfigIssue((), "config is not UTF-8 text")]) from None
+    return parse_config(text, str(p))
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,1 @@
+"""This host: GPUs, observed facts and the doctor's checks, and the state dir."""

@@ -1,0 +1,1 @@
+"""Peering: the agent's side of the mesh (capacity published, routing over peers, forwards) and slot offers."""

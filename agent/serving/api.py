@@ -1,0 +1,320 @@
+"""The client API: OpenAI-compatible endpoints in front of this node's backends (docs/routing.md).
+
+Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
+``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``. Every error is OpenAI-shaped
+(``agent/serving/errors.py``): 400 malformed JSON, missing model or the wrong endpoint for the model's
+kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
+429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
+
+This module parses, validates and renders; a request's life (admit, route, run locally,
+forward, wait) is ``agent/serving/pipeline.py``, on a standalone node and in a mesh alike, and a
+request a peer forwarded enters it at "run locally" (the mesh listener's forward route).
+
+The request body is forwarded as received (re-serialised only to change ``stream`` and
+``stream_options`` for an assembled answer: agent/serving/assemble.py, docs/engines.md); mesh headers
+(``X-Viiwork-*``) are stripped before a request reaches an engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from viiwork import __version__
+from viiwork.agent.peering.mesh_link import MeshLink
+from viiwork.agent.peering.offers import OFFER_HEADER
+from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
+from viiwork.agent.serving.drain import InFlight
+from viiwork.agent.serving.errors import ErrorCode, error_response
+from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
+from viiwork.agent.serving.proxy import REFUSED_HEADER, Upstream
+from viiwork.agent.serving.router import Refuse
+from viiwork.agent.serving.waitqueue import Queues
+from viiwork.agent.supervision.backends import ModelRuntime
+from viiwork.engines.contract import Kind
+from viiwork.mesh.transport import peer_of
+
+log = logging.getLogger(__name__)
+
+_KIND_OF_PATH = {
+    "/v1/chat/completions": Kind.CHAT,
+    "/v1/completions": Kind.CHAT,
+    "/v1/embeddings": Kind.EMBEDDING,
+}
+
+
+class ClientApi:
+    """Handlers of the client API over a node's models.
+
+    runtimes: name -> ModelRuntime (the supervisor's picture). status_source: returns the
+    ``models`` list of ``/v1/status`` (the supervisor's ``status()``); extra_status: more
+    top-level sections (gpus, mesh counters), each a callable returning JSON-able data.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        runtimes: dict[str, ModelRuntime],
+        upstream: Upstream,
+        max_body_bytes: int,
+        queue_max: int,
+        queue_timeout_s: float,
+        status_source: Callable[[], list[dict[str, Any]]],
+        extra_status: dict[str, Callable[[], Any]] | None = None,
+        forward_retry: int = 1,
+        body_read_timeout_s: float = 30.0,
+        body_timeout_s: float = 60.0,
+        queues: Queues | None = None,
+        mesh: MeshLink | None = None,
+    ) -> None:
+        self.node_name = node_name
+        self.body_read_timeout_s = body_read_timeout_s
+        self.body_timeout_s = body_timeout_s
+        # More /metrics lines (the listener's connection counters, malformed requests).
+        self.metric_sources: list[Callable[[], list[str]]] = []
+        self.mesh = mesh
+        self.runtimes = runtimes
+        self.upstream = upstream
+        # Engine errors are classified by the backend's engine adapter (agent/serving/errors.py).
+        upstream.engine_of = lambda backend: getattr(self.runtimes.get(backend.model), "engine", None)
+        self.max_body_bytes = max_body_bytes
+        # The origin queues (shared with the mesh link, which offers freed slots to peers).
+        self.queues = queues or Queues(runtimes, queue_max, queue_timeout_s)
+        self.pipeline = Pipeline(node_name=node_name, runtimes=runtimes, queues=self.queues,
+                                 peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry)
+        self.status_source = status_source
+        self.extra_status = extra_status or {}
+        self.started = time.monotonic()
+        self.responses: Counter[tuple[str, int]] = Counter()
+        # Request ids for requests without X-Request-Id: 32 hex digits, a random per-process
+        # prefix and a counter (unique for the process' life; uuid4 per request costs a syscall).
+        self._id_prefix = os.urandom(8).hex()
+        self._id_counter = itertools.count(1)
+        # ``stopping``: the agent is on its way out (SIGTERM); ``draining``: the pipeline's.
+        self.stopping = False
+        # Inference requests in flight here, on this API and the mesh listener (the stop
+        # path waits for them: viiwork.agent.serving.drain).
+        self.in_flight = InFlight()
+        if mesh is not None:  # forwards from peers enter the pipeline at "run locally"
+            mesh.accept_forwards(self.handle_forwarded, _KIND_OF_PATH, self.in_flight)
+
+    @property
+    def draining(self) -> bool:
+        """Set by `viiworkctl drain` and by the stop path: new requests get 503; those
+        admitted or queued finish."""
+        return self.pipeline.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.pipeline.draining = value
+
+    def sync_models(self) -> None:
+        """Follow ``runtimes`` after a reload (the queues watch new models' backends)."""
+        self.queues.sync()
+
+    # -- app ---------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        # Bodies are bounded by our own check (413 JSON); aiohttp's limit is a backstop.
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        for path in _KIND_OF_PATH:
+            resource = app.router.add_resource(path)
+            resource.add_route("POST", self.handle_inference)
+            resource.add_route("*", self._method_not_allowed("POST"))
+        for path, handler in (
+            ("/v1/models", self.handle_models),
+            ("/v1/mesh", self.handle_mesh),
+            ("/health", self.handle_health),
+            ("/v1/status", self.handle_status),
+            ("/metrics", self.handle_metrics),
+        ):
+            resource = app.router.add_resource(path)
+            resource.add_route("GET", handler)
+            resource.add_route("*", self._method_not_allowed("GET"))
+        app.router.add_route("*", "/{tail:.*}", self.handle_not_found)
+        app.on_startup.append(_freeze_heap)
+        self.in_flight.attach(app)
+        return app
+
+    @staticmethod
+    def _method_not_allowed(allowed: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            return error_response(405, f"{request.method} is not allowed on {request.path}; use {allowed}",
+                                  code=ErrorCode.METHOD_NOT_ALLOWED, headers={"Allow": allowed})
+        return handler
+
+    async def handle_not_found(self, request: web.Request) -> web.Response:
+        return error_response(404, f"no such endpoint: {request.method} {request.path}; see /v1/models, "
+                              "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status",
+                              code=ErrorCode.NOT_FOUND)
+
+    # -- inference: parse and validate, run the pipeline (agent/serving/pipeline.py), render -------
+
+    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
+        try:
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s,
+                                   self.body_timeout_s)
+            payload = parse_json_object(body)
+        except BodyError as exc:
+            return self._count("-", error_response(exc.status, str(exc), code=exc.code))
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return self._count("-", error_response(400, "'model' is required and must be a string", param="model",
+                                                   code=ErrorCode.MISSING_MODEL))
+        call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
+                    request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
+                    affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
+        outcome = await self.pipeline.run(call)
+        # A model no node serves is counted as "-": a client cannot grow /metrics at will.
+        unknown = isinstance(outcome, Refuse) and outcome.status == 404
+        return self._count("-" if unknown else model, _render(outcome))
+
+    async def handle_forwarded(self, request: web.Request) -> web.StreamResponse:
+        """A request forwarded by a peer, on the mesh listener (mutual TLS): it enters the
+        pipeline at "run locally" (``Pipeline.run_forwarded``: never queued, never forwarded
+        again; otherwise 429/503 with ``X-Viiwork-Refused`` so the origin can try another
+        peer before the first byte)."""
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
+        # listener's client_max_size, which bounds gossip's request.read()).
+        try:
+            body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s,
+                                   self.body_timeout_s)
+            payload = parse_json_object(body)
+        except BodyError as exc:
+            return error_response(exc.status, f"forwarded request is malformed: {exc}", code=exc.code)
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
+                                  param="model", code=ErrorCode.MISSING_MODEL)
+        call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
+                    request_id)
+        return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
+
+    def _count(self, model: str, response: web.StreamResponse) -> web.StreamResponse:
+        self.responses[(model, response.status)] += 1
+        return response
+
+    # -- read-only views ---------------------------------------------------------------
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        if self.mesh is not None:
+            return web.json_response({"object": "list", "data": self.mesh.models()})
+        data = []
+        for name, rt in sorted(self.runtimes.items()):
+            ctx = rt.ctx_per_slot
+            data.append({
+                "id": name, "object": "model", "created": 0, "owned_by": "viiwork",
+                "kind": rt.config.kind.value, "engine": rt.config.engine,
+                "max_model_len": ctx, "context_length": ctx,
+            })
+        return web.json_response({"object": "list", "data": data})
+
+    async def handle_mesh(self, request: web.Request) -> web.Response:
+        """GET /v1/mesh: every node this node knows, with liveness, age and models."""
+        if self.mesh is None:
+            return error_response(404, f"node {self.node_name!r} is standalone: its config has no [mesh] section",
+                                  code=ErrorCode.NOT_FOUND)
+        return web.json_response(self.mesh.node.view())
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "ok"}``; 503 with ``Retry-After`` when no backend is healthy, or
+        at once when the node drains or stops (``"status": "draining"|"stopping"``, with the
+        requests still ``in_flight``): load balancers stop sending here (docs/architecture.md)."""
+        healthy = sum(len(rt.healthy_backends) for rt in self.runtimes.values())
+        if self.stopping or self.draining:
+            return web.json_response({"status": "stopping" if self.stopping else "draining",
+                                      "healthy_backends": healthy, "in_flight": len(self.in_flight)},
+                                     status=503, headers={"Retry-After": "5"})
+        if self.runtimes and healthy == 0:
+            return web.json_response({"status": "unavailable", "healthy_backends": 0}, status=503)
+        return web.json_response({"status": "ok", "healthy_backends": healthy})
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        models = self.status_source()
+        for entry in models:
+            entry["queued"] = self._queued(entry.get("name"))
+        doc: dict[str, Any] = {
+            "node": {"name": self.node_name, "version": __version__, "draining": self.draining,
+                     "stopping": self.stopping, "in_flight": len(self.in_flight),
+                     "uptime_s": round(time.monotonic() - self.started, 1)},
+            "models": models,
+        }
+        for key, source in self.extra_status.items():
+            try:
+                doc[key] = source()
+            except Exception as exc:  # a broken section must not break /v1/status
+                log.warning("status section %s failed: %s", key, exc)
+                doc[key] = {"error": str(exc)}
+        return web.json_response(doc)
+
+    def _queued(self, model: Any) -> int:
+        """Requests waiting for ``model`` in this node's origin queue."""
+        return self.queues.queued(model) if isinstance(model, str) else 0
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        lines = [
+            "# HELP viiwork_responses_total Client API responses by model and status code.",
+            "# TYPE viiwork_responses_total counter",
+        ]
+        for (model, status), n in sorted(self.responses.items()):
+            lines.append(f'viiwork_responses_total{{model="{_esc(model)}",code="{status}"}} {n}')
+        lines += ["# HELP viiwork_model_slots Slots of healthy backends.", "# TYPE viiwork_model_slots gauge"]
+        lines += [f'viiwork_model_slots{{model="{_esc(n)}"}} {rt.capacity().slots}'
+                  for n, rt in sorted(self.runtimes.items())]
+        lines += ["# HELP viiwork_model_in_flight Requests running on this node's backends.",
+                  "# TYPE viiwork_model_in_flight gauge"]
+        lines += [f'viiwork_model_in_flight{{model="{_esc(n)}"}} {rt.capacity().in_flight}'
+                  for n, rt in sorted(self.runtimes.items())]
+        lines += ["# HELP viiwork_model_queued Requests waiting in this node's queue.",
+                  "# TYPE viiwork_model_queued gauge"]
+        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {self._queued(n)}' for n in sorted(self.runtimes)]
+        lines += ["# HELP viiwork_backend_respawns_total Respawns per backend.",
+                  "# TYPE viiwork_backend_respawns_total counter"]
+        for rt in self.runtimes.values():
+            for b in rt.backends:
+                lines.append(f'viiwork_backend_respawns_total{{model="{_esc(rt.name)}",backend="{_esc(b.id)}"}} '
+                             f'{b.respawns}')
+        if self.mesh is not None:
+            lines += ["# HELP viiwork_mesh_offers_total Slot offer events by kind (docs/routing.md, Slot offers).",
+                      "# TYPE viiwork_mesh_offers_total counter"]
+            lines += [f'viiwork_mesh_offers_total{{event="{_esc(event)}"}} {n}'
+                      for event, n in sorted(self.mesh.offer_counters.items())]
+            lines += ["# HELP viiwork_mesh_slots_held Local slots kept for an offer now.",
+                      "# TYPE viiwork_mesh_slots_held gauge", f"viiwork_mesh_slots_held {len(self.mesh.holds)}"]
+        for source in self.metric_sources:
+            lines += source()
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:
+    """The pipeline's outcome as the client's answer: a refusal as an OpenAI-shaped error
+    (with ``X-Viiwork-Refused`` when it refuses a peer's forward)."""
+    if not isinstance(outcome, Refuse):
+        return outcome
+    headers = {REFUSED_HEADER: outcome.reason} if isinstance(outcome, PeerRefusal) else None
+    return error_response(outcome.status, outcome.message, param=outcome.param, code=outcome.code,
+                          retry_after_s=outcome.retry_after_s, headers=headers)
+
+
+async def _freeze_heap(app: web.Application) -> None:
+    """Move what start-up allocated (modules, config, pydantic models) out of the cyclic
+    collector's view: a full collection of the agent's heap takes tens of milliseconds, a
+    pause every request in flight would wait out (gc.freeze, CPython >= 3.7)."""
+    gc.collect()
+    gc.freeze()
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

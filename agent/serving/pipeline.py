@@ -1,0 +1,341 @@
+"""One request's life on this node: admit -> route -> run locally | forward | wait.
+
+``Pipeline.run`` is the whole path of a client's inference request, top to bottom; a
+request a peer forwarded here enters at "run locally" (``Pipeline.run_forwarded``). A node
+without ``[mesh]`` runs the same pipeline with :class:`NoPeers`; with ``[mesh]`` the
+:class:`Peers` are ``viiwork.agent.peering.mesh_link.MeshLink`` (routing over the mesh table,
+forwarding over its mutual TLS, slot offers). Waiting is the model's origin queue
+(``agent/serving/waitqueue.py``): a freed slot, local or offered by a peer, goes to its oldest
+waiter. The HTTP layer (``agent/serving/api.py``) parses and validates the request before, and
+renders what this returns after: an upstream response, or a :class:`Refuse`.
+
+Answers that differ with or without a mesh keep their own words: an unknown model is "not
+served here" on a standalone node and "not served anywhere in the mesh" in a mesh; a full
+queue or a wait too long names the mesh only in a mesh (docs/routing.md, "Status codes").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiohttp import web
+
+from viiwork.agent.serving.drain import InFlight
+from viiwork.agent.serving.errors import ErrorCode
+from viiwork.agent.serving.proxy import Refused, Upstream
+from viiwork.agent.serving.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
+from viiwork.agent.serving.waitqueue import Queues, Waiter, WaitQueue
+from viiwork.agent.supervision.backends import Backend, ModelRuntime
+from viiwork.mesh.identity import NodeId
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(slots=True)
+class Call:
+    """One inference request, parsed and validated by the HTTP layer."""
+
+    request: web.Request
+    body: bytes
+    model: str
+    kind: str  # the kind the endpoint needs (chat, embedding)
+    stream: bool
+    request_id: str
+    host: str | None = None  # ?host= / X-Viiwork-Host
+    affinity: str | None = None  # X-Session-Id / X-Session-Affinity
+
+
+class Peers(Protocol):
+    """The rest of the mesh, as the pipeline sees it (``MeshLink``, or :class:`NoPeers`)."""
+
+    in_mesh: bool
+
+    def unknown(self, model: str) -> Refuse | None:
+        """The 404 for a model that cannot be known here at all, before any other check."""
+
+    def kind_of(self, model: str) -> str | None:
+        """The kind of a model this node does not serve, as peers publish it (None: unknown)."""
+
+    def is_here(self, host: str | None) -> bool:
+        """A request pinned to ``host`` (None: not pinned) may run on this node."""
+
+    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId]) -> Decision: ...
+
+    async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
+                      headers: dict[str, str]) -> web.StreamResponse | Refused:
+        """Send ``call`` to a peer; ``Refused`` before the first byte (route it again)."""
+
+    def slot_freed(self, queue: WaitQueue) -> None:
+        """A local slot of ``queue``'s model freed: hold it for an older waiter elsewhere,
+        or ``queue.grant()`` it to the oldest waiter here."""
+
+    def peer_name(self, node_id: NodeId | None) -> str: ...
+
+    def claim(self, model: str, offer_id: str | None, origin: NodeId | None) -> Backend | None:
+        """The slot held for ``origin``'s offer ``offer_id``, or None."""
+
+    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None) -> Backend | None:
+        """The slot for a request ``origin`` forwarded: the one held for its offer, else a
+        free one (never queued); None when there is none."""
+
+    def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
+        """Serve ``handler`` for forwards from peers at ``paths`` (counted in ``in_flight``)."""
+
+
+class NoPeers:
+    """A node without ``[mesh]``: a mesh of one. Routes to this node's backends only."""
+
+    in_mesh = False
+
+    def __init__(self, runtimes: Mapping[str, ModelRuntime]) -> None:
+        self.runtimes = runtimes
+
+    def unknown(self, model: str) -> Refuse | None:
+        if model in self.runtimes:
+            return None
+        known = ", ".join(sorted(self.runtimes)) or "none"
+        return Refuse(404, f"model {model!r} is not served here; known models: {known}", param="model",
+                      code=ErrorCode.MODEL_NOT_FOUND)
+
+    def kind_of(self, model: str) -> str | None:
+        return None
+
+    def is_here(self, host: str | None) -> bool:
+        return True  # no other node to pin to: ?host= means nothing here
+
+    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId]) -> Decision:
+        runtime = self.runtimes[model]
+        best: Backend | None = None
+        best_free = 0
+        for b in runtime.backends:  # the backend with the most free slots
+            free = b.free_slots
+            if free > best_free:
+                best, best_free = b, free
+        if best is not None:
+            return RunLocal(best.id)
+        if not runtime.can_ever_serve:
+            states = ", ".join(f"{b.id} {b.state.value}" + (f": {b.reason}" if b.reason else "")
+                               for b in runtime.backends)
+            why = f"model is {runtime.state.value}" + (f"; {states}" if states else "")
+            return Refuse(503, f"model {model!r} has no backend that can serve it ({why})",
+                          code=ErrorCode.NO_CAPACITY, retry_after_s=5)
+        return Queue("all slots busy")
+
+    async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
+                      headers: dict[str, str]) -> web.StreamResponse | Refused:
+        return Refused(503, "no peers")  # never routed to: there are none
+
+    def slot_freed(self, queue: WaitQueue) -> None:
+        queue.grant()
+
+    def peer_name(self, node_id: NodeId | None) -> str:
+        return str(node_id)
+
+    def claim(self, model: str, offer_id: str | None, origin: NodeId | None) -> Backend | None:
+        return None
+
+    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None) -> Backend | None:
+        return None
+
+    def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
+        pass
+
+
+class Pipeline:
+    """The request path of one node (see the module doc).
+
+    ``draining``: set by ``viiworkctl drain`` and the stop path; new requests get 503, those
+    admitted or queued finish. ``forward_retry``: peers that refuse before the first byte
+    are tried elsewhere this many times before the request waits.
+    """
+
+    def __init__(self, *, node_name: str, runtimes: Mapping[str, ModelRuntime], queues: Queues, peers: Peers,
+                 upstream: Upstream, forward_retry: int = 1) -> None:
+        self.node_name = node_name
+        self.runtimes = runtimes
+        self.queues = queues
+        self.peers = peers
+        self.upstream = upstream
+        self.forward_retry = forward_retry
+        self.draining = False
+
+    async def run(self, call: Call) -> web.StreamResponse | Refuse:
+        """A client's request: admit, then route and run it here or on a peer, or wait."""
+        model = call.model
+        # 1. Admit: a known model, the right endpoint for its kind, a node not draining.
+        refusal = self.peers.unknown(model) or self._gate(model, call)
+        if refusal is not None:
+            return refusal
+        queue = self.queues.of(model)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + queue.timeout_s
+        waiter: Waiter | None = None
+        tried: set[NodeId] = set()
+        refusals = 0
+        if len(queue):  # never overtake a waiting request: wait behind it for the next slot
+            if queue.full():
+                return self._queue_full(queue)
+            waiter = queue.enter(call.host, self.peers.is_here(call.host))
+        behind = waiter is not None
+        try:
+            while True:
+                if behind and waiter is not None:  # older waiters are served first when a slot frees
+                    behind = False
+                    await queue.park(waiter, deadline - loop.time())
+                # 2. Route: a slot granted or offered while waiting, else the router's choice.
+                granted: Backend | None = None
+                offer: tuple[NodeId, str] | None = None
+                if waiter is not None:
+                    granted, waiter.grant = waiter.grant, None
+                    offer, waiter.offer = waiter.offer, None
+                decision: Decision
+                if granted is not None:
+                    decision = RunLocal(granted.id)
+                elif offer is not None:  # a peer keeps a slot for this request (slot offers)
+                    decision = RunOnPeer(offer[0], self.peers.peer_name(offer[0]), 1)
+                else:
+                    decision = self.peers.route(model, host=call.host, affinity=call.affinity, exclude=tried)
+                # 3a. Run locally.
+                if isinstance(decision, RunLocal):
+                    backend = granted or queue.take(decision.backend_id)
+                    if backend is not None:
+                        if waiter is not None:  # it runs now: it waits no more
+                            queue.leave(waiter)
+                            waiter = None
+                        headers = self._headers(call, started, self.node_name, backend.id)
+                        return await self._run_here(call, queue, backend, headers)
+                    decision = Queue("local slot taken meanwhile")
+                # 3b. Forward: a refusal before the first byte routes it again, elsewhere.
+                elif isinstance(decision, RunOnPeer):
+                    if waiter is not None:  # not waiting while the forward is in flight
+                        queue.dispatch(waiter)
+                    headers = self._headers(call, started, decision.name, None)
+                    result = await self.peers.forward(call, decision, offer[1] if offer else None, headers)
+                    if not isinstance(result, Refused):
+                        return result
+                    if waiter is not None:  # back in its place in the queue
+                        queue.dispatch(waiter, False)
+                    tried.add(decision.node_id)
+                    refusals += 1
+                    if refusals <= self.forward_retry:
+                        continue
+                    decision = Queue("peers refused")
+                if isinstance(decision, Refuse):
+                    if waiter is None:  # a model nobody serves leaves no queue behind
+                        self.queues.forget_idle(model)
+                    return decision
+                # 3c. Wait in the origin queue for a slot anywhere, then route again.
+                if waiter is None:
+                    if queue.full():
+                        return self._queue_full(queue)
+                    waiter = queue.enter(call.host, self.peers.is_here(call.host))
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return self._queue_timeout(queue)
+                await queue.park(waiter, remaining)
+                tried.clear()
+                refusals = 0
+        finally:
+            if waiter is not None:
+                unused = queue.leave(waiter)
+                if unused is not None:  # granted while it gave up: the next waiter's
+                    self._free(queue, unused)
+                queue.wake()
+
+    async def run_forwarded(self, call: Call, origin: NodeId | None, offer_id: str | None) -> web.StreamResponse | Refuse:
+        """A request a peer forwarded here: run locally in a free (or held) slot, never
+        queued nor forwarded again; else a refusal the origin may retry elsewhere
+        (``X-Viiwork-Refused``: not-served, draining, no-slot)."""
+        model = call.model
+        if model not in self.runtimes:
+            return _refusal(503, "not-served", f"node {self.node_name!r} does not serve model {model!r}")
+        queue = self.queues.of(model)
+        if self.draining:
+            held = self.peers.claim(model, offer_id, origin)
+            if held is not None:  # offered just before the drain began: free the slot now
+                self._free(queue, held)
+            return _refusal(503, "draining", f"node {self.node_name!r} is draining")
+        refusal = self._gate(model, call)
+        if refusal is not None:
+            return refusal
+        backend = self.peers.admit_forward(queue, offer_id, origin)
+        if backend is None:
+            return _refusal(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
+        log.debug("request %s for %s forwarded by %s runs on %s", call.request_id, model,
+                  self.peers.peer_name(origin), backend.id)
+        headers = {"X-Viiwork-Node": self.node_name, "X-Viiwork-Backend": backend.id,
+                   "X-Viiwork-Origin": self.peers.peer_name(origin), "X-Request-Id": call.request_id}
+        return await self._run_here(call, queue, backend, headers)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def _gate(self, model: str, call: Call) -> Refuse | None:
+        """The model's kind fits the endpoint, and the node admits new requests."""
+        runtime = self.runtimes.get(model)
+        kind = runtime.config.kind.value if runtime is not None else self.peers.kind_of(model)
+        if kind is not None and kind != call.kind:
+            return Refuse(400, f"model {model!r} is a {kind} model; {call.request.path} needs a {call.kind} model",
+                          param="model", code=ErrorCode.WRONG_MODEL_KIND)
+        if self.draining:
+            return Refuse(503, f"node {self.node_name!r} is draining for maintenance and admits no new requests",
+                          code=ErrorCode.DRAINING, retry_after_s=5)
+        return None
+
+    async def _run_here(self, call: Call, queue: WaitQueue, backend: Backend,
+                        headers: dict[str, str]) -> web.StreamResponse:
+        try:
+            response = await self.upstream.forward(call.request, backend, call.body, call.stream, headers,
+                                                   call.request_id)
+            assert not isinstance(response, Refused)  # only a refusable forward (to a peer) is refused
+            return response
+        finally:
+            self._free(queue, backend)
+
+    def _free(self, queue: WaitQueue, backend: Backend) -> None:
+        """A local slot frees: it goes to the oldest waiter, here or (offers) elsewhere."""
+        queue.release(backend)
+        self.peers.slot_freed(queue)
+
+    def _headers(self, call: Call, started: float, node: str, backend_id: str | None) -> dict[str, str]:
+        """The answer's ``X-Viiwork-*`` headers (a peer's answer replaces Node and Backend)."""
+        headers = {"X-Viiwork-Node": node,
+                   "X-Viiwork-Queued-Ms": f"{(asyncio.get_running_loop().time() - started) * 1000:.1f}",
+                   "X-Request-Id": call.request_id}
+        if self.peers.in_mesh:
+            headers["X-Viiwork-Origin"] = self.node_name
+        if backend_id is not None:
+            headers["X-Viiwork-Backend"] = backend_id
+        return headers
+
+    def _queue_full(self, queue: WaitQueue) -> Refuse:
+        what = "no free slot in the mesh" if self.peers.in_mesh else "all slots busy"
+        return Refuse(429, f"model {queue.model!r}: {what} and the queue is full ({queue.queue_max} waiting)",
+                      code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=1)
+
+    def _queue_timeout(self, queue: WaitQueue) -> Refuse:
+        where = " in the mesh" if self.peers.in_mesh else ""
+        return Refuse(429, f"model {queue.model!r}: no slot freed{where} within {queue.timeout_s:g} s",
+                      code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=2)
+
+
+# The code of a refusal to a peer (X-Viiwork-Refused reason), for the origin's logs and relays.
+_REFUSAL_CODES = {"no-slot": ErrorCode.RATE_LIMIT_EXCEEDED, "not-served": ErrorCode.NO_CAPACITY,
+                  "draining": ErrorCode.DRAINING}
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRefusal(Refuse):
+    """A :class:`Refuse` for a peer's forward: rendered with ``X-Viiwork-Refused: reason``."""
+
+    reason: str = ""
+
+
+def _refusal(status: int, reason: str, message: str) -> PeerRefusal:
+    return PeerRefusal(status, message, code=_REFUSAL_CODES.get(reason), retry_after_s=1, reason=reason)

@@ -1,0 +1,412 @@
+"""Forward one admitted request to a backend and relay the answer (docs/routing.md; docs/architecture.md, rules 4-6 and 11).
+
+- Streams are relayed chunk by chunk as they arrive (each write flushed; no buffering).
+- A pooled connection found dead before any byte reached the client is retried once on a
+  fresh connection: llama-server closes the TCP connection after each streamed response
+  while still answering ``Connection: keep-alive``, so the next request on that pooled
+  socket fails (seen: a bare aiohttp proxy answered 500s, nginx 502s).
+- After the first byte there is no retry: an engine that dies or stays silent longer than
+  ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event.
+- A forward to a peer can be given a ``lost`` event (``MeshLink.watch_peer``: the peer turned
+  silent, whatever state it publishes). Before the first byte it abandons the forward (``Refused``: the caller
+  routes again); after it, it ends the client's stream with a terminal SSE error event. The
+  read is raced against the event (no polling): before the answer's headers by waiting on
+  both, after them by failing the pending read (docs/routing.md, "Forwarding and retries
+  before the first byte").
+- Silence is timed by the client session's ``sock_read`` timer (restarted by every read from
+  the engine, paused while the client holds reading back), not by an ``asyncio.timeout`` per
+  request and per chunk: same rule, a fraction of the cost on the hot path.
+- A client that disconnects cancels the handler (aiohttp ``handler_cancellation``); leaving
+  the upstream request's context closes its connection, and the engine frees the slot.
+- A client that stays connected but stops reading (or a frozen origin, on a peer) is treated
+  as gone once one write of the stream waits longer than ``client_stall_timeout_s``: the
+  upstream is closed (the engine frees the slot) and the client's connection aborted. The
+  timer is armed only for a write that may wait (the transport is paused, or its buffer would
+  pass the low-water mark), so the hot path pays no per-chunk ``asyncio.timeout``
+  (docs/routing.md, "Forwarding and retries before the first byte").
+- A non-streamed request to a local engine whose adapter says a closed connection does not
+  stop a non-streamed generation (``nonstream_stops_on_disconnect`` False) is sent as a stream
+  and its answer assembled into the non-streamed form (agent/serving/assemble.py; the only body change
+  the agent makes: ``stream`` and ``stream_options``, docs/engines.md "When the client goes away").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+from aiohttp import web
+
+from viiwork.agent.serving.assemble import (
+    ASSEMBLED_PATHS,
+    StreamBroken,
+    StreamError,
+    assemble,
+    parse_events,
+    sse_data,
+    stream_body,
+)
+from viiwork.agent.serving.errors import ErrorCode, engine_error, error_response, sse_error_event
+from viiwork.agent.supervision.backends import Backend
+from viiwork.agent.supervision.engine_keys import auth_headers
+from viiwork.engines.contract import stops_nonstream_on_disconnect
+
+log = logging.getLogger(__name__)
+
+# Failures of a reused keep-alive connection that the server already closed.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_UPSTREAM_BROKEN = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection; nothing more can be written to it."""
+
+
+class _ClientStalled(_ClientGone):
+    """One write to the client waited longer than ``client_stall_timeout_s``."""
+
+
+class PeerLost(Exception):
+    """The peer a forward waits on turned suspect or dead in this node's mesh view."""
+
+_PASS_REQUEST_HEADERS = ("Content-Type", "Accept")
+
+# The code of a terminal SSE error event by its status (docs/routing.md, "Status codes").
+_STREAM_ERROR_CODES = {502: ErrorCode.UPSTREAM_ERROR, 503: ErrorCode.DRAINING, 504: ErrorCode.UPSTREAM_TIMEOUT}
+
+# Set by a peer that declines a forwarded request before doing any work (no free slot, model
+# not served, draining): the origin may try another peer before the first byte.
+REFUSED_HEADER = "X-Viiwork-Refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A peer declined a forward before the first byte: HTTP ``status`` and its ``reason``."""
+
+    status: int
+    reason: str
+
+
+class Upstream:
+    """The agent's HTTP client towards its engines: one shared session, pooled connections.
+
+    stream_idle_timeout_s: longest silence tolerated from an engine once it has answered
+    (per chunk while streaming, and for the whole body otherwise).
+    client_stall_timeout_s: longest wait on one write of a stream to a client that does not
+    read (``api.client_stall_timeout_s``); then the client is treated as gone.
+    """
+
+    def __init__(self, stream_idle_timeout_s: float, connect_timeout_s: float = 5.0,
+                 client_stall_timeout_s: float = 10.0) -> None:
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        self.client_stall_timeout_s = client_stall_timeout_s
+        self.client_stalls = 0
+        self.connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        # One session (a UnixConnector) per socket backend, by socket path, made on first use.
+        self._unix_sessions: dict[str, aiohttp.ClientSession] = {}
+        self.stale_retries = 0
+        self.stream_errors = 0
+        # The engine adapter of a local backend (None: unknown), for its optional
+        # ``client_fault`` classifier; set by the ClientApi that owns the runtimes.
+        self.engine_of: Callable[[Backend], Any] = lambda backend: None
+
+    async def __aenter__(self) -> Upstream:
+        self._session = self._new_session(
+            aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=False))
+        return self
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            # sock_read: the longest silence from the engine, from the request sent to the
+            # headers and between any two reads of the body; raises ServerTimeoutError, a
+            # TimeoutError. ceil_threshold: never round it up to whole seconds.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                          sock_read=self.stream_idle_timeout_s, ceil_threshold=float("inf")),
+        )
+
+    def _unix_session(self, path: str) -> aiohttp.ClientSession:
+        session = self._unix_sessions.get(path)
+        if session is None or session.closed:
+            session = self._unix_sessions[path] = self._new_session(
+                aiohttp.UnixConnector(path=path, limit=0, keepalive_timeout=30))
+        return session
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+        for session in self._unix_sessions.values():
+            await session.close()
+        self._unix_sessions.clear()
+
+    async def _open(self, url: str, body: bytes, headers: dict[str, str],
+                    session: aiohttp.ClientSession | None = None) -> aiohttp.ClientResponse:
+        session = session or self._session
+        assert session is not None, "use Upstream as an async context manager"
+        for attempt in (0, 1):
+            try:
+                return await session.post(url, data=body, headers=headers)
+            except _STALE_CONNECTION as exc:
+                if attempt == 1 or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                self.stale_retries += 1
+                log.debug("retrying %s once on a fresh connection after %r", url, exc)
+        raise AssertionError("unreachable")
+
+    async def forward(
+        self,
+        request: web.Request,
+        backend: Backend,
+        body: bytes,
+        stream: bool,
+        headers: dict[str, str],
+        request_id: str,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        extra_headers: dict[str, str] | None = None,
+        relay_headers: tuple[str, ...] = (),
+        refusable: bool = False,
+        lost: asyncio.Event | None = None,
+    ) -> web.StreamResponse | Refused:
+        """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
+
+        ``backend`` is anything with ``id`` and ``base_url`` (a local Backend, or a peer's mesh
+        listener reached with ``session``, whose TLS context authenticates both sides).
+        ``extra_headers`` go upstream; ``relay_headers`` are copied from the upstream answer
+        to the client's. With ``refusable``, an answer carrying ``X-Viiwork-Refused`` (a peer
+        that has no free slot) returns ``Refused`` before anything reaches the client, so the
+        caller can try elsewhere. ``lost`` (with ``refusable``): an event set when the peer
+        turns suspect or dead; before the first byte the forward is abandoned as
+        ``Refused(504, "suspect")``, after it the stream ends with an SSE error event (504).
+        Returns the response to give the client (already prepared and finished when
+        streamed). Errors before the first byte become 502/504 JSON errors.
+        """
+        upstream_headers = {"X-Request-Id": request_id}
+        request_headers = request.headers
+        for name in _PASS_REQUEST_HEADERS:
+            value = request_headers.get(name)
+            if value is not None:
+                upstream_headers[name] = value
+        if extra_headers:
+            upstream_headers.update(extra_headers)
+        if isinstance(backend, Backend):
+            # Only this node's engine gets its key (agent/supervision/engine_keys.py); a peer never does.
+            upstream_headers.update(auth_headers(backend.api_key))
+            if backend.socket_path and session is None:
+                session = self._unix_session(backend.socket_path)
+        url = backend.base_url + request.path
+        # This node's engine does not stop a non-streamed generation when the client leaves:
+        # ask it for a stream (it stops that) and assemble the answer the client asked for.
+        assembled_as: str | None = None
+        if (not stream and isinstance(backend, Backend) and request.path in ASSEMBLED_PATHS
+                and not stops_nonstream_on_disconnect(self.engine_of(backend))):
+            assembled_as = ASSEMBLED_PATHS[request.path]
+            body = stream_body(body)
+        watch: asyncio.Task[Literal[True]] | None = None
+        try:
+            if lost is None:
+                upstream = await self._open(url, body, upstream_headers, session)
+            else:
+                watch = asyncio.ensure_future(lost.wait())
+                upstream = await self._open_unless_lost(watch, url, body, upstream_headers, session)
+        except PeerLost:
+            log.warning("request %s: peer %s turned suspect before answering; routing again", request_id,
+                        backend.id)
+            return Refused(504, "suspect")
+        except TimeoutError:  # sock_read (aiohttp.ServerTimeoutError) or sock_connect
+            if refusable:
+                return Refused(504, "timeout")
+            return error_response(504, f"backend {backend.id} did not answer within "
+                                  f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)",
+                                  code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
+        except aiohttp.ClientError as exc:
+            if refusable:
+                return Refused(502, f"unreachable: {exc.__class__.__name__}")
+            return error_response(502, f"backend {backend.id} unreachable: {exc.__class__.__name__}",
+                                  code=ErrorCode.UPSTREAM_UNREACHABLE, headers=headers)
+        if watch is not None:
+            if watch.done():
+                upstream.content.set_exception(PeerLost())
+            else:  # a read pending when the peer turns suspect fails with PeerLost
+                def on_lost(w: asyncio.Task[Literal[True]], content: aiohttp.StreamReader = upstream.content,
+                            ) -> None:
+                    if not w.cancelled():
+                        content.set_exception(PeerLost())
+
+                watch.add_done_callback(on_lost)
+        try:
+            if refusable and REFUSED_HEADER in upstream.headers:
+                return Refused(upstream.status, upstream.headers[REFUSED_HEADER])
+            for name in relay_headers:
+                value = upstream.headers.get(name)
+                if value is not None:
+                    headers[name] = value
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            if assembled_as is not None and upstream.status == 200 and content_type.startswith("text/event-stream"):
+                return await self._relay_assembled(upstream, backend, headers, assembled_as)
+            if not stream or upstream.status != 200 or not content_type.startswith("text/event-stream"):
+                try:
+                    return await self._relay_whole(upstream, backend, headers, content_type)
+                except PeerLost:  # nothing reached the client yet: route again
+                    upstream.close()
+                    return Refused(504, "suspect")
+            return await self._relay_stream(request, upstream, backend, headers, content_type)
+        finally:
+            if watch is not None:
+                watch.cancel()
+            upstream.release()
+
+    async def _open_unless_lost(self, watch: asyncio.Task[Literal[True]], url: str, body: bytes,
+                                headers: dict[str, str],
+                                session: aiohttp.ClientSession | None) -> aiohttp.ClientResponse:
+        """``_open`` raced against ``watch`` (the peer turned suspect): the answer's headers,
+        or PeerLost (the request is abandoned and its connection closed)."""
+        opening = asyncio.ensure_future(self._open(url, body, headers, session))
+        try:
+            await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled (the client went away)
+            opening.cancel()
+            watch.cancel()
+            raise
+        if not opening.done():  # lost: closing the request closes its connection
+            opening.cancel()
+            raise PeerLost
+        exc = opening.exception()
+        if exc is not None:
+            watch.cancel()
+            raise exc
+        return opening.result()
+
+    async def _read_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
+                          headers: dict[str, str]) -> bytes | web.Response:
+        """The whole upstream body, or the 504 (silent for ``stream_idle_timeout_s``) or 502
+        (broken off) error answer to give the client instead."""
+        try:
+            return await upstream.read()
+        except TimeoutError:  # sock_read: silent for stream_idle_timeout_s
+            return error_response(504, f"backend {backend.id} went silent for {self.stream_idle_timeout_s:g} s "
+                                  "(api.stream_idle_timeout_s)", code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
+        except _UPSTREAM_BROKEN as exc:
+            return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
+                                  code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+
+    async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
+                           headers: dict[str, str], content_type: str) -> web.Response:
+        data = await self._read_whole(upstream, backend, headers)
+        if isinstance(data, web.Response):
+            return data
+        if upstream.status >= 400 and isinstance(backend, Backend):
+            # This node's engine refused or failed: one error shape and status rule for every
+            # engine (agent/serving/errors.py). A peer's answer was normalised there: relayed as is.
+            return engine_error(upstream.status, data, backend.id, self.engine_of(backend), headers=headers)
+        headers["Content-Type"] = content_type.split(";", 1)[0]
+        return web.Response(status=upstream.status, body=data, headers=headers)
+
+    async def _relay_assembled(self, upstream: aiohttp.ClientResponse, backend: Backend,
+                               headers: dict[str, str], obj: str) -> web.Response:
+        """The engine's whole stream read (same silence and break rules as ``_relay_whole``)
+        and answered as one JSON object ``obj`` (agent/serving/assemble.py); an error event in the
+        stream is answered as the engine's error (``engine_error``), a stream that cannot be
+        assembled (not JSON, no ``[DONE]``) as 502."""
+        data = await self._read_whole(upstream, backend, headers)
+        if isinstance(data, web.Response):
+            return data
+        try:
+            answer = assemble(parse_events(sse_data(data.splitlines())), obj)
+        except StreamError as exc:
+            return engine_error(exc.status, exc.body, backend.id, self.engine_of(backend), headers=headers)
+        except StreamBroken as exc:
+            return error_response(502, f"backend {backend.id} sent a stream that cannot be assembled: {exc}",
+                                  code=ErrorCode.UPSTREAM_ERROR, headers=headers)
+        headers["Content-Type"] = "application/json"
+        return web.Response(status=200, body=json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode(),
+                            headers=headers)
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
+                            headers: dict[str, str], content_type: str) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=headers)
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"
+        await response.prepare(request)
+        idle = self.stream_idle_timeout_s
+        stall = self.client_stall_timeout_s
+        read = upstream.content.readany
+        write = response.write
+        transport = request.transport
+        if transport is None:  # the client left while the engine was answering
+            upstream.close()
+            return response
+        # A write can wait (aiohttp drains) only while the transport is paused, which it stays
+        # only above its low-water mark, or when this chunk takes the buffer over the mark.
+        buffered = transport.get_write_buffer_size
+        low_water = transport.get_write_buffer_limits()[0]
+        protocol = request.protocol
+        try:
+            while True:
+                chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
+                if not chunk:
+                    break
+                try:
+                    if protocol.writing_paused or buffered() + len(chunk) > low_water:
+                        try:
+                            async with asyncio.timeout(stall):
+                                await write(chunk)
+                        except TimeoutError as exc:
+                            raise _ClientStalled from exc
+                    else:
+                        await write(chunk)
+                except ConnectionError as exc:
+                    raise _ClientGone from exc
+        except _ClientStalled:
+            self.client_stalls += 1
+            log.warning("client of a stream from %s read nothing for %g s (api.client_stall_timeout_s); "
+                        "closing both connections", backend.id, stall)
+            upstream.close()
+            transport.abort()
+            return response
+        except _ClientGone:
+            # Leaving forward() releases the upstream connection unread: aiohttp closes it,
+            # and the engine stops generating.
+            upstream.close()
+            return response
+        except PeerLost:
+            self.stream_errors += 1
+            upstream.close()
+            log.warning("peer %s turned suspect mid-stream; ending the client's stream", backend.id)
+            await self._write_error(response, 504, f"peer {backend.id} stopped answering mid-stream (suspect "
+                                    "in this node's mesh view: mesh.suspect_after_ms)")
+        except TimeoutError:
+            self.stream_errors += 1
+            log.warning("backend %s silent for %.0f s mid-stream; ending the client's stream", backend.id, idle)
+            await self._write_error(response, 504, f"backend {backend.id} went silent for {idle:g} s "
+                                    "(api.stream_idle_timeout_s)")
+        except _UPSTREAM_BROKEN as exc:
+            self.stream_errors += 1
+            log.warning("backend %s broke off a stream: %r", backend.id, exc)
+            await self._write_error(response, 502, f"backend {backend.id} broke off the stream: "
+                                    f"{exc.__class__.__name__}")
+        try:
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        return response
+
+    @staticmethod
+    async def _write_error(response: web.StreamResponse, status: int, message: str,
+                           code: str | None = None) -> None:
+        """The terminal SSE error event; ``code`` defaults by ``status`` (agent/serving/errors.py)."""
+        if code is None:
+            code = _STREAM_ERROR_CODES.get(status)
+        try:
+            await response.write(sse_error_event(status, message, code))
+        except ConnectionError:
+            pass

@@ -1,0 +1,1 @@
+"""Supervision: the backends' runtime picture, the supervisor and its health ladder, and the runners."""

@@ -1,0 +1,245 @@
+"""The runtime picture of a node's models and backends, shared by supervisor and routing.
+
+The supervisor writes these objects (state, load, pid); routing reads them and counts its
+own in-flight requests. Single-threaded (the agent's event loop): no locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, NewType
+
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.engines.contract import Engine, Load
+
+BackendId = NewType("BackendId", str)
+
+
+class BackendState(StrEnum):
+    """The health ladder of docs/architecture.md, "A backend's life"."""
+
+    STARTING = "starting"      # launched, probes expected to fail until ready
+    HEALTHY = "healthy"        # ready and admitting
+    DRAINING = "draining"      # ready but admitting nothing new (respawn, down, shutdown)
+    UNHEALTHY = "unhealthy"    # failed probes or exited; respawn pending
+    STOPPED = "stopped"        # stopped on purpose (down, shutdown)
+    DEAD = "dead"              # respawn budget spent; `viiworkctl up` revives
+
+
+class ModelState(StrEnum):
+    RUNNING = "running"   # backends are started or starting
+    DOWN = "down"         # parked by the operator
+    DEAD = "dead"         # every backend is dead
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine process serving one model on this node.
+
+    ``in_flight`` is routing's own count of requests it sent and has not finished; the
+    engine's ``load`` lags behind it. ``load`` is None until the first successful read.
+    Times are ``time.monotonic()`` seconds; ``None`` means never.
+    """
+
+    id: BackendId
+    model: str
+    index: int
+    gpus: tuple[str, ...] = ()
+    state: BackendState = BackendState.STARTING
+    phase: str = ""
+    progress: float = -1.0
+    reason: str = ""
+    port: int | None = None
+    pid: int | None = None
+    unit: str | None = None
+    respawns: int = 0
+    exit_result: str | None = None
+    exit_status: int | None = None
+    load: Load | None = None
+    load_at: float | None = None
+    load_stale: bool = False
+    in_flight: int = 0
+    released_at: float | None = None  # when routing last finished a request here
+    started_at: float | None = None
+    healthy_since: float | None = None
+    parallel: int = 1
+    # The engine's per-backend key (agent/supervision/engine_keys.py): sent only to this backend, never
+    # shown (repr, /v1/status, logs).
+    api_key: str | None = field(default=None, repr=False)
+    # The Unix socket the engine listens on instead of ``port`` (engines that bind one).
+    socket_path: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        # A socket backend is reached through an aiohttp.UnixConnector: the host is a label.
+        return "http://localhost" if self.socket_path else f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admitting(self) -> bool:
+        return self.state is BackendState.HEALTHY and (self.port is not None or self.socket_path is not None)
+
+    @property
+    def slots(self) -> int:
+        """Sequences this backend admits: what the engine reports, else ``parallel``."""
+        if self.load is not None and not self.load_stale:
+            return self.load.slots
+        return self.parallel
+
+    @property
+    def free_slots(self) -> int:
+        if not self.admitting:
+            return 0
+        return max(0, self.slots - self.in_flight)
+
+    def end_request(self) -> None:
+        """A request routing sent here ended (or a slot kept for an offer was freed)."""
+        self.in_flight -= 1
+        self.released_at = time.monotonic()
+
+    @property
+    def waiting(self) -> int | None:
+        """Requests queued inside the engine, or None when unknown (not published, never
+        read, or the reading is stale: an old figure would be gossiped as fact)."""
+        if self.load is not None and not self.load_stale:
+            return self.load.waiting
+        return None
+
+    @property
+    def busy(self) -> int:
+        """Busy sequences: the larger of the engine's count and our own in-flight count, but
+        only our own once a request ended after the engine's count was read: that figure
+        (read every ``supervisor.load_poll_interval_s``) still counts the ended request, and
+        published as is it would show the freed slot busy to every peer until the next read."""
+        if self.load is not None and not self.load_stale:
+            if self.released_at is not None and self.load_at is not None and self.released_at > self.load_at:
+                return self.in_flight
+            return max(self.load.busy, self.in_flight)
+        return self.in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """One model's capacity on this node now, summed over its backends (``ModelRuntime.capacity``).
+
+    ``slots``, ``busy``, ``free``: sums over the admitting (healthy, addressed) backends, each
+    backend's figures as ``Backend.slots``/``busy``/``free_slots`` give them (a stale load
+    reading falls back to ``parallel`` and routing's in-flight count). ``waiting``: the sum of
+    the engines' queues, or None when no backend admits or any admitting backend's queue is
+    unknown (never published, or the reading is stale). ``in_flight``: routing's requests
+    running on any backend (a draining one too). ``healthy``/``total``: admitting backends /
+    all backends. ``free_by_backend``: (backend id, free slots) for every backend, in order.
+    """
+
+    slots: int
+    busy: int
+    free: int
+    waiting: int | None
+    in_flight: int
+    healthy: int
+    total: int
+    free_by_backend: tuple[tuple[BackendId, int], ...]
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    """One configured model on this node: its config, engine and backends.
+
+    ``listeners`` are called (synchronously, must not block) whenever a backend's state or
+    capacity changes, so routing can dispatch queued requests at once.
+    """
+
+    config: ModelConfig
+    engine: Engine
+    backends: list[Backend] = field(default_factory=list)
+    state: ModelState = ModelState.RUNNING
+    listeners: list[Callable[[ModelRuntime], None]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def notify(self) -> None:
+        for listener in list(self.listeners):
+            listener(self)
+
+    @property
+    def healthy_backends(self) -> list[Backend]:
+        return [b for b in self.backends if b.admitting]
+
+    def capacity(self) -> Capacity:
+        """The one sum of this model's backends, read by /v1/status, /metrics, routing's
+        local view and the gossiped summary alike (docs/architecture.md, "A backend's life")."""
+        admitting = [b for b in self.backends if b.admitting]
+        queues = [b.waiting for b in admitting]
+        known = [q for q in queues if q is not None]
+        return Capacity(
+            slots=sum(b.slots for b in admitting),
+            busy=sum(b.busy for b in admitting),
+            free=sum(b.free_slots for b in admitting),
+            waiting=sum(known) if admitting and len(known) == len(queues) else None,
+            in_flight=sum(b.in_flight for b in self.backends),
+            healthy=len(admitting),
+            total=len(self.backends),
+            free_by_backend=tuple((b.id, b.free_slots) for b in self.backends),
+        )
+
+    def status_doc(self) -> dict[str, Any]:
+        """This model in /v1/status. Keys: name, engine, kind, state, slots, busy and waiting
+        (``capacity()``), ctx_per_slot, backends (id, state, phase, progress (0..1 or -1),
+        reason, pid, port (None for a socket backend), socket (its Unix socket path, else
+        None), unit, respawns, gpus, exit_result, exit_status, load_stale, slots, busy,
+        in_flight: routing's own count of requests running there)."""
+        cap = self.capacity()
+        return {
+            "name": self.name,
+            "engine": self.config.engine,
+            "kind": str(self.config.kind),
+            "state": str(self.state),
+            "slots": cap.slots,
+            "busy": cap.busy,
+            "waiting": cap.waiting,
+            "ctx_per_slot": self.ctx_per_slot,
+            "backends": [
+                {
+                    "id": b.id,
+                    "state": str(b.state),
+                    "phase": b.phase,
+                    "progress": b.progress,
+                    "reason": b.reason,
+                    "pid": b.pid,
+                    "port": b.port,
+                    "socket": b.socket_path,
+                    "unit": b.unit,
+                    "respawns": b.respawns,
+                    "gpus": list(b.gpus),
+                    "exit_result": b.exit_result,
+                    "exit_status": b.exit_status,
+                    "load_stale": b.load_stale,
+                    "slots": b.slots,
+                    "busy": b.busy,
+                    "in_flight": b.in_flight,
+                }
+                for b in self.backends
+            ],
+        }
+
+    @property
+    def can_ever_serve(self) -> bool:
+        """False when nothing on this node can serve now or later (down, or all dead)."""
+        if self.state is not ModelState.RUNNING:
+            return False
+        return any(b.state is not BackendState.DEAD and b.state is not BackendState.STOPPED for b in self.backends)
+
+    @property
+    def ctx_per_slot(self) -> int:
+        for b in self.backends:
+            if b.load is not None:
+                return b.load.ctx_per_slot
+        return self.config.ctx_per_slot
+
+
+def monotonic() -> float:
+    return time.monotonic()
