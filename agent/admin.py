@@ -15,12 +15,17 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from viiwork.agent.control import COMMANDS
 from viiwork.agent.serving.errors import ErrorCode, error_response
+
+if TYPE_CHECKING:  # types only: the daemon's parts import this module's callers, not it
+    from viiwork.agent.config.schema import Config
+    from viiwork.agent.serving.api import ClientApi
+    from viiwork.agent.supervision.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +163,14 @@ async def start_admin_site(runner: web.AppRunner, path: Path) -> web.UnixSite:
     return site
 
 
-def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
-                 on_reloaded: Callable[[Any], None] | None = None) -> AdminActions:
+def node_actions(*, supervisor: Supervisor, api: ClientApi, config_path: Path | None,
+                 on_reloaded: Callable[[Config], None] | None = None) -> AdminActions:
     """The daemon's actions over its ``Supervisor`` and ``ClientApi``.
 
     config_path: the file ``reload`` re-reads (None for the embedded demo config, which
     cannot be reloaded). on_reloaded: called with the new Config after a reload.
     """
-    from viiwork.agent.config.schema import ConfigError, load_config
+    from viiwork.agent.config.load import ConfigError, load_config
     from viiwork.agent.supervision.supervisor import UnknownModel
 
     async def reload() -> dict[str, Any]:
@@ -202,18 +207,19 @@ def node_actions(*, supervisor: Any, api: Any, config_path: Path | None,
         api.draining = False
         return {"message": "admitting requests again"}
 
-    async def down(model: str) -> dict[str, Any]:
+    async def known_model(change: Awaitable[None]) -> None:
+        """Await the supervisor's ``down``/``up`` of a model; an unknown model is a 404."""
         try:
-            await supervisor.down(model)
+            await change
         except UnknownModel as exc:
             raise ActionError(404, str(exc), ErrorCode.MODEL_NOT_FOUND) from None
+
+    async def down(model: str) -> dict[str, Any]:
+        await known_model(supervisor.down(model))
         return {"message": f"model {model!r} is down: backends stopped, out of routing (undo: viiworkctl up {model})"}
 
     async def up(model: str) -> dict[str, Any]:
-        try:
-            await supervisor.up(model)
-        except UnknownModel as exc:
-            raise ActionError(404, str(exc), ErrorCode.MODEL_NOT_FOUND) from None
+        await known_model(supervisor.up(model))
         return {"message": f"model {model!r} is starting"}
 
     async def models() -> dict[str, Any]:

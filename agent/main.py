@@ -25,7 +25,8 @@ from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
-from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, parse_hostport
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.schema import Config, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
@@ -70,15 +71,14 @@ async def make_runner(config: Config) -> Runner:
     choice = config.supervisor.runner
     if choice in ("systemd", "auto"):
         try:
-            from viiwork.agent.supervision.runners import systemd as systemd_runner
-        except ImportError:
-            systemd_runner = None  # type: ignore[assignment]
-        if systemd_runner is not None and hasattr(systemd_runner, "create_runner"):
-            runner = await systemd_runner.create_runner(config, required=(choice == "systemd"))
+            from viiwork.agent.supervision.runners.systemd.runner import create_runner
+        except ImportError:  # this build has no systemd runner (or it lacks create_runner)
+            if choice == "systemd":
+                raise RunnerError('supervisor.runner = "systemd", but this build has no systemd runner') from None
+        else:
+            runner = await create_runner(config, required=(choice == "systemd"))
             if runner is not None:
                 return runner
-        elif choice == "systemd":
-            raise RunnerError('supervisor.runner = "systemd", but this build has no systemd runner')
     from viiwork.agent.supervision.runners.process import ProcessRunner
 
     return ProcessRunner()

@@ -37,14 +37,13 @@ import socket
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import DBusError
 
 from viiwork.agent.supervision.backends import ModelRuntime
 from viiwork.agent.supervision.runners.base import Runner, RunnerError
-from viiwork.agent.supervision.runners.systemd import (
+from viiwork.agent.supervision.runners.systemd.bus import (
     JOB_IFACE,
     MANAGER_IFACE,
     SYSTEMD_BUS_NAME,
@@ -53,9 +52,7 @@ from viiwork.agent.supervision.runners.systemd import (
     call,
     get_property,
 )
-
-if TYPE_CHECKING:
-    from viiwork.agent.supervision.supervisor import Supervisor
+from viiwork.agent.supervision.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

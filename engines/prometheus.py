@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from viiwork.engines.contract import LoadUnknown
+
 
 def parse_gauges(text: str) -> dict[str, float]:
     """Map each unlabelled sample name to its value; a labelled sample is keyed by its bare
@@ -32,3 +34,13 @@ def parse_gauges(text: str) -> dict[str, float]:
             continue
         out[name.strip()] = out.get(name.strip(), 0.0) + value
     return out
+
+
+def request_count(value: float, name: str) -> int:
+    """A gauge ``name`` read as a number of requests: ``value`` as an int.
+
+    Raises LoadUnknown when it is negative or not a whole number (a count nobody can trust).
+    """
+    if value < 0 or value != int(value):
+        raise LoadUnknown(f"{name} is {value!r}, not a request count")
+    return int(value)

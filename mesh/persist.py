@@ -122,7 +122,7 @@ class PendingWrites:
                kept: str = "kept in memory") -> None:
         """Record that the write of ``what`` to ``path`` failed with ``exc``. Without ``write``
         the caller retries it itself (``retry_due`` skips it) and reports the outcome here and
-        to :meth:`succeeded` (an engine's key file: agent/supervision/supervisor.py)."""
+        to :meth:`succeeded` (an engine's key file: agent/supervision/backend_task.py)."""
         name = errno.errorcode.get(exc.errno or 0)
         with self._lock:
             old = self._pending.get(what)

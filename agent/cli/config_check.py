@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from viiwork.agent.config.schema import ConfigError, load_config
+from viiwork.agent.config.load import ConfigError, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

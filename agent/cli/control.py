@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, ApiConfig, ConfigError, load_config
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.schema import ApiConfig
 from viiwork.agent.control import COMMANDS, ControlCommand
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH
 from viiwork.agent.host.doctor import DoctorReport, Verdict, run_checks
 from viiwork.agent.host.facts import gather_facts
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from viiwork.agent.cli.status import fetch_json
 from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, ConfigError, load_config
-from viiwork.agent.supervision.supervisor import backend_log_path
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.supervision.launch import backend_log_path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -27,7 +27,8 @@ from rich.table import Table
 
 from viiwork.agent.cli.status import fetch_json
 from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.schema import Config
 from viiwork.mesh.identity import IdentityError, load_or_create_identity
 from viiwork.mesh.pins import PINS_FILE, PinStore
 from viiwork.mesh.trust import (
@@ -78,9 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     sign = sub.add_parser("sign", help="sign a node's request with the CA (on the CA host)",
                           description="Sign REQUEST with the CA in DIR and print (or write) the node certificate.")
-    sign.add_argument("--ca", required=True, type=Path, metavar="DIR", help="the directory made by `mesh ca init`")
+    _signing_args(sign)
     sign.add_argument("request", type=Path, metavar="REQUEST")
-    sign.add_argument("--days", type=int, default=DEFAULT_NODE_DAYS, help=f"validity (default {DEFAULT_NODE_DAYS})")
     sign.add_argument("--out", type=Path, help="write the certificate here instead of printing it")
     sign.set_defaults(func=run_sign)
 
@@ -96,8 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             description="For labs where the CA directory is on this box: make the request, sign "
                                         "it with the CA in DIR and install the certificate.")
     _node_args(enroll)
-    enroll.add_argument("--ca", required=True, type=Path, metavar="DIR")
-    enroll.add_argument("--days", type=int, default=DEFAULT_NODE_DAYS, help=f"validity (default {DEFAULT_NODE_DAYS})")
+    _signing_args(enroll)
     enroll.set_defaults(func=run_enroll)
 
     forget = sub.add_parser("forget", help="open mode: forget the node id pinned to a name",
@@ -119,7 +118,13 @@ def _node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", dest="node_name_opt", help="node name (default: the config's node.name)")
 
 
-def _config(args: argparse.Namespace) -> Any:
+def _signing_args(parser: argparse.ArgumentParser) -> None:
+    """``--ca DIR`` and ``--days``: the CA that signs a node certificate, and its validity."""
+    parser.add_argument("--ca", required=True, type=Path, metavar="DIR", help="the directory made by `mesh ca init`")
+    parser.add_argument("--days", type=int, default=DEFAULT_NODE_DAYS, help=f"validity (default {DEFAULT_NODE_DAYS})")
+
+
+def _config(args: argparse.Namespace) -> Config | None:
     path = getattr(args, "config", None) or DEFAULT_CONFIG_PATH
     if not Path(path).exists():
         if getattr(args, "config", None):
@@ -131,13 +136,13 @@ def _config(args: argparse.Namespace) -> Any:
         raise TrustError(f"cannot use {path}: {exc}") from None
 
 
-def _state_dir(args: argparse.Namespace, cfg: Any) -> Path:
+def _state_dir(args: argparse.Namespace, cfg: Config | None) -> Path:
     if args.state_dir:
         return args.state_dir
     return Path(cfg.node.state_dir) if cfg is not None else DEFAULT_STATE_DIR
 
 
-def _node_name(args: argparse.Namespace, cfg: Any) -> str:
+def _node_name(args: argparse.Namespace, cfg: Config | None) -> str:
     if getattr(args, "node_name_opt", None):
         return args.node_name_opt
     return cfg.node.name if cfg is not None else socket.gethostname()

@@ -6,7 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
-from viiwork.agent.config.schema import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_hostport
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.schema import parse_hostport
 
 DEFAULT_URL = "http://127.0.0.1:8086"
 

@@ -13,7 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from viiwork.agent.config.schema import Config, parse_config
+from viiwork.agent.config.load import parse_config
+from viiwork.agent.config.schema import Config
 
 DEMO_MODEL = "smollm2"
 DEMO_LISTEN = "127.0.0.1:8086"

@@ -1,9 +1,14 @@
-"""The agent's configuration: TOML read with ``tomllib``, modelled with pydantic v2.
+"""The agent's configuration model: pydantic v2 models of every section, and their bounds.
 
-Strict: unknown keys are errors. Every error names its path, counting array indexes from 0
-(``models[1].llamacpp.thread``), and the line where it can be found:
-``models[1].llamacpp.thread: unknown key (line 23)``. Defaults are docs/configuration.md's tables.
-``viiworkctl config check`` and the agent share ``load_config``.
+One module because the models are one schema: ``Config`` checks across sections (a GPU in
+one model, the mesh summary that all the models make), each section's numbers share the
+bounds defined here, and docs/configuration.md documents them as one set of tables (which
+tests/unit/test_docs_config.py checks against these models).
+
+Strict: unknown keys are errors, and TOML's types are not coerced. Validators raise
+``ValueError`` or, where the problem lies below the value being validated, ``PathError``
+with that path; viiwork.agent.config.load turns both into ``ConfigIssue`` lines naming the
+path and line. Defaults are docs/configuration.md's tables.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,7 +29,6 @@ from pydantic import (
     model_validator,
 )
 
-from viiwork.agent.config.toml_lines import line_of
 from viiwork.engines.contract import Kind
 from viiwork.engines.registry import ENGINES, engine_names
 from viiwork.mesh.identity import NodeId
@@ -45,7 +48,6 @@ from viiwork.mesh.summary import (
 )
 
 MiB = 1024 * 1024
-DEFAULT_CONFIG_PATH = Path("/etc/viiwork/viiwork.toml")
 
 # Bounds of the numbers in the file; docs/configuration.md gives each key's range. A number
 # past them is a typo, and an unbounded one reaches an engine as a flag (``--ctx-size``) or
@@ -224,7 +226,7 @@ class MeshConfig(_Strict):
     def _mesh_id(cls, v: str | None) -> str | None:
         if v is not None and not (len(v) <= MAX_MESH_ID_CHARS and _MESH_ID_RE.fullmatch(v)):
             raise ValueError(f"mesh_id must be 1-{MAX_MESH_ID_CHARS} characters: letters, digits, '.', '_', '-' "
-                             f"(starting with a letter or digit), got {_short(v)}")
+                             f"(starting with a letter or digit), got {short_repr(v)}")
         return v
 
     @field_validator("interfaces")
@@ -233,8 +235,8 @@ class MeshConfig(_Strict):
         for i, name in enumerate(v):
             if not name or len(name.encode()) > MAX_IFNAME_BYTES or name in (".", "..") \
                     or any(c == "/" or c.isspace() or not c.isprintable() for c in name):
-                raise _PathError((i,), (
-                    f"not an interface name or IPv4 address: {_short(name)} (a Linux interface name is "
+                raise PathError((i,), (
+                    f"not an interface name or IPv4 address: {short_repr(name)} (a Linux interface name is "
                     f"1-{MAX_IFNAME_BYTES} bytes without '/', whitespace or control characters)"))
         return v
 
@@ -242,7 +244,7 @@ class MeshConfig(_Strict):
     @classmethod
     def _trust_present(cls, data: Any) -> Any:
         if isinstance(data, dict) and "trust" not in data:
-            raise _PathError(("trust",), (
+            raise PathError(("trust",), (
                 "not set; a [mesh] section must say how nodes trust each other: set "
                 "trust = \"ca\" with ca_certificate (the mesh CA's certificate), or "
                 "trust = \"open\" with mesh_id (labs: no CA, peers pinned on first use); "
@@ -253,19 +255,19 @@ class MeshConfig(_Strict):
     @model_validator(mode="after")
     def _trust_needs(self) -> MeshConfig:
         if self.trust == "open" and not self.mesh_id:
-            raise _PathError(("mesh_id",), "trust = \"open\" requires mesh_id (a name shared by the nodes of this mesh)")
+            raise PathError(("mesh_id",), "trust = \"open\" requires mesh_id (a name shared by the nodes of this mesh)")
         if self.trust == "ca" and self.ca_certificate is None:
-            raise _PathError(("ca_certificate",), (
+            raise PathError(("ca_certificate",), (
                 "trust = \"ca\" requires ca_certificate (the mesh CA's certificate; "
                 "create one with `viiworkctl mesh ca init --out DIR`)"
             ))
         if self.dead_after_ms <= self.suspect_after_ms:
-            raise _PathError(("dead_after_ms",), "dead_after_ms must be greater than suspect_after_ms")
+            raise PathError(("dead_after_ms",), "dead_after_ms must be greater than suspect_after_ms")
         # A heartbeat needs rounds to spread (docs/mesh.md, "Larger meshes"): a timeout
         # shorter than a few rounds would mark every peer suspect or dead between two rounds.
         for key, rounds in (("suspect_after_ms", 2), ("dead_after_ms", 3)):
             if getattr(self, key) < rounds * self.gossip_interval_ms:
-                raise _PathError((key,), (
+                raise PathError((key,), (
                     f"{key} = {getattr(self, key)} must be at least {rounds} gossip rounds "
                     f"({rounds} * gossip_interval_ms = {rounds * self.gossip_interval_ms})"))
         return self
@@ -312,7 +314,7 @@ class ModelConfig(_Strict):
         data = dict(data)
         engine = data.get("engine")
         if "options" in data:
-            raise _PathError(("options",), "'options' is not a key here: put engine options in a block named for the engine")
+            raise PathError(("options",), "'options' is not a key here: put engine options in a block named for the engine")
         if isinstance(engine, str) and engine not in ENGINES:
             # Reported by the field validator below with the known names; its block (if
             # any) is not reported again as an unknown key.
@@ -321,11 +323,11 @@ class ModelConfig(_Strict):
             return data
         for name in ENGINES:
             if name in data and name != engine:
-                raise _PathError((name,), f"block '{name}' does not match engine = {engine!r}")
+                raise PathError((name,), f"block '{name}' does not match engine = {engine!r}")
         if isinstance(engine, str):
             block = data.pop(engine, {})
             if not isinstance(block, dict):
-                raise _PathError((engine,), f"'{engine}' must be a table of engine options")
+                raise PathError((engine,), f"'{engine}' must be a table of engine options")
             try:
                 data["options"] = ENGINES[engine].options_model.model_validate(block)
             except ValidationError as exc:
@@ -337,7 +339,7 @@ class ModelConfig(_Strict):
     @classmethod
     def _options_valid(cls, v: Any) -> Any:
         if isinstance(v, _InvalidBlock):
-            raise _BlockError(v.engine, v.error)
+            raise BlockError(v.engine, v.error)
         return v
 
     @field_validator("engine")
@@ -359,7 +361,7 @@ class ModelConfig(_Strict):
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for key in v:
             if not _ENV_NAME_RE.fullmatch(key):
-                raise ValueError(f"invalid environment variable name {_short(key)} "
+                raise ValueError(f"invalid environment variable name {short_repr(key)} "
                                  "(letters, digits and '_', not starting with a digit)")
         return v
 
@@ -367,23 +369,23 @@ class ModelConfig(_Strict):
     def _shape(self) -> ModelConfig:
         if self.gpus:
             if len(set(map(str, self.gpus))) != len(self.gpus):
-                raise _PathError(("gpus",), "gpus lists a GPU twice")
+                raise PathError(("gpus",), "gpus lists a GPU twice")
             if len(self.gpus) % self.gpus_per_backend:
-                raise _PathError(("gpus_per_backend",), (
+                raise PathError(("gpus_per_backend",), (
                     f"gpus_per_backend = {self.gpus_per_backend} does not divide the "
                     f"{len(self.gpus)} GPUs listed in gpus"
                 ))
             if self.backends is not None and self.backends != len(self.gpus) // self.gpus_per_backend:
-                raise _PathError(("backends",), "backends is for CPU models; with gpus it is len(gpus) / gpus_per_backend")
+                raise PathError(("backends",), "backends is for CPU models; with gpus it is len(gpus) / gpus_per_backend")
         if isinstance(self.gpus, list):
             for g in self.gpus:
                 if isinstance(g, int) and g < 0:
-                    raise _PathError(("gpus",), f"gpu index must be >= 0, got {g}")
+                    raise PathError(("gpus",), f"gpu index must be >= 0, got {g}")
                 if isinstance(g, int) and g > MAX_GPU_INDEX:
-                    raise _PathError(("gpus",), f"gpu index must be <= {MAX_GPU_INDEX}, got {g}")
+                    raise PathError(("gpus",), f"gpu index must be <= {MAX_GPU_INDEX}, got {g}")
         if self.ctx_per_slot * self.parallel >= MAX_CTX_TOTAL:
             # Named at ctx_per_slot (the line shown); the message names both fields.
-            raise _PathError(("ctx_per_slot",), (
+            raise PathError(("ctx_per_slot",), (
                 f"ctx_per_slot * parallel = {self.ctx_per_slot} * {self.parallel} = "
                 f"{self.ctx_per_slot * self.parallel} must be below 2**31 = {MAX_CTX_TOTAL} "
                 "(the engine's whole context, llama.cpp's --ctx-size)"
@@ -428,11 +430,11 @@ class Config(_Strict):
         owner: dict[str, str] = {}
         for i, m in enumerate(self.models):
             if m.name in seen:
-                raise _PathError(("models", i, "name"), f"model {m.name!r} is already defined by models[{seen[m.name]}]")
+                raise PathError(("models", i, "name"), f"model {m.name!r} is already defined by models[{seen[m.name]}]")
             seen[m.name] = i
             for g in m.gpus:
                 if str(g) in owner:
-                    raise _PathError(("models", i, "gpus"),
+                    raise PathError(("models", i, "gpus"),
                                      f"GPU {g} already belongs to model {owner[str(g)]!r}; a GPU belongs to one model")
                 owner[str(g)] = m.name
         if self.mesh is not None:
@@ -456,13 +458,13 @@ def _check_advertise(value: str) -> None:
     if value.count(":") == 1:
         host, _ = parse_hostport(value, "advertise", allow_port_zero=False)
     if len(host) > 253 or not all(_HOST_LABEL_RE.fullmatch(label) for label in host.rstrip(".").split(".")):
-        raise ValueError(f"advertise must be an IP address or a host name, optionally with :port, got {_short(value)}")
+        raise ValueError(f"advertise must be an IP address or a host name, optionally with :port, got {short_repr(value)}")
 
 
 def _absolute(value: Path, field: str) -> Path:
     # An empty or relative path would resolve against the agent's working directory.
     if not str(value) or not value.is_absolute():
-        raise ValueError(f"{field} must be an absolute path, got {_short(str(value))}")
+        raise ValueError(f"{field} must be an absolute path, got {short_repr(str(value))}")
     return value
 
 
@@ -487,21 +489,36 @@ def largest_summary_bytes(config: Config) -> int:
 
 def _check_summary_fits(config: Config) -> None:
     if len(config.models) > MAX_MODELS:  # peers refuse a summary with more (mesh/summary.py)
-        raise _PathError(("models", MAX_MODELS), (
+        raise PathError(("models", MAX_MODELS), (
             f"{len(config.models)} [[models]]: a node in a mesh serves at most {MAX_MODELS} "
             "(its summary carries no more)"))
     size = largest_summary_bytes(config)
     if size > MAX_SUMMARY_BYTES:
         longest = max(range(len(config.models)), key=lambda i: len(config.models[i].name))
-        raise _PathError(("models", longest, "name"), (
+        raise PathError(("models", longest, "name"), (
             f"the node's mesh summary could reach {size} bytes with these {len(config.models)} models, over the "
             f"{MAX_SUMMARY_BYTES}-byte limit: shorten the model names (this one is "
             f"{len(config.models[longest].name)} characters) or serve fewer models"))
 
 
-class _PathError(ValueError):
+def is_loopback(host: str) -> bool:
+    """True for a loopback IP address (127.0.0.0/8, ::1) or the name ``localhost``."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for messages that quote what the file said."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class PathError(ValueError):
     """An error that knows its path below the object being validated (raised inside
-    validators; the loader prefixes the object's own location)."""
+    validators; the loader, viiwork.agent.config.load, prefixes the object's own location).
+    ``path``: keys and 0-based array indexes, ``message``: the text shown after it."""
 
     def __init__(self, path: tuple[str | int, ...], message: str) -> None:
         super().__init__(message)
@@ -517,171 +534,11 @@ class _InvalidBlock:
     error: ValidationError
 
 
-class _BlockError(ValueError):
-    """An engine block's own validation errors, re-pathed under ``models[i].<engine>``."""
+class BlockError(ValueError):
+    """An engine block's own validation errors (``error``), which the loader re-paths under
+    ``models[i].<engine>``."""
 
     def __init__(self, engine: str, error: ValidationError) -> None:
         super().__init__(f"invalid '{engine}' block")
         self.engine = engine
         self.error = error
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    """One problem: ``path`` as a tuple, ``message``, ``line`` (1-based) or None."""
-
-    path: tuple[str | int, ...]
-    message: str
-    line: int | None = None
-
-    @property
-    def dotted(self) -> str:
-        return format_path(self.path)
-
-    def __str__(self) -> str:
-        where = f" (line {self.line})" if self.line else ""
-        prefix = f"{self.dotted}: " if self.path else ""
-        return f"{prefix}{self.message}{where}"
-
-
-class ConfigError(Exception):
-    """The config cannot be used; ``issues`` lists every problem found."""
-
-    def __init__(self, source: str, issues: list[ConfigIssue]) -> None:
-        self.source = source
-        self.issues = issues
-        text = "\n".join(f"  {i}" for i in issues)
-        super().__init__(f"{source}: {len(issues)} error(s) in config\n{text}")
-
-
-def format_path(path: tuple[str | int, ...]) -> str:
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-_MESSAGES = {
-    "extra_forbidden": "unknown key",
-    "missing": "required key is missing",
-    "model_type": "must be a table",
-    "model_attributes_type": "must be a table",
-    "dict_type": "must be a table",
-    "list_type": "must be an array",
-}
-
-
-def _issues_from(exc: ValidationError, text: str, prefix: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
-    issues = []
-    for err in exc.errors(include_url=False):
-        loc = prefix + tuple(err["loc"])
-        ctx = err.get("ctx") or {}
-        inner = ctx.get("error")
-        if isinstance(inner, _PathError):
-            loc, message = loc + inner.path, inner.message
-        elif isinstance(inner, _BlockError):
-            # Reported at models[i].options; the operator wrote models[i].<engine>.
-            issues.extend(_issues_from(inner.error, text, loc[:-1] + (inner.engine,)))
-            continue
-        else:
-            message = _MESSAGES.get(err["type"], err["msg"])
-            if message.startswith("Value error, "):
-                message = message[len("Value error, "):]
-            if err["type"] == "literal_error" and "expected" in ctx:
-                message = f"must be one of {ctx['expected']}, got {err.get('input')!r}"
-            elif err["type"] not in ("missing", "extra_forbidden", "value_error") and isinstance(
-                err.get("input"), (str, int, float, bool)
-            ):
-                message += f", got {_short(err['input'])}"
-        loc = _fix_engine_loc(loc)
-        issues.append(ConfigIssue(loc, message, line_of(text, loc) if text else None))
-    return issues
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fix_engine_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
-    # pydantic puts engine option errors under "options" only if validated as a field; the
-    # before-validator raises a nested ValidationError, reported at models[i] with the
-    # options model's own loc. Keep loc as is; engine blocks are re-pathed in _validate.
-    return tuple(p for p in loc if p not in ("function-after[_shape(), ModelConfig]",))
-
-
-def _nul_issues(value: Any, text: str, path: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
-    """Every string (key or value) holding a NUL byte: one check for all of them, engine
-    blocks included. Strings become argv, environment entries and paths, where a NUL is an
-    error only when the backend starts (``ValueError: embedded null byte``)."""
-    issues: list[ConfigIssue] = []
-    if isinstance(value, str):
-        if "\0" in value:
-            issues.append(ConfigIssue(path, "may not contain a NUL character (\\u0000)", line_of(text, path) if text else None))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if "\0" in key:
-                issues.extend(_nul_issues(key, text, path))
-            else:
-                issues.extend(_nul_issues(item, text, path + (key,)))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            issues.extend(_nul_issues(item, text, path + (i,)))
-    return issues
-
-
-def _validate(data: dict[str, Any], text: str) -> Config:
-    nul = _nul_issues(data, text)
-    try:
-        config = Config.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError("config", nul + _issues_from(exc, text)) from None
-    except _PathError as exc:
-        raise ConfigError("config", nul + [ConfigIssue(exc.path, exc.message, line_of(text, exc.path))]) from None
-    if nul:
-        raise ConfigError("config", nul)
-    return config
-
-
-def parse_config(text: str, source: str = "<config>") -> Config:
-    """Parse and validate TOML text; ConfigError listing every problem."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, [_toml_issue(exc)]) from None
-    try:
-        return _validate(data, text)
-    except ConfigError as exc:
-        raise ConfigError(source, exc.issues) from None
-
-
-def _toml_issue(exc: tomllib.TOMLDecodeError) -> ConfigIssue:
-    # Python 3.11's TOMLDecodeError has no lineno attribute; the position is in the text.
-    text = str(exc)
-    where = re.search(r"\s*\(at line (\d+), column (\d+)\)", text)
-    if where:
-        detail = text[:where.start()] + text[where.end():]
-        return ConfigIssue((), f"not valid TOML: {detail} (column {where.group(2)})", int(where.group(1)))
-    return ConfigIssue((), f"not valid TOML: {text}", getattr(exc, "lineno", None))
-
-
-def load_config(path: str | Path) -> Config:
-    """Read and validate a config file; ConfigError (also for unreadable files)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(str(p), [ConfigIssue((), f"cannot read config: {exc.strerror or exc}")]) from None
-    except UnicodeDecodeError:
-        raise ConfigError(str(p), [ConfigIssue((), "config is not UTF-8 text")]) from None
-    return parse_config(text, str(p))
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

@@ -1,5 +1,11 @@
 """The agent's side of the mesh: publish this node's capacity, route over peers, forward.
 
+One module (over 400 lines) because its three jobs act on the same things: capacity
+publication, the pipeline's peers and the slot-offer exchange share one ``MeshNode``, one
+forwarding session (mutual TLS, ``expect_node``), one peer table and the set of held slots.
+What is pure is elsewhere: the router (``viiwork.agent.serving.router``) and the offers'
+state and message formats (``viiwork.agent.peering.offers``); this is the I/O glue.
+
 ``MeshLink`` wires ``viiwork.mesh.MeshNode`` (identity, trust, discovery, gossip) to the
 supervisor's models and to the pure router (``viiwork.agent.serving.router``):
 
@@ -16,10 +22,6 @@ supervisor's models and to the pure router (``viiwork.agent.serving.router``):
 - slot offers (``viiwork.agent.peering.offers``): the origin tells the peers serving a model when
   its oldest waiter changes (``want``), and a node whose slot frees offers it to the origin
   with the oldest waiter it knows of, keeping it until that origin's request claims it.
-
-Over 400 lines: capacity publication, the pipeline's peers and the slot-offer messages share
-one mesh session, peer table and set of held slots; the split by concern (a ``peering/``
-package, issue 15) separates the offer messages from the rest.
 """
 
 from __future__ import annotations
@@ -346,7 +348,7 @@ class MeshLink:
                 # byte is abandoned and the request routed again.
                 with self.watch_peer(to.node_id) as lost:
                     result = await self.upstream.forward(
-                        call.request, target, call.body, call.stream, headers, call.request_id,  # type: ignore[arg-type]
+                        call.request, target, call.body, call.stream, headers, call.request_id,
                         session=self.session, extra_headers=extra,
                         relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
                         lost=lost)

@@ -34,9 +34,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from viiwork.mesh.identity import NodeId
+
+if TYPE_CHECKING:  # a type only: this module imports nothing of the agent
+    from viiwork.agent.supervision.backends import Backend
 
 OFFER_HEADER = "X-Viiwork-Offer"  # on a forward: the id of the offer whose held slot it claims
 HOLD_MS = 1000.0  # ms: a held slot not claimed within this is freed (a claim takes ~1 RTT)
@@ -160,13 +163,13 @@ class WantBook:
 @dataclass(frozen=True, slots=True)
 class Hold:
     """A slot kept for an offer: ``offer_id``, ``model``, the ``peer`` it was offered to,
-    the ``backend`` whose slot is taken (whatever the caller's admission returned), and
+    the ``backend`` whose slot is taken (the one the caller's admission returned), and
     ``made_at_ms``."""
 
     offer_id: str
     model: str
     peer: NodeId
-    backend: Any
+    backend: Backend
     made_at_ms: float
 
 
@@ -182,7 +185,7 @@ class Holds:
     def __len__(self) -> int:
         return len(self._holds)
 
-    def add(self, model: str, peer: NodeId, backend: Any) -> Hold:
+    def add(self, model: str, peer: NodeId, backend: Backend) -> Hold:
         hold = Hold(secrets.token_hex(8), model, peer, backend, self.clock())
         self._holds[hold.offer_id] = hold
         return hold

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from viiwork.engines.contract import classify_client_fault
+from viiwork.engines.contract import Engine, classify_client_fault
 
 _TYPES = {
     400: "invalid_request_error",
@@ -122,7 +122,7 @@ def engine_message(body: bytes) -> tuple[str | None, str | None, str | None]:
     return (_clip(text) if text else None), None, None
 
 
-def engine_error(status: int, body: bytes, backend_id: str, adapter: Any, *,
+def engine_error(status: int, body: bytes, backend_id: str, adapter: Engine | None, *,
                  headers: dict[str, str] | None = None) -> web.Response:
     """The client's answer to an engine's error ``status`` (>= 400) with ``body``.
 

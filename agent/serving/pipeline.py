@@ -111,12 +111,7 @@ class NoPeers:
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId]) -> Decision:
         runtime = self.runtimes[model]
-        best: Backend | None = None
-        best_free = 0
-        for b in runtime.backends:  # the backend with the most free slots
-            free = b.free_slots
-            if free > best_free:
-                best, best_free = b, free
+        best = runtime.most_free()
         if best is not None:
             return RunLocal(best.id)
         if not runtime.can_ever_serve:

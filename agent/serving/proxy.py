@@ -1,5 +1,10 @@
 """Forward one admitted request to a backend and relay the answer (docs/routing.md; docs/architecture.md, rules 4-6 and 11).
 
+One module (over 400 lines) because the rules below act on one forward: the same upstream
+request, connection and client response, from the retry of a stale connection to the
+stream's last event. Assembling a stream into one answer is in agent/serving/assemble.py,
+the error shapes are in agent/serving/errors.py.
+
 - Streams are relayed chunk by chunk as they arrive (each write flushed; no buffering).
 - A pooled connection found dead before any byte reached the client is retried once on a
   fresh connection: llama-server closes the TCP connection after each streamed response
@@ -37,7 +42,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -54,7 +59,7 @@ from viiwork.agent.serving.assemble import (
 from viiwork.agent.serving.errors import ErrorCode, engine_error, error_response, sse_error_event
 from viiwork.agent.supervision.backends import Backend
 from viiwork.agent.supervision.engine_keys import auth_headers
-from viiwork.engines.contract import stops_nonstream_on_disconnect
+from viiwork.engines.contract import Engine, stops_nonstream_on_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,17 @@ _STREAM_ERROR_CODES = {502: ErrorCode.UPSTREAM_ERROR, 503: ErrorCode.DRAINING, 5
 # Set by a peer that declines a forwarded request before doing any work (no free slot, model
 # not served, draining): the origin may try another peer before the first byte.
 REFUSED_HEADER = "X-Viiwork-Refused"
+
+
+class Target(Protocol):
+    """Where ``Upstream.forward`` sends a request: a local ``Backend``, or a peer's mesh
+    listener (``viiwork.agent.peering.mesh_link.PeerTarget``). ``id`` names it in messages."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def base_url(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +130,7 @@ class Upstream:
         self.stream_errors = 0
         # The engine adapter of a local backend (None: unknown), for its optional
         # ``client_fault`` classifier; set by the ClientApi that owns the runtimes.
-        self.engine_of: Callable[[Backend], Any] = lambda backend: None
+        self.engine_of: Callable[[Backend], Engine | None] = lambda backend: None
 
     async def __aenter__(self) -> Upstream:
         self._session = self._new_session(
@@ -164,7 +180,7 @@ class Upstream:
     async def forward(
         self,
         request: web.Request,
-        backend: Backend,
+        backend: Target,
         body: bytes,
         stream: bool,
         headers: dict[str, str],
@@ -178,8 +194,8 @@ class Upstream:
     ) -> web.StreamResponse | Refused:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
-        ``backend`` is anything with ``id`` and ``base_url`` (a local Backend, or a peer's mesh
-        listener reached with ``session``, whose TLS context authenticates both sides).
+        ``backend`` is a ``Target``: a local Backend, or a peer's mesh listener reached with
+        ``session``, whose TLS context authenticates both sides.
         ``extra_headers`` go upstream; ``relay_headers`` are copied from the upstream answer
         to the client's. With ``refusable``, an answer carrying ``X-Viiwork-Refused`` (a peer
         that has no free slot) returns ``Refused`` before anything reaches the client, so the
@@ -285,7 +301,7 @@ class Upstream:
             raise exc
         return opening.result()
 
-    async def _read_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
+    async def _read_whole(self, upstream: aiohttp.ClientResponse, backend: Target,
                           headers: dict[str, str]) -> bytes | web.Response:
         """The whole upstream body, or the 504 (silent for ``stream_idle_timeout_s``) or 502
         (broken off) error answer to give the client instead."""
@@ -298,7 +314,7 @@ class Upstream:
             return error_response(502, f"backend {backend.id} broke off its answer: {exc.__class__.__name__}",
                                   code=ErrorCode.UPSTREAM_ERROR, headers=headers)
 
-    async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Backend,
+    async def _relay_whole(self, upstream: aiohttp.ClientResponse, backend: Target,
                            headers: dict[str, str], content_type: str) -> web.Response:
         data = await self._read_whole(upstream, backend, headers)
         if isinstance(data, web.Response):
@@ -310,7 +326,7 @@ class Upstream:
         headers["Content-Type"] = content_type.split(";", 1)[0]
         return web.Response(status=upstream.status, body=data, headers=headers)
 
-    async def _relay_assembled(self, upstream: aiohttp.ClientResponse, backend: Backend,
+    async def _relay_assembled(self, upstream: aiohttp.ClientResponse, backend: Target,
                                headers: dict[str, str], obj: str) -> web.Response:
         """The engine's whole stream read (same silence and break rules as ``_relay_whole``)
         and answered as one JSON object ``obj`` (agent/serving/assemble.py); an error event in the
@@ -322,7 +338,8 @@ class Upstream:
         try:
             answer = assemble(parse_events(sse_data(data.splitlines())), obj)
         except StreamError as exc:
-            return engine_error(exc.status, exc.body, backend.id, self.engine_of(backend), headers=headers)
+            adapter = self.engine_of(backend) if isinstance(backend, Backend) else None  # always local here
+            return engine_error(exc.status, exc.body, backend.id, adapter, headers=headers)
         except StreamBroken as exc:
             return error_response(502, f"backend {backend.id} sent a stream that cannot be assembled: {exc}",
                                   code=ErrorCode.UPSTREAM_ERROR, headers=headers)
@@ -330,7 +347,7 @@ class Upstream:
         return web.Response(status=200, body=json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode(),
                             headers=headers)
 
-    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Backend,
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Target,
                             headers: dict[str, str], content_type: str) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=headers)
         response.content_type = "text/event-stream"

@@ -1,5 +1,10 @@
 """The mesh-wide router: where one request for one model should run (docs/routing.md).
 
+One module (over 400 lines) because it is one decision: the rules below are applied in
+order to one picture, and the picture's types (``LocalModel``, ``PeerSnapshot``, the
+origin's ``Reservations``) exist to feed ``Router.route``; the rules read in the same
+order as docs/routing.md gives them.
+
 Pure: no asyncio, no I/O. It reads a snapshot of this node's backends (:class:`LocalModel`)
 and of its peers (:class:`PeerSnapshot`, built from the mesh's ``PeerView`` with
 :meth:`PeerSnapshot.from_view`), this node's own :class:`Reservations`, an injected
@@ -372,6 +377,14 @@ class Router:
         return (peer.liveness is Liveness.ALIVE and peer.state is PublishedState.SERVING
                 and peer.age_ms < self.stale_after_ms)
 
+    def _routable(self, peer: PeerSnapshot, model: str, exclude: Collection[NodeId]) -> ModelCapacity | None:
+        """``peer``'s capacity for ``model`` when a request may go there now (not in
+        ``exclude``, ``fresh``, with slots for it), else None."""
+        if peer.node_id in exclude or not self.fresh(peer):
+            return None
+        cap = peer.model(model)
+        return cap if cap is not None and cap.slots > 0 else None
+
     def _peer_free(self, peer: PeerSnapshot, cap: ModelCapacity) -> int:
         adjust = self.reservations.adjustment(peer.node_id, cap.name)
         if adjust is None:
@@ -386,10 +399,8 @@ class Router:
             out.append(_Target(self.self_id, self.self_name, best.free if best else 0, here.slots, 0.0,
                                best.backend_id if best else ""))
         for p in serving:
-            if p.node_id in exclude or not self.fresh(p):
-                continue
-            cap = p.model(model)
-            if cap is None or cap.slots <= 0:
+            cap = self._routable(p, model, exclude)
+            if cap is None:
                 continue
             out.append(_Target(p.node_id, p.name, self._peer_free(p, cap), cap.slots, p.rtt_ms))
         return out
@@ -422,10 +433,8 @@ class Router:
     def _probe(self, model: str, serving: Sequence[PeerSnapshot], exclude: Collection[NodeId]) -> Decision | None:
         best: tuple[float, PeerSnapshot, ModelCapacity] | None = None
         for p in serving:
-            if p.node_id in exclude or not self.fresh(p):
-                continue
-            cap = p.model(model)
-            if cap is None or cap.slots <= 0:
+            cap = self._routable(p, model, exclude)
+            if cap is None:
                 continue
             # What we know of the peer is as old as its summary or its last refusal; the older,
             # the likelier one of its busy slots has freed since.

@@ -82,10 +82,7 @@ class WaitQueue:
         if backend_id is not None:
             backend = next((b for b in runtime.backends if b.id == backend_id and b.free_slots > 0), None)
         if backend is None:
-            best_free = 0
-            for b in runtime.backends:
-                if b.free_slots > best_free:
-                    backend, best_free = b, b.free_slots
+            backend = runtime.most_free()
         if backend is not None:
             backend.in_flight += 1
         return backend

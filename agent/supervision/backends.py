@@ -169,6 +169,18 @@ class ModelRuntime:
     def healthy_backends(self) -> list[Backend]:
         return [b for b in self.backends if b.admitting]
 
+    def most_free(self) -> Backend | None:
+        """The backend with the most free slots (``Backend.free_slots``; the first of equals
+        in ``backends`` order), or None when no backend has a free slot. Runs per request:
+        one pass, nothing allocated."""
+        best: Backend | None = None
+        best_free = 0
+        for b in self.backends:
+            free = b.free_slots
+            if free > best_free:
+                best, best_free = b, free
+        return best
+
     def capacity(self) -> Capacity:
         """The one sum of this model's backends, read by /v1/status, /metrics, routing's
         local view and the gossiped summary alike (docs/architecture.md, "A backend's life")."""

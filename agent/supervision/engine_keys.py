@@ -30,7 +30,7 @@ import pwd
 import re
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 #: Bytes of randomness in a key (token_urlsafe: 43 characters).
@@ -119,24 +119,40 @@ def _write_fresh(path: Path, data: bytes, owner: tuple[int, int] | None) -> None
         os.close(fd)
 
 
+def _replace_fresh(path: Path, tmp: Path, data: bytes, owner: tuple[int, int] | None) -> None:
+    """Put ``data`` at ``path`` whole or not at all: written to the fresh name ``tmp``
+    (``_write_fresh``, after removing a ``tmp`` an earlier attempt left), then renamed over
+    ``path``. Raises OSError."""
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    _write_fresh(tmp, data, owner)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _writing(what: str, path: Path, tmp: Path) -> Iterator[None]:
+    """Around the writing of the engine's ``what`` (``"key"``) at ``path`` through ``tmp``:
+    an OSError removes ``tmp`` and becomes EngineKeyError("cannot write the engine <what>
+    <path>: <cause>", errno, path)."""
+    try:
+        yield
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise EngineKeyError(f"cannot write the engine {what} {path}: {exc.strerror or exc}", exc.errno, path) from exc
+
+
 def write_key(directory: Path, engine_user: str | None = None) -> tuple[str, Path]:
     """A fresh key written to ``directory/key`` (0600, in a 0700 dir, owned by ``engine_user``
     when the agent is root); returns (key, file path). Raises EngineKeyError."""
     key = secrets.token_urlsafe(KEY_BYTES)
     path = directory / KEY_FILE
     tmp = directory / f".{KEY_FILE}.{os.getpid()}"
-    try:
+    with _writing("key", path, tmp):
         owner = _owner(engine_user)
         _private_dir(directory, owner)
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
         # The dir may belong to the engine user: a fresh name, never a link it left there.
-        _write_fresh(tmp, f"{key}\n".encode(), owner)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise EngineKeyError(f"cannot write the engine key {path}: {exc.strerror or exc}", exc.errno, path) from exc
+        _replace_fresh(path, tmp, f"{key}\n".encode(), owner)
     return key, path
 
 
@@ -150,19 +166,11 @@ def write_env_file(directory: Path, name: str, key: str) -> Path:
         raise EngineKeyError(f"cannot put the engine key in variable {name!r}")
     path = env_file_path(directory)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
+    with _writing("environment file", path, tmp):
         _agent_dir(path.parent)
         with contextlib.suppress(OSError):  # where an earlier version wrote it: the engine user's dir
             os.unlink(directory / ENV_FILE)
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        _write_fresh(tmp, f"{name}={key}\n".encode(), None)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise EngineKeyError(f"cannot write the engine environment file {path}: {exc.strerror or exc}",
-                             exc.errno, path) from exc
+        _replace_fresh(path, tmp, f"{name}={key}\n".encode(), None)
     return path
 
 

@@ -1,10 +1,10 @@
 """The health ladder of one backend as a pure transition function (docs/reliability.md).
 
 ``step(ladder, event, now, rules) -> (ladder, actions)``: no I/O, no clock of its own, no
-asyncio. The supervisor (agent/supervision/supervisor.py) feeds it what happened to the engine (ready,
-a probe's answer, an exit or other failure, the end of a backoff, a command) with the
-monotonic time, and carries out the actions it returns (stop the engine, wait, respawn,
-give up) in order. Tests drive it in virtual time (tests/unit/test_health_ladder.py).
+asyncio. A backend's task (agent/supervision/backend_task.py) feeds it what happened to the
+engine (ready, a probe's answer, an exit or other failure, the end of a backoff, a command)
+with the monotonic time, and carries out the actions it returns (stop the engine, wait,
+respawn, give up) in order. Tests drive it in virtual time (tests/unit/test_health_ladder.py).
 
     starting --Ready--> healthy --max_failures counted ProbeFailed, or Failed--> unhealthy
        |  Failed (startup timeout, exit, launch error)                               |
@@ -30,12 +30,9 @@ The rules, with their settings (``[health]``, docs/configuration.md):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
+from viiwork.agent.config.schema import HealthConfig
 from viiwork.agent.supervision.backends import BackendState
-
-if TYPE_CHECKING:
-    from viiwork.agent.config.schema import HealthConfig
 
 #: Largest exponent of the backoff's doubling: keeps the float finite for any budget.
 MAX_DOUBLINGS = 1000

@@ -19,14 +19,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import (
-    BackendSpec,
-    Kind,
-    LaunchCommand,
-    Load,
-    LoadUnknown,
-    Probe,
-)
+from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
 from viiwork.engines.http import fetch
 from viiwork.engines.llamacpp.errors import client_fault
 from viiwork.engines.llamacpp.gguf_metadata import read_pooling

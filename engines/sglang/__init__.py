@@ -29,15 +29,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import (
-    BackendSpec,
-    Kind,
-    LaunchCommand,
-    Load,
-    LoadUnknown,
-    Probe,
-)
-from viiwork.engines.http import fetch
+from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.http import fetch, probe_status
+from viiwork.engines.prometheus import request_count
 from viiwork.engines.sglang.metrics import parse_samples, scheduler_constant, scheduler_total
 from viiwork.engines.sglang.options import SglangOptions
 
@@ -130,19 +124,11 @@ class SglangEngine:
         scheduler). Raises EngineUnavailable on refused/reset/timeout; a loading SGLang
         refuses connections, since it binds its port only after the model is loaded.
         """
-        answer = await fetch(http, base_url, "/health_generate")
-        if answer.status == 200:
-            return Probe(ready=True)
-        if answer.status == 503:
-            # While a backend starts, 503 is SGLang's warm-up (ServerStatus.Starting): a failed
-            # warm-up ends the process instead. Later it is a shutdown or a stuck scheduler.
-            return Probe(
-                ready=False,
-                phase="warming up",
-                reason="SGLang /health_generate answered 503: warming up, shutting down, "
-                "or the scheduler did not answer a one-token generation",
-            )
-        return Probe(ready=False, reason=f"SGLang /health_generate answered {answer.status}: {answer.body[:200]!r}")
+        # While a backend starts, 503 is SGLang's warm-up (ServerStatus.Starting): a failed
+        # warm-up ends the process instead. Later it is a shutdown or a stuck scheduler.
+        return await probe_status(http, base_url, "/health_generate", engine=self.display_name,
+                                  phase="warming up", not_ready="warming up, shutting down, or the scheduler "
+                                  "did not answer a one-token generation")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
         """Occupancy from /metrics.
@@ -171,13 +157,7 @@ class SglangEngine:
         context = scheduler_constant(samples, CONTEXT_GAUGE)
         return Load(
             slots=spec.parallel,
-            busy=_count(running, RUNNING_GAUGE),
-            waiting=_count(waiting, QUEUE_GAUGE),
+            busy=request_count(running, RUNNING_GAUGE),
+            waiting=request_count(waiting, QUEUE_GAUGE),
             ctx_per_slot=int(context) if context is not None and context >= 1 else spec.ctx_per_slot,
         )
-
-
-def _count(value: float, name: str) -> int:
-    if value < 0 or value != int(value):
-        raise LoadUnknown(f"{name} is {value!r}, not a request count")
-    return int(value)

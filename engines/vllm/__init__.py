@@ -24,16 +24,9 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import (
-    BackendSpec,
-    Kind,
-    LaunchCommand,
-    Load,
-    LoadUnknown,
-    Probe,
-)
-from viiwork.engines.http import fetch
-from viiwork.engines.prometheus import parse_gauges
+from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.http import fetch, probe_status
+from viiwork.engines.prometheus import parse_gauges, request_count
 from viiwork.engines.vllm.options import VllmOptions
 
 if TYPE_CHECKING:
@@ -145,18 +138,10 @@ class VllmEngine:
         Raises EngineUnavailable on refused/reset/timeout, which is also how a loading vLLM
         looks: it binds its port only once the model is loaded.
         """
-        answer = await fetch(http, base_url, "/health")
-        if answer.status == 200:
-            return Probe(ready=True)
-        if answer.status == 503:
-            # While a backend starts, only a front end still waiting for its engines answers
-            # 503 (phase "loading"); after that, 503 means the engine died.
-            return Probe(
-                ready=False,
-                phase="loading",
-                reason="vLLM /health answered 503: engine not ready yet, or dead",
-            )
-        return Probe(ready=False, reason=f"vLLM /health answered {answer.status}: {answer.body[:200]!r}")
+        # While a backend starts, only a front end still waiting for its engines answers 503
+        # (phase "loading"); after that, 503 means the engine died.
+        return await probe_status(http, base_url, "/health", engine=self.display_name, phase="loading",
+                                  not_ready="engine not ready yet, or dead")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
         """Occupancy from /metrics, context from /v1/models.
@@ -184,12 +169,12 @@ class VllmEngine:
         waiting = _first(gauges, WAITING_GAUGES)
         if waiting is not None and SWAPPED_GAUGE in gauges:
             waiting += gauges[SWAPPED_GAUGE]
-        busy = _count(running, RUNNING_GAUGES[0])
+        busy = request_count(running, RUNNING_GAUGES[0])
         ctx = await self._served_context(http, spec, base_url)
         return Load(
             slots=spec.parallel,
             busy=busy,
-            waiting=None if waiting is None else _count(waiting, WAITING_GAUGES[0]),
+            waiting=None if waiting is None else request_count(waiting, WAITING_GAUGES[0]),
             ctx_per_slot=ctx,
         )
 
@@ -217,9 +202,3 @@ def _first(gauges: Mapping[str, float], names: tuple[str, ...]) -> float | None:
         if name in gauges:
             return gauges[name]
     return None
-
-
-def _count(value: float, name: str) -> int:
-    if value < 0 or value != int(value):
-        raise LoadUnknown(f"{name} is {value!r}, not a request count")
-    return int(value)

@@ -41,7 +41,8 @@ from support.agent import run_agent  # noqa: E402
 from support.engines import fake_engine_binary  # noqa: E402
 from support.systemd import missing_user_manager, user_manager  # noqa: E402
 from viiwork.agent.supervision.runners.base import LaunchRequest  # noqa: E402
-from viiwork.agent.supervision.runners.systemd import SystemdRunner, engine_unit_stem  # noqa: E402
+from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner  # noqa: E402
+from viiwork.agent.supervision.runners.systemd.units import engine_unit_stem  # noqa: E402
 
 
 def summary(samples_ms: list[float]) -> str:

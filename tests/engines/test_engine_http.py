@@ -58,7 +58,7 @@ async def keyed_socket_engine(sock_dir: Path) -> AsyncIterator[tuple[str, list[t
 
 
 def _socket_session(path: str, key: str | None, total_s: float = 10.0) -> aiohttp.ClientSession:
-    # As agent/supervision/supervisor.py builds a socket backend's session: its own UnixConnector, the
+    # As agent/supervision/backend_task.py builds a socket backend's session: its own UnixConnector, the
     # launch's key as a default header.
     return aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path),
                                  timeout=aiohttp.ClientTimeout(total=total_s), headers=auth_headers(key))

@@ -126,7 +126,7 @@ async def test_another_open_mesh_on_the_same_lan_is_ignored(tmp_path):
 
 
 def test_settings_come_from_the_agents_config(tmp_path):
-    from viiwork.agent.config.schema import load_config
+    from viiwork.agent.config.load import load_config
     from viiwork.mesh.node import MeshSettings
 
     path = tmp_path / "viiwork.toml"

@@ -63,7 +63,7 @@ class Agent:
         directly."""
         assert self.state_dir is not None
         from viiwork.agent.supervision.engine_keys import auth_headers, read_key
-        from viiwork.agent.supervision.supervisor import escape_name
+        from viiwork.agent.supervision.launch import escape_name
 
         return auth_headers(read_key(self.state_dir / "engines" / f"{escape_name(model)}-{index}"))
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from viiwork.agent.notify import Notifier, StopIntent, stop_intent
 from viiwork.agent.supervision.runners.base import LaunchRequest
-from viiwork.agent.supervision.runners.systemd import SystemdRunner, engine_unit_stem
+from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner
+from viiwork.agent.supervision.runners.systemd.units import engine_unit_stem
 
 ENGINE_ARGV = ("/usr/bin/sleep", "infinity")
 

@@ -17,7 +17,7 @@ from support.systemd import (
     pid1_system,
     user_manager,
 )
-from viiwork.agent.supervision.runners.systemd import SystemdRunner
+from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner
 
 
 @pytest.fixture

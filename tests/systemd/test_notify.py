@@ -17,14 +17,9 @@ from support.procs import free_port, wait_http
 from support.systemd import UserManager
 from viiwork.agent.notify import Notifier, StopIntent, one_line, stop_intent
 from viiwork.agent.supervision.runners.base import LaunchRequest
-from viiwork.agent.supervision.runners.systemd import (
-    MANAGER_IFACE,
-    SYSTEMD_BUS_NAME,
-    SYSTEMD_PATH,
-    SystemdRunner,
-    call,
-    engine_unit_stem,
-)
+from viiwork.agent.supervision.runners.systemd.bus import MANAGER_IFACE, SYSTEMD_BUS_NAME, SYSTEMD_PATH, call
+from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner
+from viiwork.agent.supervision.runners.systemd.units import engine_unit_stem
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from conftest import require
 from support.procs import free_port
 from support.systemd import Pid1System, checkout_hidden_by_private_tmp, missing_pid1, pid1_system, unit_show
 from viiwork.agent.supervision.runners.base import LaunchRequest
-from viiwork.agent.supervision.runners.systemd import SystemdRunner, engine_unit_stem, gpu_device_groups
+from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner
+from viiwork.agent.supervision.runners.systemd.units import engine_unit_stem, gpu_device_groups
 
 pytestmark = pytest.mark.systemd
 

@@ -24,14 +24,16 @@ from support.engines import FAKE_ENGINE, fake_engine_binary
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_main_pid, unit_show
 from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, RunnerError
-from viiwork.agent.supervision.runners.systemd import (
-    ENGINE_SLICE,
+from viiwork.agent.supervision.runners.systemd.bus import (
     MANAGER_IFACE,
     SYSTEMD_BUS_NAME,
     SYSTEMD_PATH,
-    SystemdRunner,
     call,
     detect_runner,
+)
+from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner
+from viiwork.agent.supervision.runners.systemd.units import (
+    ENGINE_SLICE,
     engine_unit_stem,
     labels_from_environment,
     unit_name,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from viiwork.agent.supervision.runners.base import ExitInfo
-from viiwork.agent.supervision.runners.systemd import (
+from viiwork.agent.supervision.runners.systemd.units import (
     engine_unit_stem,
     escape_unit_component,
     exit_info,

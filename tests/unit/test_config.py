@@ -1,4 +1,4 @@
-"""The config loader (viiwork.agent.config.schema) and `viiworkctl config check`.
+"""The config loader (viiwork.agent.config.load, models in viiwork.agent.config.schema) and `viiworkctl config check`.
 
 Every error names its field path (indexes from 0) and, where the key is in the file, its
 line: ``models[1].llamacpp.thread: unknown key (line 23)`` (docs/configuration.md).
@@ -14,13 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import venv_bin
 
-from viiwork.agent.config.schema import (
-    Config,
-    ConfigError,
-    ConfigIssue,
-    load_config,
-    parse_config,
-)
+from viiwork.agent.config.load import ConfigError, ConfigIssue, load_config, parse_config
+from viiwork.agent.config.schema import Config
 from viiwork.engines.contract import Kind
 from viiwork.engines.registry import engine_names
 

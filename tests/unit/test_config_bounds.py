@@ -24,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from viiwork.agent.config.schema import Config, ConfigError, ConfigIssue, ModelConfig, parse_config
+from viiwork.agent.config.load import ConfigError, ConfigIssue, parse_config
+from viiwork.agent.config.schema import Config, ModelConfig
 from viiwork.engines.registry import ENGINES
 
 REPO = Path(__file__).resolve().parents[2]

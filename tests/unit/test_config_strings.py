@@ -18,13 +18,8 @@ import pytest
 from conftest import venv_bin
 
 from support.mesh_crypto import ManualClock, TestCA, chat_model, core
-from viiwork.agent.config.schema import (
-    ConfigError,
-    ConfigIssue,
-    largest_summary_bytes,
-    parse_config,
-    parse_hostport,
-)
+from viiwork.agent.config.load import ConfigError, ConfigIssue, parse_config
+from viiwork.agent.config.schema import largest_summary_bytes, parse_hostport
 from viiwork.mesh.summary import MAX_SUMMARY_BYTES, GpuCapacity
 
 NODE = '[node]\nname = "n"\nstate_dir = "/tmp/viiwork-strings"\n'

@@ -17,7 +17,7 @@ from support.agent import render_config, run_agent
 from support.engines import fake_engine_binary
 from support.gpu_hosts import nvml_recording, write_drm_card
 from support.procs import free_port
-from viiwork.agent.config.schema import parse_config
+from viiwork.agent.config.load import parse_config
 from viiwork.agent.host.doctor import (
     REGISTRY,
     Check,

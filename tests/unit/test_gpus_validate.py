@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from support.gpu_hosts import nvml_recording, write_drm_card
-from viiwork.agent.config.schema import ConfigError, parse_config
+from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.agent.host.gpus.amd import AmdSysfsReader
 from viiwork.agent.host.gpus.inventory import GpuInventory, SourceState, SourceStatus, Vendor, read_inventory
 from viiwork.agent.host.gpus.nvml import NvmlReader

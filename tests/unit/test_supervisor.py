@@ -18,10 +18,12 @@ import pytest
 import tomli_w
 
 from support.engines import fake_engine_binary
-from viiwork.agent.config.schema import Config, parse_config
+from viiwork.agent.config.load import parse_config
+from viiwork.agent.config.schema import Config
 from viiwork.agent.supervision.backends import Backend, BackendState, ModelRuntime, ModelState
+from viiwork.agent.supervision.launch import config_hash, escape_name
 from viiwork.agent.supervision.runners.process import ProcessRunner
-from viiwork.agent.supervision.supervisor import Supervisor, UnknownModel, config_hash, escape_name
+from viiwork.agent.supervision.supervisor import Supervisor, UnknownModel
 
 FAST_HEALTH = {
     "interval_s": 0.1,

@@ -1,6 +1,6 @@
 """Validate a config's GPU references against this host's inventory.
 
-The config loader (``viiwork.agent.config.schema``) checks what it can without a host: duplicate
+The config loader (``viiwork.agent.config.load``) checks what it can without a host: duplicate
 entries, a GPU named twice across models, ``gpus_per_backend`` dividing the list. This adds
 what needs the host: every ``models[i].gpus`` entry must name a GPU that exists here (an
 NVML index in PCI bus order, or a UUID), and two spellings of one GPU (``0`` and its UUID)
@@ -11,7 +11,8 @@ can too.
 
 from __future__ import annotations
 
-from viiwork.agent.config.schema import Config, ConfigError, ConfigIssue
+from viiwork.agent.config.load import ConfigError, ConfigIssue
+from viiwork.agent.config.schema import Config
 from viiwork.agent.config.toml_lines import line_of
 from viiwork.agent.host.gpus.inventory import GpuInventory, GpuRefError, SourceState
 

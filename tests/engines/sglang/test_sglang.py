@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from support.replay import Captured, ReplayServer, Route, read_capture, refused_base_url
-from viiwork.agent.config.schema import ConfigError, parse_config
+from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.engines.contract import (
     BackendSpec,
     EngineUnavailable,

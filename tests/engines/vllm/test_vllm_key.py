@@ -75,7 +75,7 @@ class _NoBus:
 def test_vllm_unit_reads_its_key_from_an_environment_file(tmp_path: Path) -> None:
     from viiwork.agent.supervision.engine_keys import write_env_file, write_key
     from viiwork.agent.supervision.runners.base import LaunchRequest
-    from viiwork.agent.supervision.runners.systemd import SystemdRunner
+    from viiwork.agent.supervision.runners.systemd.runner import SystemdRunner
 
     key, key_file = write_key(tmp_path / "v-0")
     spec = BackendSpec(model="v", kind=Kind.CHAT, path="/models/v", port=0, ctx_per_slot=1024, parallel=1,

@@ -1,0 +1,172 @@
+"""The config loader: TOML read with ``tomllib``, validated by the models of viiwork.agent.config.schema.
+
+Every problem is reported, not just the first: ``ConfigError.issues`` lists each one as a
+``ConfigIssue`` naming its path, counting array indexes from 0 (``models[1].llamacpp.thread``),
+and the line where it can be found: ``models[1].llamacpp.thread: unknown key (line 23)``.
+``viiworkctl config check`` and the agent share ``load_config``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from viiwork.agent.config.schema import BlockError, Config, PathError, short_repr
+from viiwork.agent.config.toml_lines import line_of
+
+DEFAULT_CONFIG_PATH = Path("/etc/viiwork/viiwork.toml")
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem: ``path`` as a tuple, ``message``, ``line`` (1-based) or None."""
+
+    path: tuple[str | int, ...]
+    message: str
+    line: int | None = None
+
+    @property
+    def dotted(self) -> str:
+        return format_path(self.path)
+
+    def __str__(self) -> str:
+        where = f" (line {self.line})" if self.line else ""
+        prefix = f"{self.dotted}: " if self.path else ""
+        return f"{prefix}{self.message}{where}"
+
+
+class ConfigError(Exception):
+    """The config cannot be used; ``issues`` lists every problem found."""
+
+    def __init__(self, source: str, issues: list[ConfigIssue]) -> None:
+        self.source = source
+        self.issues = issues
+        text = "\n".join(f"  {i}" for i in issues)
+        super().__init__(f"{source}: {len(issues)} error(s) in config\n{text}")
+
+
+def format_path(path: tuple[str | int, ...]) -> str:
+    """``("models", 1, "llamacpp")`` -> ``models[1].llamacpp``; ``()`` -> ``""``."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_MESSAGES = {
+    "extra_forbidden": "unknown key",
+    "missing": "required key is missing",
+    "model_type": "must be a table",
+    "model_attributes_type": "must be a table",
+    "dict_type": "must be a table",
+    "list_type": "must be an array",
+}
+
+
+def _issues_from(exc: ValidationError, text: str, prefix: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = prefix + tuple(err["loc"])
+        ctx = err.get("ctx") or {}
+        inner = ctx.get("error")
+        if isinstance(inner, PathError):
+            loc, message = loc + inner.path, inner.message
+        elif isinstance(inner, BlockError):
+            # Reported at models[i].options; the operator wrote models[i].<engine>.
+            issues.extend(_issues_from(inner.error, text, loc[:-1] + (inner.engine,)))
+            continue
+        else:
+            message = _MESSAGES.get(err["type"], err["msg"])
+            if message.startswith("Value error, "):
+                message = message[len("Value error, "):]
+            if err["type"] == "literal_error" and "expected" in ctx:
+                message = f"must be one of {ctx['expected']}, got {err.get('input')!r}"
+            elif err["type"] not in ("missing", "extra_forbidden", "value_error") and isinstance(
+                err.get("input"), (str, int, float, bool)
+            ):
+                message += f", got {short_repr(err['input'])}"
+        loc = _fix_engine_loc(loc)
+        issues.append(ConfigIssue(loc, message, line_of(text, loc) if text else None))
+    return issues
+
+
+def _fix_engine_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    # pydantic puts engine option errors under "options" only if validated as a field; the
+    # before-validator raises a nested ValidationError, reported at models[i] with the
+    # options model's own loc. Keep loc as is; engine blocks are re-pathed in _validate.
+    return tuple(p for p in loc if p not in ("function-after[_shape(), ModelConfig]",))
+
+
+def _nul_issues(value: Any, text: str, path: tuple[str | int, ...] = ()) -> list[ConfigIssue]:
+    """Every string (key or value) holding a NUL byte: one check for all of them, engine
+    blocks included. Strings become argv, environment entries and paths, where a NUL is an
+    error only when the backend starts (``ValueError: embedded null byte``)."""
+    issues: list[ConfigIssue] = []
+    if isinstance(value, str):
+        if "\0" in value:
+            issues.append(ConfigIssue(path, "may not contain a NUL character (\\u0000)", line_of(text, path) if text else None))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if "\0" in key:
+                issues.extend(_nul_issues(key, text, path))
+            else:
+                issues.extend(_nul_issues(item, text, path + (key,)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            issues.extend(_nul_issues(item, text, path + (i,)))
+    return issues
+
+
+def _validate(data: dict[str, Any], text: str) -> Config:
+    nul = _nul_issues(data, text)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("config", nul + _issues_from(exc, text)) from None
+    except PathError as exc:
+        raise ConfigError("config", nul + [ConfigIssue(exc.path, exc.message, line_of(text, exc.path))]) from None
+    if nul:
+        raise ConfigError("config", nul)
+    return config
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    """Parse and validate TOML text; ConfigError listing every problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, [_toml_issue(exc)]) from None
+    try:
+        return _validate(data, text)
+    except ConfigError as exc:
+        raise ConfigError(source, exc.issues) from None
+
+
+def _toml_issue(exc: tomllib.TOMLDecodeError) -> ConfigIssue:
+    # Python 3.11's TOMLDecodeError has no lineno attribute; the position is in the text.
+    text = str(exc)
+    where = re.search(r"\s*\(at line (\d+), column (\d+)\)", text)
+    if where:
+        detail = text[:where.start()] + text[where.end():]
+        return ConfigIssue((), f"not valid TOML: {detail} (column {where.group(2)})", int(where.group(1)))
+    return ConfigIssue((), f"not valid TOML: {text}", getattr(exc, "lineno", None))
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a config file; ConfigError (also for unreadable files)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), [ConfigIssue((), f"cannot read config: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(p), [ConfigIssue((), "config is not UTF-8 text")]) from None
+    return parse_config(text, str(p))

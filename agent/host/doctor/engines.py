@@ -1,0 +1,116 @@
+"""Checks of what the engines need: their binaries, their versions, and the model files."""
+
+from __future__ import annotations
+
+from viiwork.agent.host.doctor.registry import CheckResult, Skip, Verdict, check, config_or_skip, result_for
+from viiwork.agent.host.facts import BinaryFact, BinaryState, HostFacts, version_at_least
+
+
+def _configured_binaries(facts: HostFacts) -> list[tuple[str, BinaryFact]]:
+    """The engine binaries the configured models use, each with its subject
+    ("llamacpp: llama-server"). Skip when no model is configured; FactUnavailable when the
+    binaries could not be gathered."""
+    config = config_or_skip(facts)
+    if not config.models:
+        raise Skip("no model configured")
+    return [(f"{b.engine}: {b.binary}", b) for b in facts.need("binaries")]
+
+
+@check("engine.binary", "Engine binaries")
+def check_engine_binary(facts: HostFacts) -> list[CheckResult]:
+    """Each engine binary the config uses exists and is executable. A bare name is searched
+    on the PATH of the user running the doctor.
+
+    - **fail**: missing, not executable, or the engine cannot say which binary it runs; the
+      models using it cannot start (every backend fails at launch and ends `dead`).
+    - **skipped**: no model configured.
+    """
+    r = result_for("engine.binary")
+    results = []
+    for subject, b in _configured_binaries(facts):
+        models = ", ".join(b.models)
+        if b.state is BinaryState.OK:
+            results.append(r(Verdict.OK, b.resolved or b.binary, subject=subject))
+            continue
+        consequence = f"model(s) {models} cannot start: every backend fails at launch and ends dead"
+        option = f" or set {b.option_path} to its full path" if b.option_path else ""
+        if b.state is BinaryState.MISSING:
+            remedy = f"install {b.display_name}{option}"
+        elif b.state is BinaryState.NOT_EXECUTABLE:
+            remedy = f"`chmod +x {b.resolved}`{option}"
+        else:
+            remedy = f"fix the engine options of model(s) {models}"
+        results.append(r(Verdict.FAIL, b.detail, consequence, remedy, subject=subject))
+    return results
+
+
+@check("engine.version", "Engine versions")
+def check_engine_version(facts: HostFacts) -> list[CheckResult]:
+    """The installed engine's version, where the engine can say. Engines with a minimum
+    version (the adapter's `Version` capability) are compared with it; others show the
+    binary's own `--version` line as reported.
+
+    - **fail**: below the adapter's minimum.
+    - **degraded**: the version command failed or printed no version (a binary that fails
+      `--version` often fails at start too), or the version cannot be compared.
+    - **skipped**: the binary is missing (see engine.binary) or no model is configured.
+    """
+    r = result_for("engine.version")
+    results = []
+    for subject, b in _configured_binaries(facts):
+        if b.state is not BinaryState.OK:
+            results.append(r(Verdict.SKIPPED, "binary not usable (see engine.binary)", subject=subject))
+            continue
+        if b.version_source is None:
+            results.append(r(Verdict.SKIPPED, "version not read", subject=subject))
+            continue
+        if b.version is None:
+            results.append(r(Verdict.DEGRADED, b.version_error or "no version printed",
+                             "the installed version is unknown; the binary may not run at all",
+                             f"run `{b.resolved or b.binary} --version` by hand and fix what it reports",
+                             subject=subject))
+            continue
+        if b.minimum_version:
+            ok = version_at_least(b.version, b.minimum_version)
+            if ok is False:
+                results.append(r(Verdict.FAIL, f"{b.version} is older than the minimum {b.minimum_version}",
+                                 "the adapter relies on behaviour this version lacks: backends may fail or misreport load",
+                                 f"upgrade {b.display_name} to {b.minimum_version} or newer", subject=subject))
+                continue
+            if ok is None:
+                results.append(r(Verdict.DEGRADED, f"{b.version} cannot be compared with the minimum {b.minimum_version}",
+                                 "the version may be too old", f"check {b.display_name} is {b.minimum_version} or newer",
+                                 subject=subject))
+                continue
+        results.append(r(Verdict.OK, b.version, subject=subject))
+    return results
+
+
+@check("model.path", "Model files")
+def check_model_path(facts: HostFacts) -> list[CheckResult]:
+    """Local model paths (absolute, or starting with `./` or `~`) exist and can be read by
+    the user running the doctor (engines run as the `viiwork` user, which needs read access
+    too). Hub ids (`org/name`) are not checked.
+
+    - **fail**: missing or unreadable: the backend fails at load and, after its respawns, ends `dead`.
+    - **skipped**: no model has a local path.
+    """
+    r = result_for("model.path")
+    config_or_skip(facts)
+    paths = facts.need("model_paths")
+    if not paths:
+        raise Skip("no model has a local path")
+    results = []
+    for p in paths:
+        subject = f"models[{p.index}].path"
+        if not p.exists:
+            results.append(r(Verdict.FAIL, f"{p.path} does not exist (model {p.model})",
+                             f"model {p.model} cannot load: its backends end dead",
+                             f"put the model file at {p.path} or fix {subject}", subject=subject))
+        elif not p.readable:
+            results.append(r(Verdict.FAIL, f"{p.path} is not readable (model {p.model})",
+                             f"model {p.model} cannot load: its backends end dead",
+                             f"make it readable by the viiwork user (`chmod a+r {p.path}`)", subject=subject))
+        else:
+            results.append(r(Verdict.OK, p.path, subject=subject))
+    return results
