@@ -38,8 +38,10 @@ Rules (docs/mesh.md; docs/architecture.md, rule 7):
 - **Exchange** (see :mod:`viiwork.mesh.messages`): digest first, then only what the other
   side lacks, both ways; certificates travel only to peers that lack them.
 - **Peer selection** per round: ``fanout`` distinct random live peers (alive or suspect);
-  discovered addresses (mDNS, seeds) not yet known as live nodes fill the remaining places,
-  and one of them is retried every ``reseed_every_rounds`` rounds; with probability
+  discovered addresses (mDNS, seeds) not yet known as live nodes, each with its own backoff
+  (:mod:`viiwork.mesh.candidates`): while no peer is alive every due one is dialed (the
+  first round dials every seed), else due ones fill the remaining places, and one of them
+  is retried every ``reseed_every_rounds`` rounds; with probability
   ``probe_dead_per_round`` one random dead node is probed too, so partitions heal (both
   sides of a partition declare the other dead, and nobody would gossip across otherwise).
 - **Versions**: a node accepts its protocol and the previous one. It speaks to a known
@@ -67,11 +69,12 @@ import datetime as dt
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from viiwork.mesh.candidates import DROPPED_REPLY, Candidate, CandidateView, backoff_ms
 from viiwork.mesh.clones import BootTracker, IdentityConflict
 from viiwork.mesh.counters import DropReason, MeshCounters
 from viiwork.mesh.identity import NodeId
@@ -134,6 +137,9 @@ class GossipSettings:
     ``reseed_every_rounds`` (20): see the module doc. ``restart_grace_ms`` (30000): how
     long a silent peer whose newest summary says ``restarting`` stays ``suspect`` before
     it is ``dead`` (never less than ``dead_after_ms``; docs/mesh.md, "Failure detection").
+    ``seed_backoff_min_ms`` (1000) / ``seed_backoff_max_ms`` (60000): the backoff of a
+    discovered address that does not answer, doubling from the one to the other
+    (:mod:`viiwork.mesh.candidates`; docs/mesh.md, "Seeds").
     """
 
     gossip_interval_ms: int = 500
@@ -150,6 +156,8 @@ class GossipSettings:
     heartbeat_interval_ms: int | None = None
     scale_with_size: bool = True
     restart_grace_ms: int = 30_000
+    seed_backoff_min_ms: int = 1000
+    seed_backoff_max_ms: int = 60_000
 
     def __post_init__(self) -> None:
         problems = []
@@ -165,6 +173,8 @@ class GossipSettings:
             problems.append("max_message_bytes must be >= 4096")
         if not 0.0 <= self.probe_dead_per_round <= 1.0:
             problems.append("probe_dead_per_round must be within 0..1")
+        if not 1 <= self.seed_backoff_min_ms <= self.seed_backoff_max_ms:
+            problems.append("need 1 <= seed_backoff_min_ms <= seed_backoff_max_ms")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -195,11 +205,13 @@ class GossipSettings:
 @dataclass(frozen=True)
 class GossipTarget:
     """Whom to gossip with: a mesh ``address`` (host:port), the node id when known, and the
-    protocol version to speak to it."""
+    protocol version to speak to it. ``candidate``: a discovered address (seed, mDNS) that
+    is not a live node: the caller reports how its dial ended (:meth:`Membership.note_dial`)."""
 
     address: str
     node_id: NodeId | None
     protocol: int
+    candidate: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,12 +253,6 @@ class _Record:
     rtt_ms: float | None = None
     boots: BootTracker = field(default_factory=BootTracker)
     conflict: IdentityConflict | None = None
-
-
-@dataclass
-class _Candidate:
-    node_id: NodeId | None
-    source: str  # "seed" or "mdns"
 
 
 _TRUST_REASONS: dict[type, DropReason] = {
@@ -307,7 +313,10 @@ class Membership:
         # Kept in step with ``records`` and ``self_summary`` so a digest is one dict copy.
         self.orders: Entries = {}
         self._self_with_cert: SignedSummary | None = None
-        self.candidates: dict[str, _Candidate] = {}
+        self.candidates: dict[str, Candidate] = {}
+        # Backoff jitter and the order of a round's candidate dials: a generator of its own,
+        # so that they leave the draws of ``rng`` (peer selection, the simulator) as they were.
+        self._dial_rng = random.Random(str(node_id))
         # address -> (version it answered in, when): learned from an empty reply in an older
         # version; forgotten after PROTOCOL_MEMORY_MS so an address upgraded in place is retried.
         self.peer_protocols: dict[str, tuple[int, float]] = {}
@@ -704,10 +713,11 @@ class Membership:
         now, wall = self.clock(), self.wall_clock()
         for item in reply.summaries:
             self.accept(item, now, wall)
-        if target is not None and sender is not None:
-            cand = self.candidates.get(target.address)
-            if cand is not None and cand.node_id is None:
+        cand = None if target is None else self.candidates.get(target.address)
+        if cand is not None:
+            if cand.node_id is None and sender is not None:
                 cand.node_id = NodeId(sender)
+            cand.answered(now)  # an answer resets the address's backoff
         if not reply.wants:
             return None
         mine = self.orders
@@ -786,12 +796,22 @@ class Membership:
     # --- peer selection -----------------------------------------------------------------------
 
     def add_candidate(self, address: str, node_id: NodeId | None = None, source: str = "seed") -> None:
-        """Remember a mesh address found by discovery (``source`` "seed" or "mdns")."""
+        """Remember a mesh address found by discovery (``source`` "seed" or "mdns"). An
+        address already known keeps its dial history; an mDNS announcement of it (the node
+        there just said it is up) makes it due at once."""
         if node_id == self.node_id:
             return
-        if address not in self.candidates and len(self.candidates) >= self.settings.max_peers:
+        cand = self.candidates.get(address)
+        if cand is None:
+            if len(self.candidates) >= self.settings.max_peers:
+                return
+            self.candidates[address] = Candidate(node_id=node_id, source=source)
             return
-        self.candidates[address] = _Candidate(node_id=node_id, source=source)
+        if node_id is not None:
+            cand.node_id = node_id
+        cand.source = source
+        if source == "mdns":
+            cand.failures, cand.next_try_at = 0, -math.inf
 
     def remove_candidate(self, address: str) -> None:
         self.candidates.pop(address, None)
@@ -804,8 +824,11 @@ class Membership:
             return learned[0]
         return self.protocol
 
-    def select_targets(self) -> list[GossipTarget]:
-        """This round's gossip partners (see the module doc)."""
+    def select_targets(self, dialing: Collection[str] = ()) -> list[GossipTarget]:
+        """This round's gossip partners (see the module doc). ``dialing``: candidate
+        addresses whose dial is still in flight (not dialed again meanwhile). Candidate
+        targets (``candidate`` True) come last; while no peer is alive they are every due
+        candidate, in random order: the caller bounds how many it dials at once."""
         self.tick()
         self.rounds += 1
         fanout = self.settings.fanout
@@ -818,18 +841,53 @@ class Membership:
                 dead.append(nid)
         chosen = self.rng.sample(live, min(fanout, len(live)))
         targets = [self._target_of(nid) for nid in chosen]
+        now = self.clock()
+        live_ids = set(live)
         cands = [addr for addr, c in self.candidates.items()
-                 if addr not in live_addresses and not (c.node_id is not None and c.node_id in live)]
+                 if addr not in live_addresses and not (c.node_id is not None and c.node_id in live_ids)
+                 and addr not in dialing and c.due(now)]
         if cands:
-            if len(targets) < fanout:
-                for addr in self.rng.sample(cands, min(fanout - len(targets), len(cands))):
-                    targets.append(GossipTarget(addr, self.candidates[addr].node_id, self._target_protocol(addr, None)))
+            picked: list[str] = []
+            if not live:  # nobody to learn the mesh from: try every address that is due
+                picked = cands
+                self._dial_rng.shuffle(picked)
+            elif len(targets) < fanout:
+                picked = self.rng.sample(cands, min(fanout - len(targets), len(cands)))
             elif self.rounds % self.settings.reseed_every_rounds == 0:
-                addr = self.rng.choice(cands)
-                targets.append(GossipTarget(addr, self.candidates[addr].node_id, self._target_protocol(addr, None)))
+                picked = [self.rng.choice(cands)]
+            targets += [self._dial_candidate(addr, now) for addr in picked]
         if dead and self.rng.random() < self.settings.probe_dead_per_round:
             targets.append(self._target_of(self.rng.choice(dead)))
         return targets
+
+    def _dial_candidate(self, address: str, now: float) -> GossipTarget:
+        cand = self.candidates[address]
+        s = self.settings
+        cand.dialed(now, backoff_ms(cand.failures + 1, s.seed_backoff_min_ms, s.seed_backoff_max_ms, self._dial_rng))
+        return GossipTarget(address, cand.node_id, self._target_protocol(address, None), candidate=True)
+
+    def note_dial(self, address: str, error: str | None) -> None:
+        """How the dial of a candidate target ended (the transport): ``error`` None when
+        the exchange completed, else what it met ("connection refused", "timed out", ...).
+        A failure restarts the address's backoff from now; an answer already reset it
+        (:meth:`handle_reply`), and a completed exchange whose reply was dropped counts as
+        a failure."""
+        cand = self.candidates.get(address)
+        if cand is None:
+            return
+        if error is None:
+            if cand.answered_last_dial():
+                return
+            error = DROPPED_REPLY
+        s = self.settings
+        cand.failed(self.clock(), error,
+                    backoff_ms(cand.failures, s.seed_backoff_min_ms, s.seed_backoff_max_ms, self._dial_rng))
+
+    def candidate_views(self, source: str | None = None) -> list[CandidateView]:
+        """The discovered addresses (those of ``source`` only, when given) with their dial
+        history, in the order they were added."""
+        now = self.clock()
+        return [c.view(addr, now) for addr, c in self.candidates.items() if source is None or c.source == source]
 
     def _target_of(self, nid: NodeId) -> GossipTarget:
         rec = self.records[nid]

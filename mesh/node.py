@@ -34,10 +34,11 @@ from cryptography.hazmat.primitives import serialization
 
 from viiwork.mesh import tls
 from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
+from viiwork.mesh.candidates import unreachable_line
 from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
-from viiwork.mesh.membership import GossipSettings, Liveness, Membership, PeerView
+from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
 from viiwork.mesh.persist import PendingWrites, state_dir_fault
 from viiwork.mesh.pins import PINS_FILE, PinStore
 from viiwork.mesh.publisher import LocalPublisher
@@ -60,6 +61,10 @@ from viiwork.mesh.trust import (
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 1.5
+# Dials of discovered addresses (seeds, mDNS) in flight at once: while no peer is alive every
+# seed is dialed in one round (docs/mesh.md, "Seeds"); each holds a socket for at most
+# exchange_timeout_s, so 64 get through 200 dead seeds in a few seconds at worst.
+SEED_DIALS_AT_ONCE = 64
 
 
 class MeshStartError(Exception):
@@ -90,6 +95,8 @@ class MeshSettings:
     advertised); ``interfaces``: where mDNS runs (names or IPv4 addresses); ``discovery``:
     any of "mdns", "seeds"; ``trust``: "ca" (``ca_certificate`` required) or "open"
     (``mesh_id`` required); ``node_certificate``/``node_key`` default to the state dir.
+    ``connect_timeout_s`` / ``exchange_timeout_s``: one gossip exchange's TCP connect and
+    whole deadline; ``seed_dials_at_once``: dials of discovered addresses in flight at once.
     """
 
     state_dir: Path
@@ -109,6 +116,7 @@ class MeshSettings:
     version: str = "0"
     connect_timeout_s: float = 1.0
     exchange_timeout_s: float = 2.0
+    seed_dials_at_once: int = SEED_DIALS_AT_ONCE
 
     @classmethod
     def from_config(cls, mesh: Any, node: Any, api_listen: str, version: str) -> MeshSettings:
@@ -156,6 +164,15 @@ class MeshNode:
         self._discovery: MdnsDiscovery | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._exchanges: set[asyncio.Task[bool]] = set()
+        # Dials of discovered addresses (seeds, mDNS): tasks, their addresses while in flight,
+        # and the places that bound them (SEED_DIALS_AT_ONCE).
+        self._dials: set[asyncio.Task[None]] = set()
+        self._dialing: set[str] = set()
+        self._dial_places = asyncio.Semaphore(max(1, settings.seed_dials_at_once))
+        # The seeds dialed in the first round that dialed any, and those whose dial has not
+        # ended yet: when none is left, one line names the ones that did not answer.
+        self._first_seeds: list[str] = []
+        self._first_seeds_left: set[str] | None = None
         self._pins: PinStore | None = None
         # Writes into the state dir that failed while running, retried (mesh/persist.py).
         self.writes = PendingWrites()
@@ -380,17 +397,20 @@ class MeshNode:
         if leave and self.publisher is not None and self.membership is not None and self._client is not None:
             self.publisher.set_local(self.publisher.models, state)
             self.publisher.maybe_publish(force=True)
-            targets = [t for t in self.membership.select_targets() if t.node_id is not None]
+            selected = [t for t in self.membership.select_targets(self._dialing) if t.node_id is not None]
+            targets = [t for t in selected if not t.candidate]
+            targets += [t for t in selected if t.candidate][:max(0, self.settings.gossip.fanout - len(targets))]
             if targets:
                 try:
                     async with asyncio.timeout(LEAVE_TIMEOUT_S):
                         await asyncio.gather(*(self._client.exchange(t) for t in targets))
                 except TimeoutError:
                     log.info("mesh: leave announcement timed out; peers will notice by silence")
-        for task in list(self._exchanges):
+        pending: list[asyncio.Task[Any]] = [*self._exchanges, *self._dials]
+        for task in pending:
             task.cancel()
-        if self._exchanges:
-            await asyncio.gather(*self._exchanges, return_exceptions=True)
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         if self._discovery is not None:
             await self._discovery.stop()
             self._discovery = None
@@ -424,7 +444,12 @@ class MeshNode:
         while True:
             self._refresh_local()
             pub.maybe_publish()
-            for target in m.select_targets():
+            targets = m.select_targets(self._dialing)
+            # Seeds and mDNS addresses: dialed apart, with their own bound (SEED_DIALS_AT_ONCE).
+            self._start_dials([t for t in targets if t.candidate])
+            for target in targets:
+                if target.candidate:
+                    continue
                 if len(self._exchanges) >= max_in_flight:
                     m.counters.transport["exchange_skipped_busy"] += 1
                     break
@@ -437,6 +462,50 @@ class MeshNode:
                 await asyncio.to_thread(self.writes.retry_due)
             # Jitter keeps nodes started together from gossiping in lockstep.
             await asyncio.sleep(interval_s * self.rng.uniform(0.9, 1.1))
+
+    def _start_dials(self, targets: list[GossipTarget]) -> None:
+        """Start the dials of this round's candidate targets (each a task, bounded by
+        ``seed_dials_at_once``); the first round that dials seeds is watched for the line."""
+        m = self.membership
+        assert m is not None
+        loop = asyncio.get_running_loop()
+        for target in targets:
+            self._dialing.add(target.address)
+            task = loop.create_task(self._dial(target))
+            self._dials.add(task)
+            task.add_done_callback(self._dials.discard)
+        if self._first_seeds_left is None:
+            seeds = [t.address for t in targets if (c := m.candidates.get(t.address)) is not None and c.source == "seed"]
+            if seeds:  # (no dial has ended yet: the tasks above have not run)
+                self._first_seeds, self._first_seeds_left = seeds, set(seeds)
+
+    async def _dial(self, target: GossipTarget) -> None:
+        """Dial a discovered address (at most ``seed_dials_at_once`` at once) and tell the
+        membership core how it ended (docs/mesh.md, "Seeds")."""
+        m, client = self.membership, self._client
+        assert m is not None and client is not None
+        try:
+            async with self._dial_places:
+                error = await client.try_exchange(target)
+        finally:
+            self._dialing.discard(target.address)
+        m.note_dial(target.address, error)
+        left = self._first_seeds_left
+        if left is not None and target.address in left:
+            left.discard(target.address)
+            if not left:
+                self._report_first_seeds()
+
+    def _report_first_seeds(self) -> None:
+        """Once: the seeds whose first dial got no answer, in one WARNING line."""
+        m = self.membership
+        assert m is not None
+        first = set(self._first_seeds)
+        views = [v for v in m.candidate_views("seed") if v.address in first and not v.answered]
+        g = self.settings.gossip
+        line = unreachable_line(views, len(first), g.seed_backoff_min_ms, g.seed_backoff_max_ms)
+        if line is not None:
+            log.warning("%s", line, extra={"seeds_unreachable": len(views), "seeds": len(first)})
 
     def _refresh_local(self) -> None:
         if self.publisher is None:
@@ -475,6 +544,15 @@ class MeshNode:
             raise RuntimeError("call start() first")
         self.membership.on_update.append(on_update)
 
+    def seeds(self) -> list[dict[str, Any]]:
+        """Each configured seed and its dial history (``GET /v1/mesh`` ``seeds``), in the
+        configured order: ``{"address", "node_id", "attempts", "failures", "answered",
+        "last_error", "retry_in_ms"}``. ``answered`` false with ``attempts`` > 0: a seed that
+        never answered (the doctor lists those); ``node_id``: the node there, when known."""
+        if self.membership is None:
+            return []
+        return [v.doc() for v in self.membership.candidate_views("seed")]
+
     def counters(self) -> dict[str, Any]:
         """Mesh counters (messages/bytes in and out, drops by reason, transport events)."""
         if self.membership is None:
@@ -493,16 +571,17 @@ class MeshNode:
         "age_ms", "trust", "protocol", "version", "generation", "boot", "seq", "rtt_ms",
         "certificate_not_after", "models": [{"name", "engine", "kind", "slots", "busy",
         "waiting", "ctx_per_slot", "healthy", "total", "fingerprint", "conflict"}]}],
-        "conflicts": [{"model", "nodes": {node_id: fingerprint}}], "counters": {...}}``.
+        "conflicts": [{"model", "nodes": {node_id: fingerprint}}], "seeds": [...], "counters": {...}}``.
         ``liveness`` (what this node observes) is alive|suspect|dead|left, or conflict while
         two running agents publish that node id (``identity_conflict``: their boots and
         addresses; not routed to meanwhile, docs/mesh.md "One node per identity"); ``state``
         (what the peer publishes) serving|draining|leaving|restarting; ``waiting`` null means
         unknown. ``self.identity_conflict``: another agent publishing this node's id, or null.
+        ``seeds``: :meth:`seeds`.
         """
         m, pub = self.membership, self.publisher
         if m is None or pub is None or pub.last is None:
-            return {"self": None, "nodes": [], "conflicts": [], "counters": {}}
+            return {"self": None, "nodes": [], "conflicts": [], "seeds": [], "counters": {}}
         conflicts = m.model_conflicts()
         trust = self.settings.trust
         own = pub.last.payload
@@ -531,6 +610,7 @@ class MeshNode:
         return {
             "self": me, "nodes": nodes,
             "conflicts": [{"model": name, "nodes": fps} for name, fps in sorted(conflicts.items())],
+            "seeds": self.seeds(),
             "counters": self.counters(),
         }
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import time
 from collections import Counter
@@ -440,6 +441,11 @@ class GossipClient:
         """One exchange with ``target``; True when it completed. Never raises for network
         or peer faults (counted in ``transport``: exchange_failed, exchange_timeout, and
         peer_mismatch when the TLS peer is not ``target.node_id``)."""
+        return await self.try_exchange(target) is None
+
+    async def try_exchange(self, target: GossipTarget) -> str | None:
+        """:meth:`exchange`, saying what went wrong: None when the exchange completed, else
+        a few words ("connection refused", "timed out", "answered 400", "TLS: ...")."""
         m = self.membership
         counters = m.counters.transport
         if self._session is None:
@@ -460,7 +466,7 @@ class GossipClient:
                 if status != 200:
                     counters["exchange_refused"] += 1
                     self._warn(target.address, f"answered {status}")
-                    return False
+                    return f"answered {status}"
                 if peer is not None:
                     m.note_rtt(peer, rtt_ms)
                 push = m.on_reply_bytes(peer, body, target)
@@ -471,16 +477,17 @@ class GossipClient:
                         if resp.status != 204:
                             counters["push_refused"] += 1
                 counters["exchanges_ok"] += 1
-                return True
+                return None
         except TimeoutError:
             counters["exchange_timeout"] += 1
             self._warn(target.address, "timed out", debug=True)
-        except PeerMismatch:  # counted (peer_mismatch) and logged by the connector
-            pass
+            return "timed out"
+        except PeerMismatch as exc:  # counted (peer_mismatch) and logged by the connector
+            return f"not the expected node: {exc.strerror}"
         except (aiohttp.ClientError, OSError, ssl.SSLError) as exc:
             counters["exchange_failed"] += 1
             self._warn(target.address, f"{type(exc).__name__}: {exc}", debug=True)
-        return False
+            return _fault(exc)
 
     def _warn(self, address: str, what: str, debug: bool = False) -> None:
         # Dead peers are routine (their death is what liveness reports): DEBUG. Refusals
@@ -490,6 +497,18 @@ class GossipClient:
             log.warning("gossip with %s: %s", address, what)
         else:
             log.debug("gossip with %s: %s", address, what)
+
+
+def _fault(exc: BaseException) -> str:
+    """A failed dial in a few words: the OS error's text ("connection refused", "no route to
+    host"), "TLS: ..." for a failed handshake, else the exception's type and message."""
+    if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)):
+        reason = getattr(exc, "reason", None) or getattr(getattr(exc, "os_error", None), "reason", None)
+        return f"TLS: {reason or exc}"
+    os_error = getattr(exc, "os_error", exc)
+    if isinstance(os_error, OSError) and os_error.errno:
+        return os.strerror(os_error.errno).lower()
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _response_peer(resp: aiohttp.ClientResponse) -> NodeId | None:
