@@ -15,17 +15,15 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from viiwork.agent.config.schema import Config
 from viiwork.agent.control import COMMANDS
+from viiwork.agent.serving.api import ClientApi
 from viiwork.agent.serving.errors import ErrorCode, error_response
-
-if TYPE_CHECKING:  # types only: the daemon's parts import this module's callers, not it
-    from viiwork.agent.config.schema import Config
-    from viiwork.agent.serving.api import ClientApi
-    from viiwork.agent.supervision.supervisor import Supervisor
+from viiwork.agent.supervision.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

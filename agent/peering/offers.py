@@ -34,12 +34,10 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from viiwork.agent.supervision.backends import Backend
 from viiwork.mesh.identity import NodeId
-
-if TYPE_CHECKING:  # a type only: this module imports nothing of the agent
-    from viiwork.agent.supervision.backends import Backend
 
 OFFER_HEADER = "X-Viiwork-Offer"  # on a forward: the id of the offer whose held slot it claims
 HOLD_MS = 1000.0  # ms: a held slot not claimed within this is freed (a claim takes ~1 RTT)
