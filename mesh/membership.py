@@ -1,5 +1,10 @@
 """The pure protocol core: which summaries to accept, who is alive, whom to gossip with.
 
+One module (over 900 lines) because :class:`Membership` is one state machine: every handler
+below (accept, tick, digest, reply, push, peer selection) reads and writes the same table of
+records, liveness, tombstones and candidates under one clock. What needs no table is apart
+already (candidates, clones, counters, ratelimit, messages, boot).
+
 No sockets, no asyncio, no timers: a :class:`Membership` is fed messages (objects, or bytes
 through the ``*_bytes`` methods) and reads an injected monotonic clock (milliseconds) and
 an injected wall clock (used for certificate validity only). The agent's transport

@@ -1,5 +1,10 @@
 """``MeshNode``: everything the agent needs to join a mesh, wired in a few lines.
 
+One module (over 400 lines) because :class:`MeshNode` is one lifecycle: :meth:`MeshNode.start`
+builds identity, trust, listener, publisher, client and discovery in an order that
+:meth:`MeshNode.stop` unwinds, and the callbacks between those parts are its methods; the
+parts themselves live in their own modules (transport, discovery, publisher, persist).
+
     node = MeshNode(MeshSettings.from_config(cfg.mesh, cfg.node, cfg.api.listen, __version__),
                     provider=lambda: (models_from_loads(), PublishedState.SERVING))
     await node.start()          # identity, certificates, listener, discovery, gossip

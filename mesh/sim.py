@@ -1,5 +1,9 @@
 """In-process simulator: N nodes running the real protocol core in virtual time.
 
+One module (over 400 lines) because it is one test harness: the event loop, the scenarios
+and the observations share one :class:`Simulator`'s state, and the fake cryptography exists
+only for it (chosen by its ``crypto`` argument).
+
 Every simulated node is a real :class:`~viiwork.mesh.membership.Membership` with a real
 :class:`~viiwork.mesh.publisher.LocalPublisher`; the simulator replaces only the network
 (an event queue with latency, random loss, partitions and dead nodes) and, by default, the

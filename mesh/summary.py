@@ -1,5 +1,9 @@
 """The signed capacity summary: what a node publishes about itself (docs/mesh.md).
 
+One module (over 400 lines) because it is one wire format: the payload types, their
+canonical encoding and their strict decoding change together with each protocol version
+(a field added to a dataclass needs its encoder and decoder in the same change).
+
 A :class:`SummaryPayload` is encoded canonically (:func:`canonical_json`: sorted keys, no
 spaces, ASCII, integers only), and signed by the origin's node key over
 ``b"viiwork-summary\\0" + canonical bytes`` (:func:`signing_input`). On the wire a summary

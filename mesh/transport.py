@@ -1,6 +1,12 @@
 """The thin asyncio layer around the protocol core: the mutual-TLS mesh listener and the
 gossip client.
 
+One module (over 400 lines) because it is both ends of one wire: the listener (most of it:
+the TLS gate and its bounds) closes idle connections after :data:`KEEPALIVE_TIMEOUT_S`, set
+above the client's pool keep-alive (:data:`POOL_KEEPALIVE_S`), and serves the paths the
+client posts to; apart, the two halves of those bounds would drift. The peer check is in
+:mod:`viiwork.mesh.dialing`.
+
 **Listener.** An aiohttp application (gossip endpoints below, plus whatever routes the
 agent adds, e.g. forwarded requests) served by :class:`MutualTlsSite`: a plain TCP server
 whose connections do their TLS handshake explicitly (``loop.start_tls``) before aiohttp's
@@ -37,7 +43,10 @@ pooled HTTPS connection presenting this node's certificate, each bounded by
 ``exchange_timeout_s`` (connect ``connect_timeout_s``), all of a round in parallel: a dead
 or slow peer costs one timed-out task, never the round or the event loop. When the target's
 node id is known (a peer from the table, an mDNS advertisement naming one; not a seed), the
-TLS peer must be that node before the digest is sent (:mod:`viiwork.mesh.dialing`).
+TLS peer must be that node before the digest is sent (:mod:`viiwork.mesh.dialing`). The
+node that answered (read when the response starts: :class:`_PeerResponse`) gets the
+exchange's round trip (``Membership.note_rtt``: ``rtt_ms``, which the router uses to prefer
+near peers, docs/routing.md) and names a seed's node.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.connector import Connection
 from aiohttp.web_runner import BaseRunner, BaseSite
 
 from viiwork.mesh.counters import DropReason
@@ -427,7 +437,8 @@ class GossipClient:
         parts = peer_session_parts(self.ssl_context, counters=self.membership.counters.transport, limit=256,
                                    limit_per_host=2, keepalive_timeout=POOL_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=self.exchange_timeout_s, sock_connect=self.connect_timeout_s)
-        self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False)
+        self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False,
+                                              response_class=_PeerResponse)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -467,9 +478,9 @@ class GossipClient:
                     counters["exchange_refused"] += 1
                     self._warn(target.address, f"answered {status}")
                     return f"answered {status}"
-                if peer is not None:
-                    m.note_rtt(peer, rtt_ms)
                 push = m.on_reply_bytes(peer, body, target)
+                if peer is not None:  # after the reply: a seed's first one adds its record
+                    m.note_rtt(peer, rtt_ms)
                 if push is not None:
                     async with self._session.post(self._url(target.address, PUSH_PATH), data=push,
                                                   headers=headers) as resp:
@@ -511,8 +522,24 @@ def _fault(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class _PeerResponse(aiohttp.ClientResponse):
+    """A gossip response that keeps the node id of the TLS peer that answered (:attr:`peer`),
+    read from its connection when the response starts. It cannot be read later: a small
+    answer arrives whole with its head, and aiohttp releases the connection to the pool at
+    the body's end, inside :meth:`start` (``resp.connection`` is then None)."""
+
+    peer: NodeId | None = None
+
+    async def start(self, connection: Connection) -> aiohttp.ClientResponse:
+        transport = connection.transport
+        if transport is not None:
+            try:
+                self.peer = peer_node_id(transport.get_extra_info("ssl_object"))
+            except (ValueError, ssl.SSLError):  # an undecodable certificate names no node
+                self.peer = None
+        return await super().start(connection)
+
+
 def _response_peer(resp: aiohttp.ClientResponse) -> NodeId | None:
-    conn = resp.connection
-    if conn is None or conn.transport is None:
-        return None
-    return peer_node_id(conn.transport.get_extra_info("ssl_object"))
+    """The node that answered ``resp`` (None: unknown), for the RTT and a seed's node id."""
+    return resp.peer if isinstance(resp, _PeerResponse) else None

@@ -1,5 +1,9 @@
 """Mesh trust with standard X.509 (the ``cryptography`` library): CA, enrolment, verification.
 
+One module (over 400 lines) because it is one certificate profile: the CA, the signing
+request, the issued node certificate and the verifiers must agree on the same rules below
+(Ed25519, the node-id SAN, backdating, tolerance), and share the helpers that encode them.
+
 Two trust modes (``mesh.trust``, docs/mesh.md):
 
 ``ca``

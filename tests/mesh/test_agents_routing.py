@@ -127,6 +127,16 @@ async def test_host_selection_and_unknown_model(mesh3: dict[str, Agent]) -> None
             assert r.status == 200 and r.headers["X-Viiwork-Origin"] == "node-a"
 
 
+async def test_status_lists_each_seed_with_the_node_that_answered(mesh3: dict[str, Agent]) -> None:
+    """The ``seeds`` of /v1/status's mesh section (what `viiworkctl doctor`'s agent.mesh_seeds reads)."""
+    a_self = mesh3["a"].status()["mesh"]["self"]
+    assert mesh3["a"].status()["mesh"]["seeds"] == []  # the first agent has no seed
+    for name in "bc":
+        [seed] = mesh3[name].status()["mesh"]["seeds"]
+        assert seed["address"] == a_self["mesh"] and seed["answered"] and seed["attempts"] >= 1, seed
+        assert seed["node_id"] == a_self["id"] and seed["last_error"] is None, seed
+
+
 async def test_killed_peer_mid_stream_and_failover(mesh3: dict[str, Agent]) -> None:
     a, c = mesh3["a"], mesh3["c"]
     async with aiohttp.ClientSession() as http:

@@ -422,6 +422,47 @@ def test_pending_state_dir_writes_are_reported(tmp_path, pending, verdict, words
     assert result.verdict is verdict and words in result.summary, result.summary
 
 
+def seed(address, answered=False, attempts=1, error="connection refused"):
+    return {"address": address, "node_id": "nb" if answered else None, "attempts": attempts,
+            "failures": 0 if answered else attempts, "answered": answered, "last_error": None if answered else error,
+            "retry_in_ms": 0 if answered else 4000}
+
+
+DEAD7 = [seed(f"10.0.0.{i}:8087") for i in range(1, 8)]
+
+
+@pytest.mark.parametrize(("seeds", "alive", "verdict", "words"), [
+    ([seed("10.0.0.2:8087", answered=True), seed("10.0.0.3:8087", attempts=0, error=None)], 1, OK,
+     "1 of 2 seeds answered (1 not dialed yet)"),
+    ([seed("10.0.0.2:8087", answered=True), seed("10.0.0.9:8087", error="timed out")], 1, D,
+     "1 of 2 seeds never answered: 10.0.0.9:8087 (timed out)"),
+    ([seed("10.0.0.9:8087", error="no route to host")], 2, D, "1 of 1 seed never answered: 10.0.0.9:8087"),
+    (DEAD7, 0, F, "7 of 7 seeds never answered: 10.0.0.1:8087 (connection refused), 10.0.0.2:8087 (connection "
+                  "refused), 10.0.0.3:8087 (connection refused), 10.0.0.4:8087 (connection refused), 10.0.0.5:8087 "
+                  "(connection refused) and 2 more; no peer is alive"),
+    ([], 0, S, "the agent dials no seeds"),
+    (None, 0, S, "older version"),
+], ids=["all-answered", "one-dead-one-answered", "dead-but-peers-alive", "none-answered", "no-seeds", "old-agent"])
+def test_seeds_that_never_answered_are_named(tmp_path, seeds, alive, verdict, words):
+    mesh = {"self": {"id": "n1"}, "peers": {"alive": alive} if alive else {}}
+    if seeds is not None:
+        mesh["seeds"] = seeds
+    doc = status([]) | {"mesh": mesh}
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.mesh_seeds"]
+    assert result.verdict is verdict and words in result.summary, result.summary
+    if verdict in (D, F):
+        assert "remove dead seeds from mesh.seeds" in result.remedy and "host:port" in result.remedy
+        assert "10.0.0.6:8087" not in result.summary  # at most 5 named
+
+
+def test_a_standalone_agent_has_no_seeds_to_check(tmp_path):
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config,
+                      agent=AgentFacts("http://127.0.0.1:1", True, status([])))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.mesh_seeds"]
+    assert result.verdict is S and "no mesh" in result.summary
+
+
 def test_starting_backend_shows_phase_and_progress(tmp_path):
     doc = AGENT[5][1]
     facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
@@ -442,7 +483,7 @@ def test_agent_down_is_degraded_and_its_checks_skip(tmp_path):
     report = run_checks(facts, [c for c in REGISTRY if c.agent])
     assert [(r.check, r.verdict) for r in report.results] == [
         ("agent.reachable", D), ("agent.backends", S), ("agent.config", S), ("agent.state_dir", S), ("agent.gpus", S),
-        ("agent.mesh_identity", S)]
+        ("agent.mesh_identity", S), ("agent.mesh_seeds", S)]
 
 
 # -- verdicts, exit codes, crashing checks --------------------------------------------------

@@ -203,3 +203,48 @@ def check_agent_mesh_identity(facts: HostFacts) -> CheckResult:
              "peers route to neither while both run; the two raise their boot generations against each other",
              "give each machine its own node.state_dir: start the copy from an empty state dir (a new key, so a new "
              "node id) and, with trust = \"ca\", enrol it (`viiworkctl mesh request`, `mesh sign`, `mesh install`)")
+
+
+SEEDS_NAMED = 5  # never-answered seeds named in the summary; the rest are counted
+
+
+@check("agent.mesh_seeds", "Seeds that never answered", agent=True)
+def check_agent_mesh_seeds(facts: HostFacts) -> CheckResult:
+    """The running agent's dial history of each `mesh.seeds` address (docs/mesh.md, "Seeds"):
+    a seed that was dialed and never answered is a typo, a host that is gone, or a firewall.
+
+    - **fail**: no seed ever answered and no peer is alive: this node found nobody through
+      its seeds.
+    - **degraded**: some seeds never answered while others did (or peers are alive): the
+      dead ones add nothing and are retried with backoff.
+    - **skipped**: no mesh, no seeds dialed (`mesh.seeds` empty or `"seeds"` not in
+      `mesh.discovery`), or an agent too old to report them.
+    """
+    r = result_for("agent.mesh_seeds")
+    mesh = agent_status_or_skip(facts).get("mesh")
+    if not isinstance(mesh, Mapping) or not isinstance(mesh.get("self"), Mapping):
+        raise Skip("the agent runs no mesh")
+    if "seeds" not in mesh:
+        raise Skip("the agent does not report its seeds (older version)")
+    seeds = [s for s in mesh.get("seeds") or [] if isinstance(s, Mapping)]
+    if not seeds:
+        raise Skip("the agent dials no seeds")
+    dead = [s for s in seeds if not s.get("answered") and (s.get("attempts") or 0) > 0]
+    answered = sum(1 for s in seeds if s.get("answered"))
+    if not dead:
+        waiting = len(seeds) - answered
+        return r(Verdict.OK, f"{answered} of {plural(len(seeds), 'seed')} answered"
+                             + (f" ({waiting} not dialed yet)" if waiting else ""))
+    peers = mesh.get("peers")
+    alive = peers.get("alive", 0) if isinstance(peers, Mapping) else 0
+    named = ", ".join(f"{s.get('address', '?')} ({s.get('last_error') or 'dialing'})" for s in dead[:SEEDS_NAMED])
+    more = f" and {len(dead) - SEEDS_NAMED} more" if len(dead) > SEEDS_NAMED else ""
+    summary = f"{len(dead)} of {plural(len(seeds), 'seed')} never answered: {named}{more}"
+    remedy = ("check each address is the host:port of a peer's mesh listener (`mesh.listen`, port 8087 by default) "
+              "and reachable from here (firewall); remove dead seeds from mesh.seeds, then `systemctl restart viiwork`")
+    if answered or alive:
+        return r(Verdict.DEGRADED, summary,
+                 "they add nothing: peers are found through the others, and the dead ones are retried with backoff",
+                 remedy)
+    return r(Verdict.FAIL, summary + "; no peer is alive",
+             "this node finds no peers through its seeds: it serves alone and nobody forwards to it", remedy)
