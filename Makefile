@@ -3,7 +3,7 @@
 #   make venv       create .venv and install viiwork with its test and demo extras
 #                   (idempotent: redone only when pyproject.toml changes)
 #   make demo       run the agent on its embedded demo config (SmolLM2 on the CPU)
-#   make lint       ruff, then mypy (strict on mesh/ and engines/), as pyproject.toml configures
+#   make lint       ruff, then mypy (strict on mesh/, engines/ and the modules pyproject.toml lists), as it configures
 #   make test       `make lint`, then every test tier this machine can run (CI=true: a skip
 #                   not listed in tests/skip-allowlist.toml is a failure; a checkout under /tmp,
 #                   /var/tmp or /dev/shm, which systemd units cannot see, is then copied out and

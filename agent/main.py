@@ -26,7 +26,7 @@ from aiohttp import web
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
-from viiwork.agent.config.schema import Config, parse_hostport
+from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
@@ -42,6 +42,7 @@ from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.serving import protocol_log
 from viiwork.agent.serving.api import ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
+from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.proxy import Upstream
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.runners.base import Runner, RunnerError
@@ -97,6 +98,8 @@ def _banner(host: str, port: int, config: Config) -> str:
             "\"Say hello in five words.\"}], \"max_tokens\": 32}'",
             f"status: viiworkctl status --url {base}",
         ]
+    if config.api.admin_socket != ApiConfig().admin_socket:  # viiworkctl's default would miss it
+        lines.append(f"admin: viiworkctl models --socket {config.api.admin_socket}")
     return "\n".join(lines)
 
 
@@ -159,10 +162,14 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         supervisor = Supervisor(config, runner, probe_http, config.node.name, vendor_of=_vendor_lookup(inventory))
         # The origin queues, shared by the request pipeline and the mesh link (slot offers).
         queues = Queues(supervisor.models, config.routing.queue_max, config.routing.queue_timeout_s)
+        # Outlier ejection (agent/serving/ejections.py), shared by the pipeline and the mesh link:
+        # a local backend ejected again and again is reported to the supervisor, which respawns it.
+        ejections = Ejections.from_config(supervisor.models, config.routing.outliers,
+                                          report=supervisor.report_outlier)
         mesh = None
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
-                            draining=lambda: api.draining, gpus=lambda: gpus.inventory)
+                            draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections)
         api = ClientApi(
             node_name=config.node.name,
             runtimes=supervisor.models,
@@ -177,6 +184,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             body_timeout_s=config.api.body_timeout_s,
             queues=queues,
             mesh=mesh,
+            ejections=ejections,
         )
         if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status

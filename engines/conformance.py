@@ -1,5 +1,9 @@
 """The engine conformance kit: the rules every engine adapter obeys, checked in one call.
 
+One module (over 400 lines) because it is one kit an adapter's tests call once: every check
+reports into the same list of violations, and its replay servers (captured answers, and ones
+that refuse, reset, hang or talk garbage) serve all of them.
+
 Every engine's tests call it (docs/engines.md, "Rules" 1-6)::
 
     replays = EngineReplays(ready=..., busy=..., loading=..., load_unknown=(...,))

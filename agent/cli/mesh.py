@@ -271,6 +271,8 @@ def _models_cell(models: list[dict[str, Any]]) -> tuple[str, str]:
         waiting = m.get("waiting")
         queue = "" if waiting is None else f", {waiting} waiting"
         flag = " [red](conflict)[/red]" if m.get("conflict") else ""
+        if m.get("ejected") is True:  # outlier ejection in the viewing node (docs/routing.md)
+            flag += " [yellow](ejected)[/yellow]"
         names.append(f"{m.get('name', '?')} {m.get('busy', '?')}/{m.get('slots', '?')}{queue}{flag}")
         busy += m.get("busy") or 0
         slots += m.get("slots") or 0
@@ -298,6 +300,9 @@ def render(doc: dict[str, Any], console: Console) -> None:
         console.print(f"this node [bold]{me.get('name', '?')}[/bold] ({me.get('id', '?')}), mesh {me.get('mesh_id', '?')} "
                       f"({me.get('trust', '?')} trust), {me.get('state', '?')}, slots busy/total {load}, "
                       f"GPUs: {gpus_cell(me.get('gpus') or []).replace(chr(10), '; ')}")
+        ejected = [f"{b} ({m.get('name', '?')})" for m in me.get("models") or [] for b in m.get("ejected_backends") or []]
+        if ejected:  # outlier ejection: their slots are not published (docs/routing.md)
+            console.print(f"[yellow]ejected here[/yellow]: {', '.join(ejected)}")
         clone = me.get("identity_conflict")
         if isinstance(clone, dict):
             console.print(f"[bold red]identity conflict[/bold red]: this node id is also run by the agent at "

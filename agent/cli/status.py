@@ -10,6 +10,7 @@ import urllib.request
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from viiwork.agent.cli.target import add_target_args, agent_url
@@ -51,7 +52,26 @@ def _state_cell(backend: dict[str, Any]) -> str:
         state += ")"
     if backend.get("reason") and state in ("dead", "unhealthy", "starting"):
         state += f": {backend['reason']}"
+    if backend.get("ejected"):
+        state += " [yellow](ejected)[/yellow]"
     return state
+
+
+def outlier_lines(section: Any) -> list[str]:
+    """One line per backend or peer that is ejected or half-open, from /v1/status "outliers"
+    (docs/routing.md, "Outlier ejection"); none when nothing is."""
+    if not isinstance(section, dict):
+        return []
+    lines = []
+    for t in section.get("targets") or []:
+        if not isinstance(t, dict) or t.get("state") in (None, "ok"):
+            continue
+        what = (f"peer {t.get('node', '?')} for {t.get('model', '?')}" if t.get("kind") == "peer"
+                else f"backend {t.get('backend', t.get('key', '?'))}")
+        left = f", {t.get('ejected_remaining_s', 0):.1f} s left" if t.get("state") == "ejected" else ""
+        lines.append(f"{what}: {t.get('state')}{left} (ejection {t.get('ejected_in_row', '?')} in a row): "
+                     f"{t.get('reason', '')}")
+    return lines
 
 
 def render(doc: dict[str, Any], console: Console) -> None:
@@ -83,6 +103,8 @@ def render(doc: dict[str, Any], console: Console) -> None:
             )
             first = False
     console.print(table)
+    for line in outlier_lines(doc.get("outliers")):
+        console.print(f"[yellow]outlier[/yellow] {escape(line)}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -152,6 +152,7 @@ class HealthConfig(_Strict):
     respawn_backoff_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S)
     respawn_backoff_max_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
     healthy_refill_s: float = Field(default=600.0, gt=0, le=MAX_DURATION_S)
+    success_counts_as_probe_s: float = Field(default=10.0, ge=0, le=MAX_DURATION_S)
 
 
 class SupervisorConfig(_Strict):
@@ -164,9 +165,36 @@ class SupervisorConfig(_Strict):
     stop_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
     load_poll_interval_s: float = Field(default=1.0, gt=0, le=MAX_DURATION_S)
     load_stale_after_s: float = Field(default=3.0, gt=0, le=MAX_DURATION_S)
+    max_concurrent_respawns: int = Field(default=1, ge=1, le=1024)
+    respawn_jitter_s: float = Field(default=1.0, ge=0, le=MAX_DURATION_S)
     log_dir: Path | None = Field(default=None, strict=False)
 
     _log_dir = field_validator("log_dir")(classmethod(lambda cls, v: v if v is None else _absolute(v, "log_dir")))
+
+
+class OutliersConfig(_Strict):
+    """``[routing.outliers]``: outlier ejection (docs/routing.md, "Outlier ejection"); the
+    keys after ``enabled`` are viiwork.agent.serving.outliers.OutlierSettings' fields."""
+
+    enabled: bool = True
+    consecutive_failures: int = Field(default=5, ge=1, le=1000)
+    failure_rate: float = Field(default=0.5, gt=0, le=1)
+    min_requests: int = Field(default=10, ge=1, le=100_000)
+    window_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    base_ejection_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
+    max_ejection_s: float = Field(default=120.0, gt=0, le=MAX_DURATION_S)
+    jitter: float = Field(default=0.1, ge=0, le=0.1)
+    probe_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    reset_after_successes: int = Field(default=20, ge=1, le=100_000)
+    report_after_ejections: int = Field(default=3, ge=1, le=1000)
+    max_targets: int = Field(default=4096, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _ejection_order(self) -> OutliersConfig:
+        if self.max_ejection_s < self.base_ejection_s:
+            raise PathError(("max_ejection_s",), f"must be at least base_ejection_s ({self.base_ejection_s:g} s), "
+                            f"got {self.max_ejection_s:g}")
+        return self
 
 
 class RoutingConfig(_Strict):
@@ -177,6 +205,7 @@ class RoutingConfig(_Strict):
     forward_retry: int = Field(default=1, ge=0, le=64)
     stale_after_ms: int = Field(default=3000, ge=1, le=MAX_DURATION_MS)
     slot_offers: bool = True
+    outliers: OutliersConfig = Field(default_factory=OutliersConfig)
 
 
 # How a node finds its peers (mesh.discovery); the default is both, in this order.

@@ -21,7 +21,10 @@ supervisor's models and to the pure router (``viiwork.agent.serving.router``):
   wakes when a forward ends or a fresher summary arrives;
 - slot offers (``viiwork.agent.peering.offers``): the origin tells the peers serving a model when
   its oldest waiter changes (``want``), and a node whose slot frees offers it to the origin
-  with the oldest waiter it knows of, keeping it until that origin's request claims it.
+  with the oldest waiter it knows of, keeping it until that origin's request claims it;
+- outlier ejection of peers (``viiwork.agent.serving.ejections``): every forward's outcome
+  is counted per (peer, model); the router leaves a peer ejected for a model out, and the
+  peer stays a member.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +51,10 @@ from viiwork.agent.host.gpus import GpuInventory
 from viiwork.agent.peering.offers import OFFER_HEADER, WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
 from viiwork.agent.serving.body import BodyError, parse_json, read_body
 from viiwork.agent.serving.drain import InFlight
+from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode, error_response
 from viiwork.agent.serving.pipeline import Call, Handler
-from viiwork.agent.serving.proxy import Refused, Upstream
+from viiwork.agent.serving.proxy import BROKE, Failed, Refused, Upstream
 from viiwork.agent.serving.router import (
     Decision,
     LocalModel,
@@ -108,6 +112,16 @@ async def _read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes:
     return body
 
 
+def _forward_ok(result: web.StreamResponse | Refused | Failed) -> bool | None:
+    """A forward's outcome for outlier ejection: False (a failure of the peer), True, or None
+    (a refusal for want of a slot or state: nothing said about the peer's health)."""
+    if isinstance(result, Failed):
+        return False
+    if isinstance(result, Refused):
+        return False if result.reason in ("timeout", "suspect") or result.reason.startswith("unreachable") else None
+    return not result.get(BROKE, False)
+
+
 def gpu_capacities(inventory: GpuInventory) -> list[GpuCapacity]:
     """The GPUs to publish: index, name and memory in MiB (rounded down to 64 MiB so small
     fluctuations do not force a new summary); unknown stays None, never 0."""
@@ -133,19 +147,22 @@ class MeshLink:
 
     ``queues``: the node's origin queues (shared with the pipeline); ``upstream``: the
     agent's HTTP client, forwards go through it; ``draining``: is the node draining?
+    ``ejections``: the node's outlier ejection, shared with the pipeline (default: one from
+    ``routing.outliers``).
     """
 
     in_mesh = True
 
     def __init__(self, config: Config, runtimes: dict[str, ModelRuntime], *, queues: Queues, upstream: Upstream,
                  draining: Callable[[], bool], gpus: Callable[[], GpuInventory] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, ejections: Ejections | None = None) -> None:
         assert config.mesh is not None
         self.config = config
         self.runtimes = runtimes
         self.queues = queues
         self.upstream = upstream
         self.draining = draining
+        self.ejections = ejections or Ejections.from_config(runtimes, config.routing.outliers)
         self.gpus = gpus  # callable: the latest GPU inventory (published with the capacity)
         self.rng = rng or random.Random()
         self.node = MeshNode(MeshSettings.from_config(config.mesh, config.node, config.api.listen, __version__),
@@ -229,6 +246,10 @@ class MeshLink:
         models = []
         for rt in self.runtimes.values():
             cap = rt.capacity()  # the one sum (agent/supervision/backends.py): stale readings left out
+            if cap.ejected and not cap.healthy and not self._offered_elsewhere(rt.name):
+                # Every backend here ejected and no peer offers the model: publish them anyway,
+                # an ejection never takes a model's last backends away (docs/routing.md).
+                cap = rt.capacity(with_ejected=True)
             models.append(ModelCapacity(
                 name=rt.name, engine=rt.config.engine, kind=rt.config.kind.value,
                 slots=cap.slots, busy=cap.busy, waiting=cap.waiting,
@@ -240,6 +261,14 @@ class MeshLink:
             state = PublishedState.DRAINING if self.draining() else PublishedState.SERVING
         return models, state, None if self.gpus is None else gpu_capacities(self.gpus())
 
+    def _offered_elsewhere(self, model: str) -> bool:
+        """Does a fresh peer publish a healthy backend for ``model`` (one not ejected in this
+        node's view)?"""
+        if self.router is None:
+            return False
+        return any(self.router.fresh(p) and (cap := p.model(model)) is not None and cap.healthy > 0
+                   and self.ejections.peer_usable(p.node_id, model) for p in self.peers())
+
     # -- routing ---------------------------------------------------------------------------
 
     def local_models(self) -> dict[str, LocalModel]:
@@ -248,10 +277,25 @@ class MeshLink:
     def peers(self) -> list[PeerSnapshot]:
         return [PeerSnapshot.from_view(v) for v in self.node.peers()]
 
-    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId]) -> Decision:
+    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
+              avoid: Collection[str] = ()) -> Decision:
         assert self.router is not None, "MeshLink.start() first"
-        return self.router.route(model, self.local_models(), self.peers(), affinity=affinity, host=host,
-                                 exclude=exclude)
+        peers = self.peers()
+        ejected = self.ejections.ejected_peers(model, (p.node_id for p in peers))
+        return self.router.route(model, self.local_models(), peers, affinity=affinity, host=host,
+                                 exclude=exclude, avoid=avoid, ejected=ejected)
+
+    def elsewhere(self, model: str, exclude: Collection[NodeId], avoid: Collection[str]) -> bool:
+        runtime = self.runtimes.get(model)
+        if runtime is not None and runtime.healthy_outside(avoid):
+            return True
+        assert self.router is not None, "MeshLink.start() first"
+        for peer in self.peers():
+            cap = peer.model(model)
+            if (cap is not None and cap.slots > 0 and peer.node_id not in exclude and self.router.fresh(peer)
+                    and self.ejections.peer_usable(peer.node_id, model)):
+                return True
+        return False
 
     def models(self) -> list[dict[str, Any]]:
         """The mesh-wide /v1/models list (every model once, the fleet's smallest context)."""
@@ -326,15 +370,20 @@ class MeshLink:
             self.node.app.router.add_post(path, handler)
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
-                      headers: dict[str, str]) -> web.StreamResponse | Refused:
+                      headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
         """Forward ``call`` to a peer over the mesh's mutual TLS; ``Refused`` when it declines,
-        cannot be reached or turns silent before the first byte (the pipeline routes again)."""
+        cannot be reached or turns silent before the first byte (the pipeline routes again),
+        ``Failed`` when it answered a 5xx before it (the pipeline may retry elsewhere). The
+        outcome counts for the peer's outlier ejection for ``call.model``: a failure when
+        unreachable, silent, a 5xx or a stream broken off; a refusal (no slot, not served,
+        draining) counts for nothing."""
         model = call.model
         target = self.peer_target(to.node_id)
-        result: web.StreamResponse | Refused
+        result: web.StreamResponse | Refused | Failed
         if target is None:
             result = Refused(503, "no mesh address")
         else:
+            self.ejections.peer_sent(to.node_id, model)
             token = self.reservations.reserve(to.node_id, model)
             log.debug("request %s for %s: forwarding to %s%s", call.request_id, model, to.name,
                       " (offered slot)" if offer_id else "")
@@ -355,6 +404,9 @@ class MeshLink:
             finally:
                 self.reservations.release(token)
                 self.wake(model)
+            ok = _forward_ok(result)
+            if ok is not None:
+                self.ejections.peer_outcome(to.node_id, to.name, model, ok)
         if not isinstance(result, Refused):
             self.forwards_out += 1
             return result
@@ -367,6 +419,10 @@ class MeshLink:
         """The slot for a forward from ``origin``: the one held for its offer, else a free
         one; a receiver never queues (None: refused, the origin tries elsewhere)."""
         backend = self.claim(queue.model, offer_id, origin) or queue.take()
+        runtime = self.runtimes.get(queue.model)
+        if backend is None and runtime is not None:  # every backend ejected: the last resort
+            last = runtime.most_free_outside(())
+            backend = queue.take(last.id) if last is not None else None
         if backend is None:
             self.refusals_in += 1
             return None
@@ -562,5 +618,6 @@ class MeshLink:
             "queued": self.queues.waiting(),
             "offers": {"held": len(self.holds), "waiting_elsewhere": self.wants.waiting(),
                        **dict(sorted(self.offer_counters.items()))},
+            "seeds": view.get("seeds", []),  # MeshNode.seeds(): each seed's dial history
             "counters": view.get("counters", {}),
         }

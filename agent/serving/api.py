@@ -34,6 +34,7 @@ from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
 from viiwork.agent.serving.drain import InFlight
+from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode, error_response
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
 from viiwork.agent.serving.proxy import REFUSED_HEADER, Upstream
@@ -58,6 +59,8 @@ class ClientApi:
     runtimes: name -> ModelRuntime (the supervisor's picture). status_source: returns the
     ``models`` list of ``/v1/status`` (the supervisor's ``status()``); extra_status: more
     top-level sections (gpus, mesh counters), each a callable returning JSON-able data.
+    ejections: the node's outlier ejection (default: the mesh link's, else one with default
+    settings); its ``outliers`` section of /v1/status and its /metrics lines are added here.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class ClientApi:
         body_timeout_s: float = 60.0,
         queues: Queues | None = None,
         mesh: MeshLink | None = None,
+        ejections: Ejections | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
@@ -90,10 +94,12 @@ class ClientApi:
         self.max_body_bytes = max_body_bytes
         # The origin queues (shared with the mesh link, which offers freed slots to peers).
         self.queues = queues or Queues(runtimes, queue_max, queue_timeout_s)
+        self.ejections = ejections or (mesh.ejections if mesh is not None else Ejections(runtimes))
         self.pipeline = Pipeline(node_name=node_name, runtimes=runtimes, queues=self.queues,
-                                 peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry)
+                                 peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry,
+                                 ejections=self.ejections)
         self.status_source = status_source
-        self.extra_status = extra_status or {}
+        self.extra_status = {"outliers": self._outliers_status, **(extra_status or {})}
         self.started = time.monotonic()
         self.responses: Counter[tuple[str, int]] = Counter()
         # Request ids for requests without X-Request-Id: 32 hex digits, a random per-process
@@ -226,7 +232,16 @@ class ClientApi:
         if self.mesh is None:
             return error_response(404, f"node {self.node_name!r} is standalone: its config has no [mesh] section",
                                   code=ErrorCode.NOT_FOUND)
-        return web.json_response(self.mesh.node.view())
+        doc = self.mesh.node.view()
+        # Outlier ejection in this node's view: per peer's model "ejected" (ejected or half-open
+        # here), per own model "ejected_backends" (docs/routing.md, "Outlier ejection").
+        for node in doc.get("nodes", []):
+            for m in node.get("models", []):
+                m["ejected"] = self.ejections.peer_state(node["id"], m["name"]) != "ok"
+        for m in (doc.get("self") or {}).get("models", []):
+            runtime = self.runtimes.get(m.get("name"))
+            m["ejected_backends"] = [b.id for b in runtime.backends if b.ejected] if runtime is not None else []
+        return web.json_response(doc)
 
     async def handle_health(self, request: web.Request) -> web.Response:
         """200 ``{"status": "ok"}``; 503 with ``Retry-After`` when no backend is healthy, or
@@ -240,6 +255,11 @@ class ClientApi:
         if self.runtimes and healthy == 0:
             return web.json_response({"status": "unavailable", "healthy_backends": 0}, status=503)
         return web.json_response({"status": "ok", "healthy_backends": healthy})
+
+    def _outliers_status(self) -> dict[str, Any]:
+        """/v1/status "outliers": ``Ejections.status`` and ``retries`` (requests run again
+        elsewhere after a failure before the first byte)."""
+        return {**self.ejections.status(), "retries": self.pipeline.retries}
 
     async def handle_status(self, request: web.Request) -> web.Response:
         models = self.status_source()
@@ -293,6 +313,10 @@ class ClientApi:
                       for event, n in sorted(self.mesh.offer_counters.items())]
             lines += ["# HELP viiwork_mesh_slots_held Local slots kept for an offer now.",
                       "# TYPE viiwork_mesh_slots_held gauge", f"viiwork_mesh_slots_held {len(self.mesh.holds)}"]
+        lines += self.ejections.metrics_lines()
+        lines += ["# HELP viiwork_retries_total Requests run again on another backend after a failure before the "
+                  "first byte.", "# TYPE viiwork_retries_total counter",
+                  f"viiwork_retries_total {self.pipeline.retries}"]
         for source in self.metric_sources:
             lines += source()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

@@ -1,5 +1,10 @@
 """One request's life on this node: admit -> route -> run locally | forward | wait.
 
+One module (over 400 lines) because it is that one life, read top to bottom in
+``Pipeline.run``; the two ``Peers`` it runs with (a mesh's, and :class:`NoPeers`) are the
+contract of its "forward" and "wait" steps. The decisions are elsewhere (the router, the
+wait queue, outlier ejection).
+
 ``Pipeline.run`` is the whole path of a client's inference request, top to bottom; a
 request a peer forwarded here enters at "run locally" (``Pipeline.run_forwarded``). A node
 without ``[mesh]`` runs the same pipeline with :class:`NoPeers`; with ``[mesh]`` the
@@ -8,6 +13,12 @@ forwarding over its mutual TLS, slot offers). Waiting is the model's origin queu
 (``agent/serving/waitqueue.py``): a freed slot, local or offered by a peer, goes to its oldest
 waiter. The HTTP layer (``agent/serving/api.py``) parses and validates the request before, and
 renders what this returns after: an upstream response, or a :class:`Refuse`.
+
+A failure before the first byte reached the client (an engine 5xx that is not the client's
+fault, a reset, silence: ``Failed``) is retried on another backend, here or on a peer, within
+``routing.forward_retry``, at once or after a wait in the queue; the client gets the engine's
+error only when no other backend can take the request. Every outcome feeds outlier ejection (``agent/serving/ejections.py``;
+docs/routing.md, "Outlier ejection").
 
 Answers that differ with or without a mesh keep their own words: an unknown model is "not
 served here" on a standalone node and "not served anywhere in the mesh" in a mesh; a full
@@ -18,15 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
 
 from viiwork.agent.serving.drain import InFlight
+from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode
-from viiwork.agent.serving.proxy import Refused, Upstream
+from viiwork.agent.serving.proxy import BROKE, Failed, Refused, Upstream
 from viiwork.agent.serving.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
 from viiwork.agent.serving.waitqueue import Queues, Waiter, WaitQueue
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
@@ -65,11 +77,20 @@ class Peers(Protocol):
     def is_here(self, host: str | None) -> bool:
         """A request pinned to ``host`` (None: not pinned) may run on this node."""
 
-    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId]) -> Decision: ...
+    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
+              avoid: Collection[str] = ()) -> Decision:
+        """Where ``model``'s request runs now; ``exclude``: peers tried for it, ``avoid``: local
+        backends it failed on."""
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
-                      headers: dict[str, str]) -> web.StreamResponse | Refused:
-        """Send ``call`` to a peer; ``Refused`` before the first byte (route it again)."""
+                      headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
+        """Send ``call`` to a peer; ``Refused`` before the first byte (route it again),
+        ``Failed`` when the peer answered a 5xx before it (retry elsewhere, or relay it)."""
+
+    def elsewhere(self, model: str, exclude: Collection[NodeId], avoid: Collection[str]) -> bool:
+        """Could another backend take a request for ``model``, now or once a slot frees: a
+        healthy local one not in ``avoid``, a fresh peer serving it not in ``exclude`` and not
+        ejected? (After a failure: wait for it, or answer the failure at once.)"""
 
     def slot_freed(self, queue: WaitQueue) -> None:
         """A local slot of ``queue``'s model freed: hold it for an older waiter elsewhere,
@@ -109,9 +130,12 @@ class NoPeers:
     def is_here(self, host: str | None) -> bool:
         return True  # no other node to pin to: ?host= means nothing here
 
-    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId]) -> Decision:
+    def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
+              avoid: Collection[str] = ()) -> Decision:
         runtime = self.runtimes[model]
         best = runtime.most_free()
+        if best is None or best.id in avoid:  # every free backend ejected, or this one failed it
+            best = runtime.most_free_outside(avoid)
         if best is not None:
             return RunLocal(best.id)
         if not runtime.can_ever_serve:
@@ -123,8 +147,12 @@ class NoPeers:
         return Queue("all slots busy")
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
-                      headers: dict[str, str]) -> web.StreamResponse | Refused:
+                      headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
         return Refused(503, "no peers")  # never routed to: there are none
+
+    def elsewhere(self, model: str, exclude: Collection[NodeId], avoid: Collection[str]) -> bool:
+        runtime = self.runtimes.get(model)
+        return runtime is not None and runtime.healthy_outside(avoid)
 
     def slot_freed(self, queue: WaitQueue) -> None:
         queue.grant()
@@ -146,19 +174,23 @@ class Pipeline:
     """The request path of one node (see the module doc).
 
     ``draining``: set by ``viiworkctl drain`` and the stop path; new requests get 503, those
-    admitted or queued finish. ``forward_retry``: peers that refuse before the first byte
-    are tried elsewhere this many times before the request waits.
+    admitted or queued finish. ``forward_retry``: peers that refuse, and backends (local or
+    peers) that fail, before the first byte are tried elsewhere this many times in all before
+    the request waits (a refusal) or gets the error (a failure). ``ejections``: the node's
+    outlier ejection (default: enabled, with default settings, nobody told).
     """
 
     def __init__(self, *, node_name: str, runtimes: Mapping[str, ModelRuntime], queues: Queues, peers: Peers,
-                 upstream: Upstream, forward_retry: int = 1) -> None:
+                 upstream: Upstream, forward_retry: int = 1, ejections: Ejections | None = None) -> None:
         self.node_name = node_name
         self.runtimes = runtimes
         self.queues = queues
         self.peers = peers
         self.upstream = upstream
         self.forward_retry = forward_retry
+        self.ejections = ejections if ejections is not None else Ejections(runtimes)
         self.draining = False
+        self.retries = 0  # runs again elsewhere after a failure before the first byte
 
     async def run(self, call: Call) -> web.StreamResponse | Refuse:
         """A client's request: admit, then route and run it here or on a peer, or wait."""
@@ -172,8 +204,14 @@ class Pipeline:
         started = loop.time()
         deadline = started + queue.timeout_s
         waiter: Waiter | None = None
-        tried: set[NodeId] = set()
+        tried: set[NodeId] = set()  # peers that refused or failed since the request last waited
         refusals = 0
+        # A failure before the first byte (``Failed``): the request runs again elsewhere, within
+        # forward_retry failures; ``failed`` is the answer when nothing else takes it.
+        failed: Failed | None = None
+        failures = 0
+        failed_peers: set[NodeId] = set()
+        avoid: set[str] = set()  # local backends it failed on
         if len(queue):  # never overtake a waiting request: wait behind it for the next slot
             if queue.full():
                 return self._queue_full(queue)
@@ -190,13 +228,16 @@ class Pipeline:
                 if waiter is not None:
                     granted, waiter.grant = waiter.grant, None
                     offer, waiter.offer = waiter.offer, None
+                    if offer is not None and offer[0] in failed_peers:
+                        offer = None  # it failed there: the peer's hold expires unclaimed
                 decision: Decision
                 if granted is not None:
                     decision = RunLocal(granted.id)
                 elif offer is not None:  # a peer keeps a slot for this request (slot offers)
                     decision = RunOnPeer(offer[0], self.peers.peer_name(offer[0]), 1)
                 else:
-                    decision = self.peers.route(model, host=call.host, affinity=call.affinity, exclude=tried)
+                    decision = self.peers.route(model, host=call.host, affinity=call.affinity, exclude=tried,
+                                                avoid=avoid)
                 # 3a. Run locally.
                 if isinstance(decision, RunLocal):
                     backend = granted or queue.take(decision.backend_id)
@@ -205,37 +246,62 @@ class Pipeline:
                             queue.leave(waiter)
                             waiter = None
                         headers = self._headers(call, started, self.node_name, backend.id)
-                        return await self._run_here(call, queue, backend, headers)
+                        self.retries += failed is not None
+                        result = await self._run_here(call, queue, backend, headers)
+                        if not isinstance(result, Failed):
+                            return result
+                        # Failed before the first byte: run it again elsewhere.
+                        failed, failures = result, failures + 1
+                        avoid.add(backend.id)
+                        if self._retry(call, backend.id, failed, failures):
+                            continue
+                        return failed.response
                     decision = Queue("local slot taken meanwhile")
-                # 3b. Forward: a refusal before the first byte routes it again, elsewhere.
+                # 3b. Forward: a refusal or failure before the first byte routes it again, elsewhere.
                 elif isinstance(decision, RunOnPeer):
+                    if failed is not None and decision.node_id in failed_peers:  # pinned there
+                        return failed.response
                     if waiter is not None:  # not waiting while the forward is in flight
                         queue.dispatch(waiter)
                     headers = self._headers(call, started, decision.name, None)
-                    result = await self.peers.forward(call, decision, offer[1] if offer else None, headers)
-                    if not isinstance(result, Refused):
-                        return result
+                    self.retries += failed is not None
+                    forwarded = await self.peers.forward(call, decision, offer[1] if offer else None, headers)
+                    if not isinstance(forwarded, (Refused, Failed)):
+                        return forwarded
                     if waiter is not None:  # back in its place in the queue
                         queue.dispatch(waiter, False)
                     tried.add(decision.node_id)
+                    if isinstance(forwarded, Failed):
+                        failed, failures = forwarded, failures + 1
+                        failed_peers.add(decision.node_id)
+                        if self._retry(call, decision.name, failed, failures):
+                            continue
+                        return failed.response
                     refusals += 1
                     if refusals <= self.forward_retry:
                         continue
                     decision = Queue("peers refused")
                 if isinstance(decision, Refuse):
+                    if failed is not None:  # nothing else can serve it: the engine's own error
+                        return failed.response
                     if waiter is None:  # a model nobody serves leaves no queue behind
                         self.queues.forget_idle(model)
                     return decision
-                # 3c. Wait in the origin queue for a slot anywhere, then route again.
+                # 3c. Wait in the origin queue for a slot anywhere, then route again. After a
+                # failure only for another backend (a pinned request waits for none).
+                if failed is not None and (call.host is not None
+                                           or not self.peers.elsewhere(model, failed_peers, avoid)):
+                    return failed.response
                 if waiter is None:
                     if queue.full():
-                        return self._queue_full(queue)
-                    waiter = queue.enter(call.host, self.peers.is_here(call.host))
+                        return failed.response if failed is not None else self._queue_full(queue)
+                    # A request that failed here waits for a slot routed to it, not a local grant.
+                    waiter = queue.enter(call.host, self.peers.is_here(call.host) and not avoid)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    return self._queue_timeout(queue)
+                    return failed.response if failed is not None else self._queue_timeout(queue)
                 await queue.park(waiter, remaining)
-                tried.clear()
+                tried = set(failed_peers)
                 refusals = 0
         finally:
             if waiter is not None:
@@ -267,7 +333,9 @@ class Pipeline:
                   self.peers.peer_name(origin), backend.id)
         headers = {"X-Viiwork-Node": self.node_name, "X-Viiwork-Backend": backend.id,
                    "X-Viiwork-Origin": self.peers.peer_name(origin), "X-Request-Id": call.request_id}
-        return await self._run_here(call, queue, backend, headers)
+        result = await self._run_here(call, queue, backend, headers)
+        # A failure is answered to the origin, which may retry it on another node.
+        return result.response if isinstance(result, Failed) else result
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -284,19 +352,43 @@ class Pipeline:
         return None
 
     async def _run_here(self, call: Call, queue: WaitQueue, backend: Backend,
-                        headers: dict[str, str]) -> web.StreamResponse:
+                        headers: dict[str, str]) -> web.StreamResponse | Failed:
+        """Run ``call`` on this node's ``backend`` (its slot taken): the response, or ``Failed``
+        before the first byte. The outcome is counted for outlier ejection (none when the
+        client went away: the handler is cancelled)."""
+        self.ejections.sent(backend)
+        ok: bool | None = None
         try:
             response = await self.upstream.forward(call.request, backend, call.body, call.stream, headers,
                                                    call.request_id)
             assert not isinstance(response, Refused)  # only a refusable forward (to a peer) is refused
+            ok = not isinstance(response, Failed) and not response.get(BROKE, False)
             return response
         finally:
+            if ok is not None:
+                self.ejections.outcome(backend, ok)
+                if ok:
+                    backend.note_success()  # the health ladder's hysteresis (agent/supervision/health_ladder.py)
             self._free(queue, backend)
 
+    def _retry(self, call: Call, target: str, failed: Failed, failures: int) -> bool:
+        """May the request that failed on ``target`` before its first byte run elsewhere
+        (``failures`` so far, at most ``forward_retry`` retried)?"""
+        if failures > self.forward_retry:
+            log.debug("request %s: %s failed before the first byte (%s); no retry left", call.request_id, target,
+                      failed.reason)
+            return False
+        log.debug("request %s: %s failed before the first byte (%s); trying another backend", call.request_id,
+                  target, failed.reason)
+        return True
+
     def _free(self, queue: WaitQueue, backend: Backend) -> None:
-        """A local slot frees: it goes to the oldest waiter, here or (offers) elsewhere."""
+        """A local slot frees: it goes to the oldest waiter, here or (offers) elsewhere (an
+        ejected backend's slot to no one: the waiters route again)."""
         queue.release(backend)
         self.peers.slot_freed(queue)
+        if backend.ejected:
+            queue.wake()
 
     def _headers(self, call: Call, started: float, node: str, backend_id: str | None) -> dict[str, str]:
         """The answer's ``X-Viiwork-*`` headers (a peer's answer replaces Node and Backend)."""

@@ -11,7 +11,12 @@ the error shapes are in agent/serving/errors.py.
   while still answering ``Connection: keep-alive``, so the next request on that pooled
   socket fails (seen: a bare aiohttp proxy answered 500s, nginx 502s).
 - After the first byte there is no retry: an engine that dies or stays silent longer than
-  ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event.
+  ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event (the
+  response is marked ``BROKE``: a failure for outlier ejection, agent/serving/ejections.py).
+- A failure before anything reached the client (an engine 5xx that is not the client's
+  fault, a refused or reset connection, silence, a peer's 5xx answer) comes back as
+  ``Failed``, carrying the error answer already rendered: the pipeline retries the request
+  on another backend or gives the client that answer (docs/routing.md, "Outlier ejection").
 - A forward to a peer can be given a ``lost`` event (``MeshLink.watch_peer``: the peer turned
   silent, whatever state it publishes). Before the first byte it abandons the forward (``Refused``: the caller
   routes again); after it, it ends the client's stream with a terminal SSE error event. The
@@ -108,6 +113,21 @@ class Refused:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The target failed before the first byte reached the client: ``response`` (status >=
+    500, not yet sent) is the error to give the client when no other backend takes the
+    request; ``reason`` says what failed, for logs ("HTTP 503", "unreachable", ...)."""
+
+    response: web.Response
+    reason: str
+
+
+#: Set (True) on a streamed response whose upstream failed after the first byte (an SSE
+#: error event ended it): the request counts as a failure of its target.
+BROKE = web.ResponseKey("viiwork_upstream_broke", bool)
+
+
 class Upstream:
     """The agent's HTTP client towards its engines: one shared session, pooled connections.
 
@@ -191,7 +211,7 @@ class Upstream:
         relay_headers: tuple[str, ...] = (),
         refusable: bool = False,
         lost: asyncio.Event | None = None,
-    ) -> web.StreamResponse | Refused:
+    ) -> web.StreamResponse | Refused | Failed:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
         ``backend`` is a ``Target``: a local Backend, or a peer's mesh listener reached with
@@ -203,7 +223,9 @@ class Upstream:
         turns suspect or dead; before the first byte the forward is abandoned as
         ``Refused(504, "suspect")``, after it the stream ends with an SSE error event (504).
         Returns the response to give the client (already prepared and finished when
-        streamed). Errors before the first byte become 502/504 JSON errors.
+        streamed; ``BROKE`` set when its stream broke), or ``Failed`` before the first byte:
+        the 502/504 JSON error of an engine or peer that failed, could not be reached or
+        stayed silent (a peer's 5xx answer relayed as is).
         """
         upstream_headers = {"X-Request-Id": request_id}
         request_headers = request.headers
@@ -240,14 +262,15 @@ class Upstream:
         except TimeoutError:  # sock_read (aiohttp.ServerTimeoutError) or sock_connect
             if refusable:
                 return Refused(504, "timeout")
-            return error_response(504, f"backend {backend.id} did not answer within "
-                                  f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)",
-                                  code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers)
+            return Failed(error_response(504, f"backend {backend.id} did not answer within "
+                                         f"{self.stream_idle_timeout_s:g} s (api.stream_idle_timeout_s)",
+                                         code=ErrorCode.UPSTREAM_TIMEOUT, headers=headers), "timeout")
         except aiohttp.ClientError as exc:
             if refusable:
                 return Refused(502, f"unreachable: {exc.__class__.__name__}")
-            return error_response(502, f"backend {backend.id} unreachable: {exc.__class__.__name__}",
-                                  code=ErrorCode.UPSTREAM_UNREACHABLE, headers=headers)
+            return Failed(error_response(502, f"backend {backend.id} unreachable: {exc.__class__.__name__}",
+                                         code=ErrorCode.UPSTREAM_UNREACHABLE, headers=headers),
+                          f"unreachable: {exc.__class__.__name__}")
         if watch is not None:
             if watch.done():
                 upstream.content.set_exception(PeerLost())
@@ -267,10 +290,10 @@ class Upstream:
                     headers[name] = value
             content_type = upstream.headers.get("Content-Type", "application/json")
             if assembled_as is not None and upstream.status == 200 and content_type.startswith("text/event-stream"):
-                return await self._relay_assembled(upstream, backend, headers, assembled_as)
+                return _failed(await self._relay_assembled(upstream, backend, headers, assembled_as), upstream)
             if not stream or upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 try:
-                    return await self._relay_whole(upstream, backend, headers, content_type)
+                    return _failed(await self._relay_whole(upstream, backend, headers, content_type), upstream)
                 except PeerLost:  # nothing reached the client yet: route again
                     upstream.close()
                     return Refused(504, "suspect")
@@ -397,17 +420,20 @@ class Upstream:
             return response
         except PeerLost:
             self.stream_errors += 1
+            response[BROKE] = True
             upstream.close()
             log.warning("peer %s turned suspect mid-stream; ending the client's stream", backend.id)
             await self._write_error(response, 504, f"peer {backend.id} stopped answering mid-stream (suspect "
                                     "in this node's mesh view: mesh.suspect_after_ms)")
         except TimeoutError:
             self.stream_errors += 1
+            response[BROKE] = True
             log.warning("backend %s silent for %.0f s mid-stream; ending the client's stream", backend.id, idle)
             await self._write_error(response, 504, f"backend {backend.id} went silent for {idle:g} s "
                                     "(api.stream_idle_timeout_s)")
         except _UPSTREAM_BROKEN as exc:
             self.stream_errors += 1
+            response[BROKE] = True
             log.warning("backend %s broke off a stream: %r", backend.id, exc)
             await self._write_error(response, 502, f"backend {backend.id} broke off the stream: "
                                     f"{exc.__class__.__name__}")
@@ -427,3 +453,11 @@ class Upstream:
             await response.write(sse_error_event(status, message, code))
         except ConnectionError:
             pass
+
+
+def _failed(response: web.Response, upstream: aiohttp.ClientResponse) -> web.Response | Failed:
+    """A whole answer of status >= 500 (nothing sent yet) as ``Failed``; any other as is."""
+    if response.status < 500:
+        return response
+    what = f"HTTP {upstream.status}" if upstream.status >= 500 else f"answered {response.status}"
+    return Failed(response, what)

@@ -48,12 +48,21 @@ Rules, in order (docs/routing.md has the reasoning and the measured effect):
    backend); else 503. A peer that publishes ``draining``, ``leaving`` or ``restarting``
    gets no new forward (rule 4 needs ``serving``); its requests in flight run on.
 
+Outlier ejection (docs/routing.md, "Outlier ejection"; agent/serving/ejections.py): rules 2-5
+leave out the local backends that are ejected (``LocalModel.ejected``) and the peers ejected
+for the model in this node's view (``ejected``), and the local backends this request already
+failed on (``avoid``). When that leaves no candidate at all (no local healthy backend and no
+fresh peer with slots for the model, busy or not), the ejections are ignored: an ejection
+never takes a model's last backends away, so the client gets their real error rather than a
+503. A pinned request (rule 1) ignores ejections too.
+
 A model nobody in the table lists (this node, or any peer, including dead and departed
 ones, whose models are still known) is 404 with the models of the mesh listed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -90,7 +99,9 @@ class LocalModel:
     ``slots``: slots of its healthy backends (the affinity weight); ``can_serve``: False when
     nothing here can ever serve it now (every backend dead, the model down), True while a
     backend is healthy or still starting (``ModelRuntime.can_ever_serve``);
-    ``ctx_per_slot``: tokens per sequence (0 when unknown)."""
+    ``ctx_per_slot``: tokens per sequence (0 when unknown). ``ejected``: its healthy
+    backends that outlier ejection took out of ``backends`` and ``slots`` (``free``: what
+    they would have free), for the fallback when every candidate is ejected."""
 
     name: str
     kind: str
@@ -99,6 +110,7 @@ class LocalModel:
     can_serve: bool
     ctx_per_slot: int = 0
     engine: str = ""
+    ejected: tuple[LocalBackend, ...] = ()
 
     @classmethod
     def from_runtime(cls, runtime: ModelRuntime) -> LocalModel:
@@ -107,7 +119,24 @@ class LocalModel:
         return cls(name=runtime.name, kind=runtime.config.kind.value,
                    backends=tuple(LocalBackend(b, free) for b, free in cap.free_by_backend),
                    slots=cap.slots, can_serve=runtime.can_ever_serve,
-                   ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine)
+                   ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine,
+                   ejected=tuple(LocalBackend(b, free) for b, free in cap.ejected) if cap.ejected else ())
+
+    def restored(self) -> LocalModel:
+        """This picture as if no backend were ejected."""
+        if not self.ejected:
+            return self
+        out = {b.backend_id: b for b in self.backends}
+        out.update((b.backend_id, b) for b in self.ejected)
+        # An ejected backend's slots: at least its free ones (its busy ones are not known here).
+        slots = self.slots + sum(max(b.free, 1) for b in self.ejected)
+        return dataclasses.replace(self, backends=tuple(out.values()), slots=slots, ejected=())
+
+    def without(self, avoid: Collection[str]) -> LocalModel:
+        """This picture without the backends in ``avoid`` (those a request failed on) among
+        ``backends`` and ``ejected``; ``slots`` stays (the node still counts as serving it)."""
+        return dataclasses.replace(self, backends=tuple(b for b in self.backends if b.backend_id not in avoid),
+                                   ejected=tuple(b for b in self.ejected if b.backend_id not in avoid))
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,13 +359,16 @@ class Router:
 
     def route(self, model: str, local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot], *,
               affinity: str | None = None, host: str | None = None,
-              exclude: Collection[NodeId] = ()) -> Decision:
+              exclude: Collection[NodeId] = (), avoid: Collection[str] = (),
+              ejected: Collection[NodeId] = ()) -> Decision:
         """Decide where a request for ``model`` runs now.
 
         ``local``: this node's models by name; ``peers``: every peer in the mesh table;
         ``affinity``: the session key, or None; ``host``: the pinned node (id or name), or
-        None; ``exclude``: peers already tried for this request (they refused before the
-        first byte). Never raises for any input; errors are :class:`Refuse`.
+        None; ``exclude``: peers already tried for this request (they refused or failed
+        before the first byte); ``avoid``: local backends it failed on; ``ejected``: peers
+        ejected for ``model`` in this node's view (outlier ejection, see the module doc).
+        Never raises for any input; errors are :class:`Refuse`.
         """
         for p in peers:
             self.reservations.observe(p.node_id, p.order)
@@ -346,8 +378,12 @@ class Router:
             known = ", ".join(m["id"] for m in mesh_models(local, peers)) or "none"
             return Refuse(404, f"model {model!r} is not served anywhere in the mesh; known models: {known}",
                           param="model", code="model_not_found")
+        if here is not None and avoid:
+            here = here.without(avoid)
         if host is not None:
-            return self._pinned(model, here, peers, host)
+            return self._pinned(model, here.restored() if here is not None else None, peers, host)
+        if ejected or (here is not None and here.ejected):
+            here, exclude = self._eject(model, here, serving, exclude, ejected)
         targets = self._targets(model, here, serving, exclude)
         if affinity:
             chosen = self._by_affinity(affinity, targets)
@@ -371,6 +407,15 @@ class Router:
         return mesh_models(local, peers)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _eject(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot],
+               exclude: Collection[NodeId], ejected: Collection[NodeId]) -> tuple[LocalModel | None, Collection[NodeId]]:
+        """The picture with ejected peers excluded, or, when nothing else is left (no local
+        healthy backend, no routable peer that is not ejected), with every ejection ignored."""
+        if (here is not None and here.slots > 0) or any(
+                p.node_id not in ejected and self._routable(p, model, exclude) is not None for p in serving):
+            return here, {*exclude, *ejected}
+        return (here.restored() if here is not None else None), exclude
 
     def fresh(self, peer: PeerSnapshot) -> bool:
         """Routable now: alive, serving, summary younger than ``stale_after_ms``."""

@@ -73,14 +73,15 @@ class WaitQueue:
     # -- local slots ---------------------------------------------------------------------
 
     def take(self, backend_id: str | None = None) -> Backend | None:
-        """Take a free local slot now, never waiting: ``backend_id``'s if it has one, else
-        the backend with the most free slots; None when nothing is free here."""
+        """Take a free local slot now, never waiting: ``backend_id``'s if it has one (even
+        ejected: the router names an ejected backend only when every candidate is ejected),
+        else the backend with the most free slots; None when nothing is free here."""
         runtime = self.runtimes.get(self.model)
         if runtime is None:
             return None
         backend = None
         if backend_id is not None:
-            backend = next((b for b in runtime.backends if b.id == backend_id and b.free_slots > 0), None)
+            backend = next((b for b in runtime.backends if b.id == backend_id and b.spare_slots > 0), None)
         if backend is None:
             backend = runtime.most_free()
         if backend is not None:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -78,7 +79,11 @@ class NodeContext:
     ``vendor_of``: a configured GPU -> "nvidia", "amd" or "unknown". ``environ``: what
     engines inherit (None: ``os.environ``). ``writes``: key files a launch could not write
     (a full disk): shown with the state dir's pending writes in /v1/status and doctor,
-    retried by the backend's own task. ``tasks``: every backend's task (the ports in use).
+    retried by the backend's own task. ``tasks``: every backend's task (the ports in use, the
+    respawns under way). ``respawn_cap``: ``supervisor.max_concurrent_respawns`` (read at
+    start, like the load gate): how many backends may be down for a respawn before a probe
+    failure's respawn is deferred; ``respawn_gate`` holds as many relaunch slots (a relaunch
+    after a failure holds one until the new engine is ready or fails).
     """
 
     config: Config
@@ -92,6 +97,15 @@ class NodeContext:
     host_cpus: int
     writes: PendingWrites = field(default_factory=PendingWrites)
     tasks: list[BackendTask] = field(default_factory=list)
+    respawn_cap: int = 1
+    respawn_gate: asyncio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.respawn_gate = asyncio.Semaphore(self.respawn_cap)
+
+    def respawn_free(self) -> bool:
+        """Whether fewer than ``respawn_cap`` backends are down for a respawn (docs/reliability.md)."""
+        return sum(1 for t in self.tasks if t.respawning) < self.respawn_cap
 
 
 class _Stop(Enum):
@@ -136,6 +150,13 @@ class BackendTask:
     adopted: tuple[RunHandle, int, str, str] | None = None
     # Probes and load reads of the current launch: the agent's session plus the key.
     http: aiohttp.ClientSession | None = None
+    # Down for a respawn: from the failure until the new engine is ready (or parked, dead).
+    respawning: bool = False
+    # Holds one of node.respawn_gate's relaunch slots.
+    relaunch_slot: bool = False
+    # An outlier report (Supervisor.report_outlier) the healthy watch has not seen yet.
+    reported: asyncio.Event = field(default_factory=asyncio.Event)
+    report_reason: str = ""
 
     @property
     def key_dir(self) -> Path:
@@ -161,10 +182,21 @@ class BackendTask:
             # Not started: nothing runs; the picture simply says what was asked.
             self.settled.set()
 
+    def report(self, reason: str) -> bool:
+        """The request path's outlier detection says this backend fails (``reason``): a healthy
+        backend's watch ends its health as a failed probe streak would (``hl.Reported``).
+        False (nothing done) when the backend is not healthy."""
+        if self.backend.state is not BackendState.HEALTHY or self.task is None:
+            return False
+        self.report_reason = reason
+        self.reported.set()
+        return True
+
     def step(self, event: hl.Event) -> tuple[hl.Action, ...]:
         """Move the ladder by ``event`` now; the backend shows its health figures."""
+        config = self.node.config
         self.ladder, actions = hl.step(self.ladder, event, time.monotonic(),
-                                       hl.LadderRules.from_config(self.node.config.health))
+                                       hl.LadderRules.from_config(config.health, config.supervisor))
         self.backend.healthy_since = self.ladder.healthy_since
         self.backend.respawns = self.ladder.respawns
         return actions
@@ -207,6 +239,12 @@ class BackendTask:
 
     async def run(self) -> None:
         """The backend's long-lived task: the ladder, forever, until cancelled by the supervisor."""
+        try:
+            await self._run_forever()
+        finally:
+            self._respawn_over()
+
+    async def _run_forever(self) -> None:
         backend = self.backend
         while True:
             self.changed.clear()
@@ -225,6 +263,7 @@ class BackendTask:
                 except Exception:
                     log.exception("backend %s: stopping after the failure failed too", backend.id)
                 self.step(hl.Broken(f"supervisor error: {exc!r}"))
+                self._respawn_over()
                 self._set(BackendState.DEAD, reason=self.ladder.reason)
                 self._update_model_state()
                 self.settled.set()
@@ -233,6 +272,7 @@ class BackendTask:
     async def _park(self, state: BackendState, reason: str) -> None:
         """Stop the engine (draining first), show ``state``, and wait for a command."""
         await self.terminate(drain=True)
+        self._respawn_over()
         self.step(hl.Parked())
         self._set(state, reason=reason, phase="", progress=-1.0, port=None, socket_path=None)
         self._update_model_state()
@@ -249,6 +289,7 @@ class BackendTask:
         # An adopted engine has its model loaded already: it does not wait for the gate.
         gated = self.adopted is None
         if gated and not await acquire_gate(self.node.gate, self.changed):
+            self._release_relaunch_slot()
             return _Stop.COMMAND
         try:
             result = await self._launch_until_ready()
@@ -259,6 +300,7 @@ class BackendTask:
         finally:
             if gated:
                 self.node.gate.release()
+            self._release_relaunch_slot()
         if result is not True:
             return result
         return await self._watch_healthy()
@@ -324,6 +366,7 @@ class BackendTask:
         backend.load = None
         backend.load_at = None
         backend.load_stale = False
+        backend.last_success_at = None  # a success of the engine before counts for nothing now
         self._set(BackendState.STARTING, phase="adopting" if adopted else "launching", progress=-1.0, reason="")
         if adopted is not None:
             handle = adopted[0]
@@ -365,6 +408,7 @@ class BackendTask:
                 assert probe is not None  # the contract: probe() returns a Probe or raises
                 if probe.ready:
                     self.step(hl.Ready())
+                    self.respawning = False
                     self._set(BackendState.HEALTHY, phase="", progress=-1.0, reason="")
                     self._update_model_state()
                     log.info("backend %s healthy after %.1f s", backend.id, time.monotonic() - started)
@@ -384,7 +428,8 @@ class BackendTask:
                 return _Stop.COMMAND
 
     async def _watch_healthy(self) -> _Stop | _Failure:
-        """Probe and read load while healthy; returns on a command, an exit or max_failures.
+        """Probe and read load while healthy; returns on a command, an exit, max_failures or an
+        outlier report (``report``).
 
         Probes and load reads run on their own schedules, each under its own deadline, so a
         hung engine's load read never delays the probe that will notice it.
@@ -399,8 +444,14 @@ class BackendTask:
         next_load = now
         probe_task: asyncio.Future[Outcome[Probe]] | None = None
         load_task: asyncio.Future[Outcome[Load]] | None = None
+        report_task: asyncio.Future[Any] | None = None
+        self.reported.clear()  # a report of an earlier run (there is no await since Ready)
+        deferred = False  # a respawn deferred (logged once per streak)
+        last_error = ""
         try:
             while True:
+                if report_task is None:
+                    report_task = asyncio.ensure_future(self.reported.wait())
                 now = time.monotonic()
                 if load_task is None and now >= next_load:
                     load_task = asyncio.ensure_future(timed(
@@ -409,7 +460,7 @@ class BackendTask:
                     probe_task = asyncio.ensure_future(timed(
                         engine.probe(self._http(), backend.base_url), health.timeout_s))
                 due = [at for at, task in ((next_load, load_task), (next_probe, probe_task)) if task is None]
-                running = [task for task in (load_task, probe_task) if task is not None]
+                running = [task for task in (load_task, probe_task, report_task) if task is not None]
                 got: Outcome[None] = await self._until(None, timeout=max(0.0, min(due) - now) if due else None,
                                                        also=running)
                 if got.wake is Wake.EXITED:
@@ -421,7 +472,12 @@ class BackendTask:
                                 self.node.config.supervisor.load_stale_after_s)
                     load_task = None
                     next_load = time.monotonic() + sup.load_poll_interval_s
-                if probe_task is not None and probe_task.done():
+                actions: tuple[hl.Action, ...] = ()
+                if report_task.done():
+                    report_task = None
+                    self.reported.clear()
+                    actions = self.step(hl.Reported(self.report_reason, respawn_free=self.node.respawn_free()))
+                elif probe_task is not None and probe_task.done():
                     probe = probe_task.result()
                     probe_task = None
                     next_probe = time.monotonic() + health.interval_s
@@ -429,21 +485,34 @@ class BackendTask:
                         assert probe.result is not None  # the contract: probe() returns a Probe or raises
                         if probe.result.ready:
                             self.step(hl.ProbeOk())
+                            deferred = False
                             continue
                     adapter_bug(self.runtime.config.engine, "probe", probe.error)
                     last_error = probe_error(probe, health.timeout_s)
-                    actions = self.step(hl.ProbeFailed(last_error, timed_out=timed_out(probe),
-                                                       busy=self._busy()))
-                    for action in actions:
-                        if isinstance(action, hl.ProbeExcused):
-                            log.debug("backend %s: probe timed out while busy; not counted", backend.id)
-                        elif isinstance(action, hl.ProbeCounted):
-                            log.warning("backend %s: probe failed (%d/%d): %s",
-                                        backend.id, action.failures, health.max_failures, last_error)
-                    if self.ladder.state is not BackendState.HEALTHY:
-                        return _Failure(reason=self.ladder.reason, planned=actions)
+                    actions = self.step(hl.ProbeFailed(last_error, timed_out=timed_out(probe), busy=self._busy(),
+                                                       succeeded_at=backend.last_success_at,
+                                                       respawn_free=self.node.respawn_free()))
+                for action in actions:
+                    if isinstance(action, hl.ProbeExcused):
+                        log.debug("backend %s: probe timed out while busy; not counted", backend.id)
+                    elif isinstance(action, hl.ProbeContradicted):
+                        deferred = False
+                        log.debug("backend %s: probe failed but a request succeeded %.1f s before; not counted",
+                                  backend.id, action.ago_s)
+                    elif isinstance(action, hl.ProbeCounted):
+                        log.warning("backend %s: probe failed (%d/%d): %s",
+                                    backend.id, action.failures, health.max_failures, last_error)
+                    elif isinstance(action, hl.RespawnDeferred) and not deferred:
+                        deferred = True
+                        log.warning("backend %s kept in service: %s, but %d backend(s) of this node are down "
+                                    "for a respawn already (supervisor.max_concurrent_respawns)",
+                                    backend.id, action.reason, self.node.respawn_cap)
+                if self.ladder.state is not BackendState.HEALTHY:
+                    # Counted at once: another backend's probe may be judged before this one stops.
+                    self.respawning = any(isinstance(a, hl.Backoff) for a in actions)
+                    return _Failure(reason=self.ladder.reason, planned=actions)
         finally:
-            pending = [t for t in (probe_task, load_task) if t is not None]
+            pending = [t for t in (probe_task, load_task, report_task) if t is not None]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -455,6 +524,7 @@ class BackendTask:
         actions = failure.planned
         if actions is None:
             actions = self.step(hl.Failed(failure.reason, disk=failure.disk))
+        self.respawning = not any(isinstance(a, hl.Die) for a in actions)
         self._set(BackendState.UNHEALTHY, reason=failure.reason, phase="", progress=-1.0)
         if not failure.disk:
             log.warning("backend %s unhealthy: %s", backend.id, failure.reason)
@@ -466,6 +536,7 @@ class BackendTask:
                 await self.terminate(drain=True)
                 self._set(BackendState.UNHEALTHY)
             elif isinstance(action, hl.Die):
+                self._respawn_over()
                 log.error("backend %s dead after %d respawn(s): %s", backend.id, self.ladder.spent, action.reason)
                 self._set(BackendState.DEAD, reason=action.reason)
                 self._update_model_state()
@@ -473,13 +544,46 @@ class BackendTask:
                 await self.changed.wait()
             elif isinstance(action, hl.Backoff):
                 self._update_model_state()
-                got: Outcome[None] = await self._until(None, timeout=action.delay_s)
+                delay = action.delay_s + random.uniform(0.0, action.jitter_s)
+                got: Outcome[None] = await self._until(None, timeout=delay)
                 if got.wake is Wake.COMMAND:
+                    return
+                if not await self._take_relaunch_slot():
                     return
                 for then in self.step(hl.BackoffOver()):
                     if isinstance(then, hl.Respawn):
                         log.info("backend %s: respawn %d (budget %d/%d)", backend.id, then.respawns,
                                  then.spent, self.node.config.health.max_respawns)
+
+    # ----------------------------------------------------------------- respawn slots
+
+    async def _take_relaunch_slot(self) -> bool:
+        """Wait for one of the node's relaunch slots (``supervisor.max_concurrent_respawns``
+        relaunches at once); False on a command (nothing held then)."""
+        if self.relaunch_slot:
+            return True
+        gate = self.node.respawn_gate
+        if not gate.locked():
+            await gate.acquire()  # free: taken at once, without yielding to another backend
+        else:
+            log.info("backend %s waits for a respawn slot (%d relaunch(es) at once on this node)",
+                     self.backend.id, self.node.respawn_cap)
+            self._set(BackendState.UNHEALTHY, phase="waiting for a respawn slot")
+            if not await acquire_gate(gate, self.changed):
+                return False
+        self.relaunch_slot = True
+        self._set(BackendState.UNHEALTHY, phase="")
+        return True
+
+    def _release_relaunch_slot(self) -> None:
+        if self.relaunch_slot:
+            self.relaunch_slot = False
+            self.node.respawn_gate.release()
+
+    def _respawn_over(self) -> None:
+        """No respawn under way any more (ready, parked, dead or the task's end)."""
+        self.respawning = False
+        self._release_relaunch_slot()
 
     # ----------------------------------------------------------------- helpers
 

@@ -7,7 +7,7 @@ own in-flight requests. Single-threaded (the agent's event loop): no locks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NewType
@@ -63,6 +63,7 @@ class Backend:
     load_stale: bool = False
     in_flight: int = 0
     released_at: float | None = None  # when routing last finished a request here
+    last_success_at: float | None = None  # when a request here last ended well (note_success)
     started_at: float | None = None
     healthy_since: float | None = None
     parallel: int = 1
@@ -71,6 +72,9 @@ class Backend:
     api_key: str | None = field(default=None, repr=False)
     # The Unix socket the engine listens on instead of ``port`` (engines that bind one).
     socket_path: str | None = None
+    # Outlier ejection (agent/serving/ejections.py): routing sends it no new request while
+    # set (ejected, or its half-open probe in flight); the health ladder does not read it.
+    ejected: bool = False
 
     @property
     def base_url(self) -> str:
@@ -90,6 +94,15 @@ class Backend:
 
     @property
     def free_slots(self) -> int:
+        """Slots a new request may take now: 0 unless admitting and not ``ejected``."""
+        if not self.admitting or self.ejected:
+            return 0
+        return max(0, self.slots - self.in_flight)
+
+    @property
+    def spare_slots(self) -> int:
+        """``free_slots`` as if the backend were not ejected (the router's fallback when every
+        backend of a model is ejected: agent/serving/router.py)."""
         if not self.admitting:
             return 0
         return max(0, self.slots - self.in_flight)
@@ -98,6 +111,12 @@ class Backend:
         """A request routing sent here ended (or a slot kept for an offer was freed)."""
         self.in_flight -= 1
         self.released_at = time.monotonic()
+
+    def note_success(self, now: float | None = None) -> None:
+        """A request routing sent here was answered well (an HTTP status below 500):
+        ``last_success_at`` becomes ``now`` (monotonic s; None: the clock now). The health
+        ladder counts it as a good probe (``health.success_counts_as_probe_s``)."""
+        self.last_success_at = time.monotonic() if now is None else now
 
     @property
     def waiting(self) -> int | None:
@@ -124,13 +143,16 @@ class Backend:
 class Capacity:
     """One model's capacity on this node now, summed over its backends (``ModelRuntime.capacity``).
 
-    ``slots``, ``busy``, ``free``: sums over the admitting (healthy, addressed) backends, each
+    ``slots``, ``busy``, ``free``: sums over the admitting (healthy, addressed) backends that
+    are not ejected (outlier ejection, agent/serving/ejections.py), each
     backend's figures as ``Backend.slots``/``busy``/``free_slots`` give them (a stale load
     reading falls back to ``parallel`` and routing's in-flight count). ``waiting``: the sum of
     the engines' queues, or None when no backend admits or any admitting backend's queue is
     unknown (never published, or the reading is stale). ``in_flight``: routing's requests
-    running on any backend (a draining one too). ``healthy``/``total``: admitting backends /
-    all backends. ``free_by_backend``: (backend id, free slots) for every backend, in order.
+    running on any backend (a draining one too). ``healthy``/``total``: admitting backends
+    not ejected / all backends. ``free_by_backend``: (backend id, free slots) for every
+    backend, in order (0 for an ejected one). ``ejected``: (backend id, ``spare_slots``) for
+    each admitting backend that is ejected, in order (usually empty).
     """
 
     slots: int
@@ -141,6 +163,7 @@ class Capacity:
     healthy: int
     total: int
     free_by_backend: tuple[tuple[BackendId, int], ...]
+    ejected: tuple[tuple[BackendId, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -181,21 +204,51 @@ class ModelRuntime:
                 best, best_free = b, free
         return best
 
-    def capacity(self) -> Capacity:
+    def most_free_outside(self, avoid: Collection[str]) -> Backend | None:
+        """``most_free`` among the backends whose id is not in ``avoid`` (those a request
+        already failed on); when none of them is admitting and not ejected, the ejected one
+        with the most spare slots (an ejection never takes a model's last backends away:
+        docs/routing.md, "Outlier ejection"); else None. Off the hot path: called when
+        ``most_free`` found nothing, or found a backend in ``avoid``."""
+        best: Backend | None = None
+        best_free = 0
+        usable = False
+        for b in self.backends:
+            if b.id in avoid or not b.admitting:
+                continue
+            usable = usable or not b.ejected
+            free = b.free_slots
+            if free > best_free:
+                best, best_free = b, free
+        if best is not None or usable:
+            return best
+        for b in self.backends:
+            if b.id not in avoid and b.spare_slots > best_free:
+                best, best_free = b, b.spare_slots
+        return best
+
+    def healthy_outside(self, avoid: Collection[str]) -> bool:
+        """Is a backend whose id is not in ``avoid`` admitting (ejected or not)?"""
+        return any(b.admitting and b.id not in avoid for b in self.backends)
+
+    def capacity(self, with_ejected: bool = False) -> Capacity:
         """The one sum of this model's backends, read by /v1/status, /metrics, routing's
-        local view and the gossiped summary alike (docs/architecture.md, "A backend's life")."""
-        admitting = [b for b in self.backends if b.admitting]
+        local view and the gossiped summary alike (docs/architecture.md, "A backend's life").
+        ``with_ejected``: count ejected backends as if they were not (the summary of a node
+        whose model no peer offers otherwise: agent/peering/mesh_link.py)."""
+        admitting = [b for b in self.backends if b.admitting and (with_ejected or not b.ejected)]
         queues = [b.waiting for b in admitting]
         known = [q for q in queues if q is not None]
         return Capacity(
             slots=sum(b.slots for b in admitting),
             busy=sum(b.busy for b in admitting),
-            free=sum(b.free_slots for b in admitting),
+            free=sum(b.spare_slots if with_ejected else b.free_slots for b in admitting),
             waiting=sum(known) if admitting and len(known) == len(queues) else None,
             in_flight=sum(b.in_flight for b in self.backends),
             healthy=len(admitting),
             total=len(self.backends),
             free_by_backend=tuple((b.id, b.free_slots) for b in self.backends),
+            ejected=tuple((b.id, b.spare_slots) for b in self.backends if b.ejected and b.admitting),
         )
 
     def status_doc(self) -> dict[str, Any]:
@@ -203,7 +256,8 @@ class ModelRuntime:
         (``capacity()``), ctx_per_slot, backends (id, state, phase, progress (0..1 or -1),
         reason, pid, port (None for a socket backend), socket (its Unix socket path, else
         None), unit, respawns, gpus, exit_result, exit_status, load_stale, slots, busy,
-        in_flight: routing's own count of requests running there)."""
+        in_flight: routing's own count of requests running there, ejected: routing sends it
+        nothing new (outlier ejection; details in /v1/status "outliers"))."""
         cap = self.capacity()
         return {
             "name": self.name,
@@ -233,6 +287,7 @@ class ModelRuntime:
                     "slots": b.slots,
                     "busy": b.busy,
                     "in_flight": b.in_flight,
+                    "ejected": b.ejected,
                 }
                 for b in self.backends
             ],

@@ -1,12 +1,13 @@
 """The health ladder of one backend as a pure transition function (docs/reliability.md).
 
 ``step(ladder, event, now, rules) -> (ladder, actions)``: no I/O, no clock of its own, no
-asyncio. A backend's task (agent/supervision/backend_task.py) feeds it what happened to the
-engine (ready, a probe's answer, an exit or other failure, the end of a backoff, a command)
-with the monotonic time, and carries out the actions it returns (stop the engine, wait,
-respawn, give up) in order. Tests drive it in virtual time (tests/unit/test_health_ladder.py).
+asyncio, no randomness. A backend's task (agent/supervision/backend_task.py) feeds it what
+happened to the engine (ready, a probe's answer, an exit or other failure, an outlier report,
+the end of a backoff, a command) with the monotonic time, and carries out the actions it
+returns (stop the engine, wait, respawn, give up) in order. Tests drive it in virtual time
+(tests/unit/test_health_ladder.py).
 
-    starting --Ready--> healthy --max_failures counted ProbeFailed, or Failed--> unhealthy
+    starting --Ready--> healthy --max_failures counted ProbeFailed, Reported, or Failed--> unhealthy
        |  Failed (startup timeout, exit, launch error)                               |
        +-------------------------> unhealthy --BackoffOver--> starting (respawn) <---+
                                        | budget spent (checked at the failure)
@@ -18,10 +19,22 @@ The rules, with their settings (``[health]``, docs/configuration.md):
 - a probe that timed out while requests run is excused (llama-server may not answer /health
   mid-prefill); any other failed probe counts; ``max_failures`` in a row end health, a
   successful probe resets the count;
+- hysteresis: a request that succeeded on the backend (``Backend.note_success``) within
+  ``success_counts_as_probe_s`` before a failed probe, and since the backend became healthy,
+  counts as a good probe: that failure is not counted and the count resets (0 s: off). So a
+  /health blip while completions succeed restarts nothing; an engine that stops answering
+  requests too is unhealthy at most ``success_counts_as_probe_s`` later than without it;
+- staggering: the probe failure (or outlier report, ``Reported``) that would end health while
+  the node has no free respawn slot (``[supervisor] max_concurrent_respawns`` respawns
+  already under way, ``respawn_free`` False) keeps the backend healthy, still probed, its
+  count at ``max_failures``: the next counted failure that finds a slot ends health, a good
+  probe resets it. So one blip on every backend restarts one at a time, and the blip is
+  usually over before the second. An exit is never deferred (the engine is gone);
 - a failure refills the respawn budget when the backend had been healthy for
   ``healthy_refill_s`` without a break; then, with ``max_respawns`` respawns spent, the
   backend is dead; else it is respawned after ``respawn_backoff_s * 2**spent``, at most
-  ``respawn_backoff_max_s``;
+  ``respawn_backoff_max_s``, plus a random share of ``[supervisor] respawn_jitter_s`` (drawn
+  by the task: ``Backoff.jitter_s``);
 - a disk fault (a key file the full state dir cannot take) spends nothing: the launch is
   retried after the pending-write interval;
 - ``Revived`` (``viiworkctl up``) restores the full budget; ``Parked`` (down, stop) keeps it.
@@ -31,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from viiwork.agent.config.schema import HealthConfig
+from viiwork.agent.config.schema import HealthConfig, SupervisorConfig
 from viiwork.agent.supervision.backends import BackendState
 
 #: Largest exponent of the backoff's doubling: keeps the float finite for any budget.
@@ -40,19 +53,25 @@ MAX_DOUBLINGS = 1000
 
 @dataclass(frozen=True, slots=True)
 class LadderRules:
-    """The ``[health]`` settings the ladder follows (units: seconds, counts)."""
+    """The ``[health]`` settings the ladder follows, and ``[supervisor] respawn_jitter_s``
+    (units: seconds, counts)."""
 
     max_failures: int = 3
     max_respawns: int = 3
     respawn_backoff_s: float = 1.0
     respawn_backoff_max_s: float = 60.0
     healthy_refill_s: float = 600.0
+    success_counts_as_probe_s: float = 10.0
+    respawn_jitter_s: float = 1.0
 
     @classmethod
-    def from_config(cls, health: HealthConfig) -> LadderRules:
+    def from_config(cls, health: HealthConfig, supervisor: SupervisorConfig | None = None) -> LadderRules:
+        """The rules of a config's sections (``supervisor`` None: its defaults)."""
+        jitter = (supervisor if supervisor is not None else SupervisorConfig()).respawn_jitter_s
         return cls(max_failures=health.max_failures, max_respawns=health.max_respawns,
                    respawn_backoff_s=health.respawn_backoff_s, respawn_backoff_max_s=health.respawn_backoff_max_s,
-                   healthy_refill_s=health.healthy_refill_s)
+                   healthy_refill_s=health.healthy_refill_s,
+                   success_counts_as_probe_s=health.success_counts_as_probe_s, respawn_jitter_s=jitter)
 
     def backoff_s(self, spent: int) -> float:
         """The wait before the respawn that follows ``spent`` respawns in a row."""
@@ -63,7 +82,8 @@ class LadderRules:
 class Ladder:
     """Where one backend stands. ``state``: starting, healthy, unhealthy, dead or stopped
     (``draining`` is the supervisor's display while it stops an engine, not a rung).
-    ``failures``: counted probe failures in a row while healthy. ``spent``: respawns since
+    ``failures``: counted probe failures in a row while healthy (``max_failures`` while a
+    respawn is deferred: the module docstring, "staggering"). ``spent``: respawns since
     the budget was last full. ``respawns``: all respawns (never reset; /v1/status).
     ``healthy_since``: monotonic s of the last ``Ready``, None when not healthy.
     ``reason``: why it is unhealthy or dead ("" otherwise). ``backoff_s``: the backoff an
@@ -99,11 +119,25 @@ class ProbeOk:
 @dataclass(frozen=True, slots=True)
 class ProbeFailed:
     """A healthy backend's probe failed: ``timed_out`` (no answer within the deadline) while
-    ``busy`` (requests running on it) is excused."""
+    ``busy`` (requests running on it) is excused. ``succeeded_at``: monotonic s of the last
+    request that succeeded on the backend (``Backend.last_success_at``), None when none did.
+    ``respawn_free``: the node has a free respawn slot (``supervisor.max_concurrent_respawns``)."""
 
     reason: str
     timed_out: bool = False
     busy: bool = False
+    succeeded_at: float | None = None
+    respawn_free: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """The request path's outlier detection reports a healthy backend failing (ejected
+    several times in a row): it ends health like ``max_failures`` failed probes, with
+    ``reason``; ``respawn_free`` as in ``ProbeFailed``."""
+
+    reason: str
+    respawn_free: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +171,7 @@ class Broken:
     reason: str
 
 
-Event = Launched | Ready | ProbeOk | ProbeFailed | Failed | BackoffOver | Parked | Revived | Broken
+Event = Launched | Ready | ProbeOk | ProbeFailed | Reported | Failed | BackoffOver | Parked | Revived | Broken
 
 
 # ----------------------------------------------------------------- actions
@@ -156,15 +190,33 @@ class ProbeCounted:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeContradicted:
+    """Log only: the failed probe was not counted, and the count reset, because a request
+    succeeded ``ago_s`` seconds before it."""
+
+    ago_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RespawnDeferred:
+    """Log only: health would end (``reason``) but the node has no free respawn slot: the
+    backend stays healthy and probed."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class StopEngine:
     """Stop what is left of the engine, draining its requests first."""
 
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Wait ``delay_s``, then send ``BackoffOver`` (a command may end the wait first)."""
+    """Wait ``delay_s`` plus a random share of ``jitter_s`` (uniform in [0, jitter_s), drawn
+    by the caller), then send ``BackoffOver`` (a command may end the wait first)."""
 
     delay_s: float
+    jitter_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +239,8 @@ class Respawn:
     spent: int
 
 
-Action = ProbeExcused | ProbeCounted | StopEngine | Backoff | RetryDisk | Die | Respawn
+Action = (ProbeExcused | ProbeCounted | ProbeContradicted | RespawnDeferred | StopEngine | Backoff | RetryDisk | Die
+          | Respawn)
 
 
 class InvalidTransition(ValueError):
@@ -223,17 +276,30 @@ def step(ladder: Ladder, event: Event, now: float, rules: LadderRules) -> tuple[
             if state is not BackendState.HEALTHY:
                 raise InvalidTransition(state, event)
             return replace(ladder, failures=0), ()
-        case ProbeFailed(reason=reason, timed_out=timed_out, busy=busy):
+        case ProbeFailed(reason=reason, timed_out=timed_out, busy=busy, succeeded_at=succeeded_at,
+                         respawn_free=respawn_free):
             if state is not BackendState.HEALTHY:
                 raise InvalidTransition(state, event)
+            if _contradicts(ladder, succeeded_at, now, rules):
+                assert succeeded_at is not None
+                return replace(ladder, failures=0), (ProbeContradicted(now - succeeded_at),)
             if timed_out and busy:
                 return ladder, (ProbeExcused(),)
-            failures = ladder.failures + 1
+            failures = min(ladder.failures + 1, rules.max_failures)
             counted = ProbeCounted(failures)
             if failures < rules.max_failures:
                 return replace(ladder, failures=failures), (counted,)
-            after, actions = _fail(ladder, f"{failures} failed probes in a row, last: {reason}", now, rules)
+            why = f"{failures} failed probes in a row, last: {reason}"
+            if not respawn_free:
+                return replace(ladder, failures=failures), (counted, RespawnDeferred(why))
+            after, actions = _fail(ladder, why, now, rules)
             return after, (counted, *actions)
+        case Reported(reason=reason, respawn_free=respawn_free):
+            if state is not BackendState.HEALTHY:
+                raise InvalidTransition(state, event)
+            if not respawn_free:
+                return ladder, (RespawnDeferred(reason),)
+            return _fail(ladder, reason, now, rules)
         case Failed(reason=reason, disk=disk):
             if state not in (BackendState.STARTING, BackendState.HEALTHY):
                 raise InvalidTransition(state, event)
@@ -269,7 +335,15 @@ def _fail(ladder: Ladder, reason: str, now: float, rules: LadderRules) -> tuple[
                 (StopEngine(), Die(reason)))
     delay = rules.backoff_s(spent)
     return (replace(ladder, state=BackendState.UNHEALTHY, failures=0, spent=spent, healthy_since=None, reason=reason,
-                    backoff_s=delay), (StopEngine(), Backoff(delay)))
+                    backoff_s=delay), (StopEngine(), Backoff(delay, rules.respawn_jitter_s)))
+
+
+def _contradicts(ladder: Ladder, succeeded_at: float | None, now: float, rules: LadderRules) -> bool:
+    """Whether a request that succeeded at ``succeeded_at`` counts as a good probe at ``now``:
+    within ``success_counts_as_probe_s`` (0: never) and on this engine (since it became healthy)."""
+    window = rules.success_counts_as_probe_s
+    return (window > 0 and succeeded_at is not None and ladder.healthy_since is not None
+            and succeeded_at >= ladder.healthy_since and now - succeeded_at <= window)
 
 
 def load_goes_stale(load_at: float | None, healthy_since: float | None, now: float, stale_after_s: float) -> bool:

@@ -13,12 +13,17 @@ and carries out what it returns:
   the startup timeout or an exit ends patience. An exit within 2 s of the launch is retried
   once at once on a new port (another process may have taken the port between our bind
   test and the engine's bind) without spending the respawn budget.
-- healthy: probes every ``health.interval_s`` with a ``health.timeout_s`` deadline. Load is
+- healthy: probes every ``health.interval_s`` with a ``health.timeout_s`` deadline; a request
+  that succeeded within ``health.success_counts_as_probe_s`` counts as a good probe. Load is
   read every ``supervisor.load_poll_interval_s`` (1 s deadline); a failed read keeps the last
   value until it is ``supervisor.load_stale_after_s`` old, then the backend is marked
-  ``load_stale`` (slots fall back to ``parallel``, busy to routing's in-flight count).
+  ``load_stale`` (slots fall back to ``parallel``, busy to routing's in-flight count). The
+  request path's outlier detection may end health too (``report_outlier``).
 - unhealthy: a still-running engine is drained (up to ``health.drain_timeout_s``) and stopped
-  (SIGTERM, then SIGKILL after ``supervisor.stop_timeout_s``) before the backoff.
+  (SIGTERM, then SIGKILL after ``supervisor.stop_timeout_s``) before the backoff (plus up to
+  ``supervisor.respawn_jitter_s``). At most ``supervisor.max_concurrent_respawns`` backends
+  relaunch at once; while that many are down for a respawn, a failing probe streak keeps its
+  backend in service (docs/reliability.md, "Health blips").
 
 ``down``/``stop`` drain (state DRAINING admits nothing), stop the engines and park the
 backends as STOPPED; ``up`` restarts them and revives dead ones with a fresh budget.
@@ -101,6 +106,7 @@ class Supervisor:
             gate=asyncio.Semaphore(config.supervisor.max_parallel_loads),
             engine_dir=engine_dir(config.node.state_dir, environ),
             host_cpus=max(1, len(os.sched_getaffinity(0))),
+            respawn_cap=config.supervisor.max_concurrent_respawns,
         )
         self.writes = self.node.writes
         self.models: dict[str, ModelRuntime] = {}
@@ -321,6 +327,22 @@ class Supervisor:
             for w in waits:
                 w.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+
+    def report_outlier(self, model: str, backend_id: BackendId, reason: str) -> None:
+        """The request path's outlier detection (agent/serving/outliers.py) ejected local backend
+        ``backend_id`` of ``model`` several times in a row: a healthy backend becomes unhealthy
+        with ``reason``, as a failed probe streak would, and is respawned by the ladder's rules
+        (budget, backoff, ``supervisor.max_concurrent_respawns``). An unknown model or backend,
+        or one that is not healthy (already respawning, stopped, dead), is ignored (logged at
+        debug). Returns at once; the backend's task acts on it."""
+        task = next((t for t in self._tasks if t.runtime.name == model and t.backend.id == backend_id), None)
+        if task is None:
+            log.debug("outlier report for unknown backend %s of model %r ignored", backend_id, model)
+            return
+        if not task.report(reason):
+            log.debug("outlier report for backend %s ignored: it is %s", backend_id, task.backend.state)
+            return
+        log.warning("backend %s reported failing by outlier detection: %s", backend_id, reason)
 
     # ----------------------------------------------------------------- status
 

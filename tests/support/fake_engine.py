@@ -54,6 +54,12 @@ Knobs (environment):
                              content chunks
     FAKE_SLOTS_FAIL_AFTER_S  /slots answers 500 from this many seconds after start (health
                              stays ok): the agent's load reading goes stale
+    FAKE_HEALTH_FAIL_FILE    /health answers 503 ("health blip (FAKE_HEALTH_FAIL_FILE)") while
+                             this path exists; completions are not affected (a /health blip)
+    FAKE_COMPLETION_STATUS   every completion answers this status at once (e.g. 503, in
+                             llama-server's error shape) while /health and /slots stay fine; or
+                             the path of a file holding the status, read per request (missing,
+                             empty or 0: answer normally), so a test can make it fail and recover
 """
 
 from __future__ import annotations
@@ -101,6 +107,19 @@ class Knobs:
     nonstream_ignores_close: bool = False
     error_after_chunks: int | None = None
     slots_fail_after_s: float | None = None
+    health_fail_file: str = ""
+    completion_status: str = ""
+
+    def failing_status(self) -> int:
+        """FAKE_COMPLETION_STATUS now (0: answer normally)."""
+        value = self.completion_status
+        if value.startswith("/"):
+            try:
+                with open(value) as f:
+                    value = f.read()
+            except OSError:
+                return 0
+        return int(value) if value.strip() else 0
 
     @classmethod
     def from_env(cls) -> Knobs:
@@ -119,6 +138,8 @@ class Knobs:
             nonstream_ignores_close=os.environ.get("FAKE_NONSTREAM_IGNORES_CLOSE", "") == "1",
             error_after_chunks=_env_int("FAKE_ERROR_AFTER_CHUNKS", None),
             slots_fail_after_s=_env_float("FAKE_SLOTS_FAIL_AFTER_S", None),
+            health_fail_file=os.environ.get("FAKE_HEALTH_FAIL_FILE", ""),
+            completion_status=os.environ.get("FAKE_COMPLETION_STATUS", "").strip(),
         )
 
 
@@ -186,6 +207,8 @@ async def health(request: web.Request) -> web.Response:
             {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
             status=503, headers=_headers(), dumps=_dumps,
         )
+    if engine.knobs.health_fail_file and os.path.exists(engine.knobs.health_fail_file):
+        return _error(503, "health blip (FAKE_HEALTH_FAIL_FILE)", "unavailable_error")
     return web.json_response({"status": "ok"}, headers=_headers(), dumps=_dumps)
 
 
@@ -254,6 +277,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
                       "not_supported_error")
     if not engine.loaded():
         return _error(503, "Loading model", "unavailable_error")
+    failing = engine.knobs.failing_status()
+    if failing:
+        engine.requests_total += 1
+        return _error(failing, "fake engine fails every completion (FAKE_COMPLETION_STATUS)", "server_error")
     body = await _read_json(request)
     if isinstance(body, web.Response):
         return body

@@ -26,7 +26,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 # Defaults computed at run time: documented in words.
 DYNAMIC_DEFAULTS = {("node", "name")}
-# ModelConfig fields that are not keys of the file (the engine block lands in `options`).
+# ModelConfig fields that are not keys of the file (the engine block lands in `options`);
+# a section's sub-table (``[routing.outliers]``) is a section of its own, added by _sections.
 NOT_KEYS = {("models", "options")}
 
 _HEADING = re.compile(r"^#{2,3} `\[{1,2}([a-z_.]+)\]{1,2}`\s*$")
@@ -69,6 +70,11 @@ def _sections() -> dict[str, type[BaseModel]]:
     assert sections["models"] is ModelConfig
     for engine_name, engine in ENGINES.items():
         sections[f"models.{engine_name}"] = engine.options_model
+    for name, model in list(sections.items()):
+        for key, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                sections[f"{name}.{key}"] = field.annotation
+                NOT_KEYS.add((name, key))
     return sections
 
 

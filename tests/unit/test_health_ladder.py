@@ -7,18 +7,18 @@ processes and wall-clock waits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from viiwork.agent.config.schema import HealthConfig
+from viiwork.agent.config.schema import HealthConfig, SupervisorConfig
 from viiwork.agent.supervision import health_ladder as hl
 from viiwork.agent.supervision.backends import BackendState as S
 
 RULES = hl.LadderRules(max_failures=3, max_respawns=3, respawn_backoff_s=1.0, respawn_backoff_max_s=5.0,
-                       healthy_refill_s=600.0)
+                       healthy_refill_s=600.0, success_counts_as_probe_s=10.0, respawn_jitter_s=0.0)
 
 
 def at(state: S, **fields: object) -> hl.Ladder:
@@ -43,6 +43,14 @@ TRANSITIONS = [
      ["ProbeExcused"]),
     (at(S.HEALTHY, healthy_since=0.0, failures=2), hl.ProbeFailed("500"), S.UNHEALTHY,
      ["ProbeCounted", "StopEngine", "Backoff"]),
+    (at(S.HEALTHY, healthy_since=0.0, failures=2), hl.ProbeFailed("500", succeeded_at=9.0), S.HEALTHY,
+     ["ProbeContradicted"]),
+    (at(S.HEALTHY, healthy_since=0.0, failures=2), hl.ProbeFailed("500", respawn_free=False), S.HEALTHY,
+     ["ProbeCounted", "RespawnDeferred"]),
+    (at(S.HEALTHY, healthy_since=0.0), hl.Reported("ejected 3 times"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
+    (at(S.HEALTHY, healthy_since=0.0), hl.Reported("ejected 3 times", respawn_free=False), S.HEALTHY,
+     ["RespawnDeferred"]),
+    (at(S.HEALTHY, healthy_since=0.0, spent=3), hl.Reported("ejected 3 times"), S.DEAD, ["StopEngine", "Die"]),
     (at(S.STARTING), hl.Failed("startup timeout"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
     (at(S.HEALTHY, healthy_since=0.0), hl.Failed("exited"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
     (at(S.STARTING, spent=3), hl.Failed("exited"), S.DEAD, ["StopEngine", "Die"]),
@@ -73,6 +81,8 @@ def test_every_transition(before: hl.Ladder, event: hl.Event, state: S, actions:
         (S.HEALTHY, hl.Ready()),
         (S.STARTING, hl.ProbeOk()),
         (S.UNHEALTHY, hl.ProbeFailed("x")),
+        (S.STARTING, hl.Reported("x")),
+        (S.UNHEALTHY, hl.Reported("x")),
         (S.UNHEALTHY, hl.Failed("x")),
         (S.DEAD, hl.Failed("x")),
         (S.HEALTHY, hl.BackoffOver()),
@@ -86,11 +96,13 @@ def test_events_a_state_cannot_receive_are_refused(state: S, event: hl.Event) ->
         hl.step(at(state), event, 0.0, RULES)
 
 
-def test_rules_come_from_the_health_section() -> None:
+def test_rules_come_from_the_health_section_and_the_supervisors_jitter() -> None:
     health = HealthConfig(max_failures=5, max_respawns=7, respawn_backoff_s=2.0, respawn_backoff_max_s=30.0,
-                          healthy_refill_s=60.0)
-    assert hl.LadderRules.from_config(health) == hl.LadderRules(5, 7, 2.0, 30.0, 60.0)
+                          healthy_refill_s=60.0, success_counts_as_probe_s=4.0)
+    supervisor = SupervisorConfig(respawn_jitter_s=0.5)
+    assert hl.LadderRules.from_config(health, supervisor) == hl.LadderRules(5, 7, 2.0, 30.0, 60.0, 4.0, 0.5)
     assert hl.LadderRules.from_config(HealthConfig()) == hl.LadderRules()
+    assert hl.LadderRules.from_config(HealthConfig(), SupervisorConfig()) == hl.LadderRules()
 
 
 # ----------------------------------------------------------------- probes
@@ -121,6 +133,114 @@ def test_max_failures_in_a_row_end_health_and_a_good_probe_resets_the_count() ->
 def test_only_a_timeout_while_busy_is_excused(timed_out: bool, busy: bool, counted: bool) -> None:
     ladder, _ = hl.step(healthy(), hl.ProbeFailed("x", timed_out=timed_out, busy=busy), 1.0, RULES)
     assert ladder.failures == (1 if counted else 0)
+
+
+# ----------------------------------------------------------------- hysteresis: requests that succeeded
+
+
+def blip(rules: hl.LadderRules, requests_every_s: float | None, horizon_s: float = 30.0) -> list[tuple[float, str]]:
+    """The issue's blip in virtual time: ``health.interval_s`` 1, ``max_failures`` 3; /health
+    answers 503 from t=10 to t=13; requests succeed every ``requests_every_s`` (None: no
+    traffic). Returns (time, action) for every action but ProbeCounted."""
+    ladder = healthy(0.0)
+    now, done = 0.0, []
+    while now < horizon_s:
+        now += 1.0  # the interval
+        failing = 10.0 <= now < 13.0
+        succeeded_at = None if requests_every_s is None else now - 0.1 - (now % requests_every_s)
+        event: hl.Event = hl.ProbeFailed("/health answered 503", succeeded_at=succeeded_at) \
+            if failing else hl.ProbeOk()
+        if ladder.state is not S.HEALTHY:
+            break
+        ladder, actions = hl.step(ladder, event, now, rules)
+        done += [(now, type(a).__name__) for a in actions if not isinstance(a, hl.ProbeCounted)]
+    return done
+
+
+def test_a_health_blip_while_requests_succeed_restarts_nothing() -> None:
+    done = blip(RULES, requests_every_s=0.25)
+    assert done and {a for _, a in done} == {"ProbeContradicted"}
+    # Without the rule (0 s) the same blip ends health: what every backend of every node did.
+    assert [a for _, a in blip(replace(RULES, success_counts_as_probe_s=0.0), requests_every_s=0.25)] \
+        == ["StopEngine", "Backoff"]
+    # Without traffic nothing contradicts the probes.
+    assert [a for _, a in blip(RULES, requests_every_s=None)] == ["StopEngine", "Backoff"]
+
+
+@pytest.mark.parametrize(
+    ("healthy_since", "succeeded_at", "window", "counted"),
+    [(0.0, 90.0, 10.0, False), (0.0, 89.999, 10.0, True), (0.0, 99.5, 0.0, True), (95.0, 94.0, 10.0, True),
+     (95.0, 95.0, 10.0, False), (0.0, None, 10.0, True)],
+    ids=["at-the-window's-edge", "just-older", "rule-off", "before-this-engine-was-healthy",
+         "since-healthy", "no-request-succeeded"],
+)
+def test_a_success_counts_as_a_good_probe_only_within_the_window_and_on_this_engine(
+        healthy_since: float, succeeded_at: float | None, window: float, counted: bool) -> None:
+    rules = replace(RULES, success_counts_as_probe_s=window)
+    ladder, did = hl.step(healthy(healthy_since, failures=0), hl.ProbeFailed("503", succeeded_at=succeeded_at),
+                          100.0, rules)
+    if counted:
+        assert did == (hl.ProbeCounted(1),)
+    else:
+        assert did == (hl.ProbeContradicted(100.0 - (succeeded_at or 0.0)),) and ladder.failures == 0
+
+
+def test_a_contradicted_probe_resets_the_count_like_a_good_one() -> None:
+    ladder = healthy()
+    for n in (1.0, 2.0):
+        ladder, _ = hl.step(ladder, hl.ProbeFailed("503"), n, RULES)
+    assert ladder.failures == 2
+    ladder, did = hl.step(ladder, hl.ProbeFailed("503", timed_out=True, busy=True, succeeded_at=2.5), 3.0, RULES)
+    assert did == (hl.ProbeContradicted(0.5),) and ladder.failures == 0
+
+
+def test_an_engine_that_stops_answering_requests_too_is_unhealthy_at_most_the_window_later() -> None:
+    # The last request succeeded at t=100; from then on every probe (1 s apart) fails.
+    ladder, now, actions = healthy(), 100.0, ()
+    while ladder.state is S.HEALTHY:
+        now += 1.0
+        ladder, actions = hl.step(ladder, hl.ProbeFailed("503", succeeded_at=100.0), now, RULES)
+    # contradicted up to 100 + success_counts_as_probe_s, then max_failures counted probes
+    assert now == 100.0 + 10.0 + 3 * 1.0
+    assert actions == (hl.ProbeCounted(3), hl.StopEngine(), hl.Backoff(1.0))
+
+
+# ----------------------------------------------------------------- staggering: the node's respawn cap
+
+
+def test_no_free_respawn_slot_keeps_a_failing_backend_healthy_until_one_frees() -> None:
+    ladder = healthy()
+    for n in (1.0, 2.0):
+        ladder, _ = hl.step(ladder, hl.ProbeFailed("503", respawn_free=False), n, RULES)
+    for n in (3.0, 4.0, 5.0):  # the streak would end health: deferred, still probed
+        ladder, did = hl.step(ladder, hl.ProbeFailed("503", respawn_free=False), n, RULES)
+        assert did == (hl.ProbeCounted(3), hl.RespawnDeferred("3 failed probes in a row, last: 503"))
+        assert (ladder.state, ladder.failures) == (S.HEALTHY, 3)
+    # a slot frees: the next counted failure ends health at once
+    after, did = hl.step(ladder, hl.ProbeFailed("503"), 6.0, RULES)
+    assert after.state is S.UNHEALTHY and did == (hl.ProbeCounted(3), hl.StopEngine(), hl.Backoff(1.0))
+    # or the blip ends first: a good probe (or a request that succeeded) clears the streak
+    cleared, _ = hl.step(ladder, hl.ProbeOk(), 6.0, RULES)
+    assert (cleared.state, cleared.failures) == (S.HEALTHY, 0)
+    cleared, _ = hl.step(ladder, hl.ProbeFailed("503", succeeded_at=5.9, respawn_free=False), 6.0, RULES)
+    assert (cleared.state, cleared.failures) == (S.HEALTHY, 0)
+
+
+def test_an_outlier_report_ends_health_by_the_usual_rules() -> None:
+    ladder = healthy()
+    after, did = hl.step(ladder, hl.Reported("ejected 3 times in a row"), 1.0, RULES)
+    assert (after.state, after.reason, did) == (S.UNHEALTHY, "ejected 3 times in a row",
+                                                (hl.StopEngine(), hl.Backoff(1.0)))
+    deferred, did = hl.step(ladder, hl.Reported("ejected", respawn_free=False), 1.0, RULES)
+    assert deferred == ladder and did == (hl.RespawnDeferred("ejected"),)
+    spent, did = hl.step(healthy(spent=3), hl.Reported("ejected"), 1.0, RULES)
+    assert spent.state is S.DEAD and did == (hl.StopEngine(), hl.Die("ejected"))
+
+
+def test_the_backoff_carries_the_jitter_for_the_task_to_draw() -> None:
+    rules = replace(RULES, respawn_jitter_s=2.5)
+    _, did = hl.step(healthy(), hl.Failed("exited"), 1.0, rules)
+    assert did == (hl.StopEngine(), hl.Backoff(1.0, 2.5))
 
 
 # ----------------------------------------------------------------- backoff, refill, dead
@@ -224,24 +344,29 @@ def test_load_goes_stale_from_the_last_reading_else_from_health(load_at, healthy
 
 EVENTS = st.one_of(
     st.just(hl.Launched()), st.just(hl.Ready()), st.just(hl.ProbeOk()),
-    st.builds(hl.ProbeFailed, st.just("x"), st.booleans(), st.booleans()),
+    st.builds(hl.ProbeFailed, st.just("x"), st.booleans(), st.booleans(), st.none(), st.booleans()),
+    st.builds(hl.Reported, st.just("x"), st.booleans()),
     st.builds(hl.Failed, st.just("x"), st.booleans()),
     st.just(hl.BackoffOver()), st.just(hl.Parked()), st.just(hl.Revived()),
 )
+# How long before a ProbeFailed a request succeeded (None: none did).
+AGO = st.one_of(st.none(), st.floats(min_value=0.0, max_value=30.0))
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    events=st.lists(st.tuples(EVENTS, st.floats(min_value=0.0, max_value=900.0)), max_size=80),
+    events=st.lists(st.tuples(EVENTS, st.floats(min_value=0.0, max_value=900.0), AGO), max_size=80),
     max_failures=st.integers(1, 5), max_respawns=st.integers(0, 5),
     base=st.floats(0.01, 10.0), cap=st.floats(0.01, 100.0),
 )
 def test_ladder_invariants_hold_for_any_event_sequence(events, max_failures, max_respawns, base, cap) -> None:
     rules = hl.LadderRules(max_failures=max_failures, max_respawns=max_respawns, respawn_backoff_s=base,
-                           respawn_backoff_max_s=cap, healthy_refill_s=600.0)
+                           respawn_backoff_max_s=cap, healthy_refill_s=600.0, success_counts_as_probe_s=10.0)
     ladder, now, respawns = hl.Ladder(), 0.0, 0
-    for event, dt in events:
+    for event, dt, ago in events:
         now += dt
+        if isinstance(event, hl.ProbeFailed) and ago is not None:
+            event = replace(event, succeeded_at=now - ago)
         try:
             after, actions = hl.step(ladder, event, now, rules)
         except hl.InvalidTransition:
@@ -252,7 +377,17 @@ def test_ladder_invariants_hold_for_any_event_sequence(events, max_failures, max
         assert 0 <= after.spent <= max_respawns  # never more respawns in a row than the budget
         assert (after.healthy_since is not None) == (after.state is S.HEALTHY)
         if after.state is S.HEALTHY:
-            assert after.failures < max_failures
+            # max_failures only once a respawn was deferred (no free slot on the node)
+            assert after.failures <= max_failures
+            if after.failures == max_failures and ladder.failures < max_failures:
+                assert any(isinstance(a, hl.RespawnDeferred) for a in actions)
+        recent = (isinstance(event, hl.ProbeFailed) and event.succeeded_at is not None
+                  and ladder.healthy_since is not None and event.succeeded_at >= ladder.healthy_since
+                  and now - event.succeeded_at <= 10.0)
+        if recent:  # a request that succeeded meanwhile: never unhealthy, the count reset
+            assert after.state is S.HEALTHY and after.failures == 0
+        if not getattr(event, "respawn_free", True):
+            assert after.state is ladder.state  # no free respawn slot: health never ends
         for action in actions:
             if isinstance(action, hl.Backoff):
                 assert action.delay_s == min(base * 2 ** after.spent, cap) and action.delay_s <= cap

@@ -20,7 +20,7 @@ import tomli_w
 from support.engines import fake_engine_binary
 from viiwork.agent.config.load import parse_config
 from viiwork.agent.config.schema import Config
-from viiwork.agent.supervision.backends import Backend, BackendState, ModelRuntime, ModelState
+from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime, ModelState
 from viiwork.agent.supervision.launch import config_hash, escape_name
 from viiwork.agent.supervision.runners.process import ProcessRunner
 from viiwork.agent.supervision.supervisor import Supervisor, UnknownModel
@@ -40,6 +40,7 @@ FAST_SUPERVISOR = {
     "stop_timeout_s": 2.0,
     "load_poll_interval_s": 0.1,
     "load_stale_after_s": 0.3,
+    "respawn_jitter_s": 0.1,
 }
 
 
@@ -346,6 +347,79 @@ async def test_load_gate_admits_several_when_configured(tmp_path, binary, superv
     sup = await supervise(config)
     b0, b1 = sup.models["m"].backends
     await eventually(lambda: b0.phase == "loading model" and b1.phase == "loading model", 10, "both loading")
+
+
+# ----------------------------------------------------------------- staggered respawns, outlier reports
+
+
+def most_at_once(rec: Recorder, state: BackendState) -> int:
+    """The most backends that were in ``state`` together, over every recorded change."""
+    return max((sum(1 for s, _, _ in event if s is state) for event in rec.events), default=0)
+
+
+async def test_respawns_after_a_crash_of_several_backends_relaunch_one_at_a_time(tmp_path, binary, supervise):
+    # The load gate would let all three load at once: the respawn cap (1) is what spreads them.
+    config = make_config(tmp_path, [fake_model(binary, backends=3, env={"FAKE_LOAD_S": "0.2"})],
+                         supervisor={"max_parallel_loads": 3, "max_concurrent_respawns": 1, "respawn_jitter_s": 0})
+    sup = await supervise(config)
+    backends = sup.models["m"].backends
+    for b in backends:
+        await healthy(b)
+    rec = Recorder(sup.models["m"])
+    pids = [b.pid for b in backends]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    await eventually(lambda: all(b.respawns == 1 and b.state is BackendState.HEALTHY for b in backends), 20,
+                     "all three respawned and healthy")
+    assert most_at_once(rec, BackendState.UNHEALTHY) >= 2  # they were down together
+    # From the recorded changes, not the clock: never two relaunches (starting) at once.
+    assert most_at_once(rec, BackendState.STARTING) == 1
+    assert any(phase == "waiting for a respawn slot" for event in rec.events for _, _, phase in event)
+    assert not any(alive(p) for p in pids)
+
+
+async def test_a_health_blip_without_traffic_restarts_one_backend_not_the_node(tmp_path, binary, supervise):
+    blip = tmp_path / "blip"
+    config = make_config(tmp_path, [fake_model(binary, backends=3, env={"FAKE_HEALTH_FAIL_FILE": str(blip)})],
+                         supervisor={"max_parallel_loads": 3, "max_concurrent_respawns": 1, "respawn_jitter_s": 0})
+    sup = await supervise(config)
+    backends = sup.models["m"].backends
+    for b in backends:
+        await healthy(b)
+    rec = Recorder(sup.models["m"])
+    blip.touch()  # every engine's /health answers 503; nothing succeeds meanwhile (no requests)
+    await eventually(lambda: sum(b.respawns for b in backends) == 1, 10, "one backend respawning")
+    await asyncio.sleep(1.0)  # 10 probe intervals: every backend's streak ended long ago
+    assert sum(b.state is BackendState.HEALTHY for b in backends) == 2  # kept in service
+    blip.unlink()
+    await eventually(lambda: all(b.state is BackendState.HEALTHY for b in backends), 10, "all healthy")
+    assert sum(b.respawns for b in backends) == 1
+    assert most_at_once(rec, BackendState.UNHEALTHY) + most_at_once(rec, BackendState.STARTING) <= 2
+    assert [b.reason for b in backends if b.respawns] == [""]
+
+
+async def test_report_outlier_respawns_a_healthy_backend_by_the_ladders_rules(tmp_path, binary, supervise):
+    config = make_config(tmp_path, [fake_model(binary, backends=2)], health={"max_respawns": 1})
+    sup = await supervise(config)
+    b0, b1 = sup.models["m"].backends
+    await healthy(b0)
+    await healthy(b1)
+    rec = Recorder(sup.models["m"])
+    first = b0.pid
+    sup.report_outlier("m", b0.id, "ejected 3 times in a row: 5 failures in a row")
+    await eventually(lambda: b0.respawns == 1 and b0.state is BackendState.HEALTHY and b0.pid != first, 10,
+                     "respawned after the report")
+    assert not alive(first)
+    assert BackendState.UNHEALTHY in rec.states(0)
+    assert b1.respawns == 0 and BackendState.UNHEALTHY not in rec.states(1)
+    # unknown model or backend: ignored
+    sup.report_outlier("nope", b0.id, "x")
+    sup.report_outlier("m", BackendId("m-9"), "x")
+    # the budget counts: one more report and the backend is dead (max_respawns 1)
+    sup.report_outlier("m", b0.id, "ejected again")
+    await eventually(lambda: b0.state is BackendState.DEAD, 10, "dead after the budget")
+    assert b0.reason == "ejected again"
+    assert b1.state is BackendState.HEALTHY and b1.respawns == 0
 
 
 # ----------------------------------------------------------------- drain, stop, down/up

@@ -1,5 +1,10 @@
 """SystemdRunner: each backend is a transient systemd service, driven over D-Bus (docs/architecture.md, "A backend's life").
 
+One module (over 400 lines) because ``SystemdRunner`` is one conversation with systemd: the
+unit's start, the signals that follow it, adoption after a restart and the stop share one bus
+connection and one table of watched units. The parts that stand alone are beside it: D-Bus
+calls (bus.py), unit names and properties (units.py), one unit's handle (handle.py).
+
 The runner talks to ``org.freedesktop.systemd1`` with dbus-fast (asyncio), on the system bus
 in production and the user bus in development and tests:
 
