@@ -182,9 +182,11 @@ class ClientApi:
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
         outcome = await self.pipeline.run(call)
-        # A model no node serves is counted as "-": a client cannot grow /metrics at will.
-        unknown = isinstance(outcome, Refuse) and outcome.status == 404
-        return self._count("-" if unknown else model, _render(outcome))
+        # A model no node serves is counted as "-": a client cannot grow /metrics at will
+        # (a refusal before routing, such as a drain's 503, names a model nobody checked).
+        known = model in self.runtimes or not isinstance(outcome, Refuse) or (
+            outcome.status != 404 and self.pipeline.peers.kind_of(model) is not None)
+        return self._count(model if known else "-", _render(outcome))
 
     async def handle_forwarded(self, request: web.Request) -> web.StreamResponse:
         """A request forwarded by a peer, on the mesh listener (mutual TLS): it enters the

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -212,10 +213,11 @@ class Pipeline:
         failures = 0
         failed_peers: set[NodeId] = set()
         avoid: set[str] = set()  # local backends it failed on
-        if len(queue):  # never overtake a waiting request: wait behind it for the next slot
+        here = self.peers.is_here(call.host)
+        if queue.ahead(call.host, here):  # never overtake a waiting request: wait behind it
             if queue.full():
                 return self._queue_full(queue)
-            waiter = queue.enter(call.host, self.peers.is_here(call.host))
+            waiter = queue.enter(call.host, here)
         behind = waiter is not None
         try:
             while True:
@@ -296,7 +298,10 @@ class Pipeline:
                     if queue.full():
                         return failed.response if failed is not None else self._queue_full(queue)
                     # A request that failed here waits for a slot routed to it, not a local grant.
-                    waiter = queue.enter(call.host, self.peers.is_here(call.host) and not avoid)
+                    # In its place by arrival: a request refused elsewhere first is not
+                    # put behind those that came after it.
+                    arrived = time.monotonic() - (loop.time() - started)
+                    waiter = queue.enter(call.host, here and not avoid, arrived)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return failed.response if failed is not None else self._queue_timeout(queue)
@@ -344,7 +349,7 @@ class Pipeline:
         runtime = self.runtimes.get(model)
         kind = runtime.config.kind.value if runtime is not None else self.peers.kind_of(model)
         if kind is not None and kind != call.kind:
-            return Refuse(400, f"model {model!r} is a {kind} model; {call.request.path} needs a {call.kind} model",
+            return Refuse(400, f"model {model!r} is {_a(kind)} model; {call.request.path} needs {_a(call.kind)} model",
                           param="model", code=ErrorCode.WRONG_MODEL_KIND)
         if self.draining:
             return Refuse(503, f"node {self.node_name!r} is draining for maintenance and admits no new requests",
@@ -426,3 +431,8 @@ class PeerRefusal(Refuse):
 
 def _refusal(status: int, reason: str, message: str) -> PeerRefusal:
     return PeerRefusal(status, message, code=_REFUSAL_CODES.get(reason), retry_after_s=1, reason=reason)
+
+
+def _a(word: str) -> str:
+    """``word`` with its indefinite article: "a chat", "an embedding"."""
+    return ("an " if word[:1] in "aeiou" else "a ") + word

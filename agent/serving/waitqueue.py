@@ -124,10 +124,28 @@ class WaitQueue:
         if self._head() is not head and self.on_head_change is not None:
             self.on_head_change()
 
-    def enter(self, host: str | None = None, here: bool = True) -> Waiter:
+    def ahead(self, host: str | None, here: bool) -> bool:
+        """A request waits here that a new one (pinned to ``host``, None: not pinned) must not
+        overtake: one that could take the slot the new one would, i.e. an unpinned waiter, or
+        one pinned to the same node. A waiter pinned to a node waits only while that node is
+        busy (a slot freed there is handed to it first), so it holds back no request that can
+        run elsewhere. ``here`` (the new request may run on this node) is for the caller's
+        records; it does not change the answer."""
+        for w in self._waiters:
+            if not w.dispatched and (w.host is None or w.host == host):
+                return True
+        return False
+
+    def enter(self, host: str | None = None, here: bool = True, arrived: float | None = None) -> Waiter:
+        """A new waiter, in arrival order: ``arrived`` (monotonic s; default now) places a
+        request that arrived earlier (it was refused elsewhere first) before later ones."""
         head = self._head()
-        waiter = Waiter(asyncio.Event(), time.monotonic(), host, here)
-        self._waiters.append(waiter)
+        waiter = Waiter(asyncio.Event(), time.monotonic() if arrived is None else arrived, host, here)
+        if arrived is None or not self._waiters or self._waiters[-1].arrived <= arrived:
+            self._waiters.append(waiter)
+        else:
+            at = next(i for i, w in enumerate(self._waiters) if w.arrived > arrived)
+            self._waiters.insert(at, waiter)
         self._changed(head)
         return waiter
 

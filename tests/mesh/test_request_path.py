@@ -9,9 +9,12 @@ by a slow streamed request sent straight to that node.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -123,9 +126,41 @@ async def test_queue_timeout_in_mesh_mode_is_429_with_retry_after(mesh2: dict[st
 
 
 async def test_a_new_request_does_not_get_past_a_full_queue(mesh2: dict[str, Agent]) -> None:
-    """The queue holds one request (queue_max = 1) pinned to node-b, whose slot is busy;
-    node-a's slot is free. A new request must not run ahead of the waiting one: it gets
-    429 "queue is full" at once, and the waiting one runs on node-b when its slot frees."""
+    """Every slot of the mesh is busy and the queue (queue_max = 1) holds one request that
+    could run anywhere. A new request must not run ahead of it: it gets 429 "queue is full"
+    at once, and the waiting one runs first when a slot frees."""
+    a, b = mesh2["a"], mesh2["b"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        await local_busy(a, 0, http)
+        await local_busy(b, 0, http)
+        holders = [await hold_slot(http, a, "node-a"), await hold_slot(http, b, "node-b")]
+        try:
+            await busy_seen_by(a, "node-b", 1, http)
+
+            async def anywhere() -> tuple[int, str]:
+                async with http.post(f"{a.url}/v1/chat/completions", json=chat(max_tokens=1)) as r:
+                    await r.read()
+                    return r.status, r.headers.get("X-Viiwork-Node", "")
+
+            waiting = asyncio.create_task(anywhere())
+            await queued_at(a, 1, http)
+            async with http.post(f"{a.url}/v1/chat/completions", json=chat(max_tokens=1)) as r:
+                doc = await r.json()
+                assert r.status == 429, (r.headers.get("X-Viiwork-Node"), doc)
+                assert "Retry-After" in r.headers and "queue is full" in doc["error"]["message"]
+        finally:
+            for h in holders:
+                h.close()
+        # A slot freed (the holders left): the waiting request runs.
+        assert (await asyncio.wait_for(waiting, 20))[0] == 200
+
+
+async def test_requests_pinned_to_a_busy_peer_do_not_hold_back_an_idle_node(mesh2: dict[str, Agent]) -> None:
+    """The queue (queue_max = 1) holds a request pinned to node-b, whose slot is busy;
+    node-a's slot is free. A request that may run anywhere does not compete for node-b's
+    slot with it: it runs on node-a at once instead of a 429 (found by an attacker: any
+    client could make an idle node refuse everything with requests pinned to a busy peer).
+    The pinned one still runs on node-b when its slot frees."""
     a, b = mesh2["a"], mesh2["b"]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         await local_busy(a, 0, http)
@@ -141,21 +176,49 @@ async def test_a_new_request_does_not_get_past_a_full_queue(mesh2: dict[str, Age
                     return r.status, r.headers.get("X-Viiwork-Node", "")
 
             waiting = asyncio.create_task(pinned())
-            deadline = time.monotonic() + 5
-            while True:  # the pinned request is in node-a's queue
-                async with http.get(f"{a.url}/v1/status") as r:
-                    doc = await r.json()
-                (model,) = [m for m in doc["models"] if m["name"] == "shared"]
-                if model.get("queued") == 1:
-                    break
-                assert time.monotonic() < deadline, f"the pinned request never queued: {model}"
-                await asyncio.sleep(0.02)
+            await queued_at(a, 1, http)
             async with http.post(f"{a.url}/v1/chat/completions", json=chat(max_tokens=1)) as r:
                 doc = await r.json()
-                assert r.status == 429, (r.headers.get("X-Viiwork-Node"), doc)
-                assert "Retry-After" in r.headers and "queue is full" in doc["error"]["message"]
-            await local_busy(a, 0, http)  # nothing ran on node-a meanwhile
+                assert (r.status, r.headers.get("X-Viiwork-Node")) == (200, "node-a"), doc
+            assert not waiting.done()  # still waiting for node-b's slot
         finally:
             holder.close()
-        # Its slot freed (the holder left), the waiting request runs where it was pinned.
         assert await asyncio.wait_for(waiting, 20) == (200, "node-b")
+
+
+async def queued_at(agent: Agent, queued: int, http: aiohttp.ClientSession, timeout_s: float = 5) -> None:
+    """Wait until ``agent``'s queue for model "shared" holds ``queued`` requests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with http.get(f"{agent.url}/v1/status") as r:
+            doc = await r.json()
+        (model,) = [m for m in doc["models"] if m["name"] == "shared"]
+        if model.get("queued") == queued:
+            return
+        assert time.monotonic() < deadline, f"the queue never held {queued}: {model}"
+        await asyncio.sleep(0.02)
+
+
+async def test_unknown_models_sent_to_a_draining_node_do_not_grow_metrics(mesh2: dict[str, Agent]) -> None:
+    """A draining mesh node refuses every request (503) before routing: a model name that no
+    node serves is counted as "-" on /metrics, as a 404 is, so a client sending random names
+    cannot grow /metrics without bound (found by an attacker: 5,000 names, 887 KB)."""
+    b = mesh2["b"]
+    assert b.state_dir is not None
+    ctl = Path(sys.executable).parent / "viiworkctl"
+    sock = str(b.state_dir / "admin.sock")
+    subprocess.run([str(ctl), "drain", "--socket", sock], check=True, capture_output=True, timeout=30)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            for i in range(20):
+                async with http.post(f"{b.url}/v1/chat/completions", json={**chat(), "model": f"nobody-{i}"}) as r:
+                    assert r.status == 503, await r.text()
+            async with http.post(f"{b.url}/v1/chat/completions", json=chat()) as r:
+                assert r.status == 503  # a model the mesh serves keeps its name
+            async with http.get(f"{b.url}/metrics") as r:
+                text = await r.text()
+        assert "nobody-" not in text
+        assert 'viiwork_responses_total{model="-",code="503"} 20' in text
+        assert 'viiwork_responses_total{model="shared",code="503"}' in text
+    finally:
+        subprocess.run([str(ctl), "undrain", "--socket", sock], check=True, capture_output=True, timeout=30)

@@ -133,3 +133,35 @@ async def test_cancelled_waiter_hands_slot_to_next() -> None:
     q.release(unused)
     q.grant()
     assert b.grant is held and held.in_flight == 1
+
+
+async def test_a_waiter_pinned_elsewhere_is_not_ahead() -> None:
+    """``WaitQueue.ahead``: a waiter pinned to another node competes only for that node's
+    slots; an unpinned one, or one pinned to the same node, holds a new request back."""
+    q = queues(runtime(1)).of("m")
+    q.enter("node-b", here=False)
+    assert not q.ahead(None, True)  # may run anywhere: node-b's waiter is not in its way
+    assert not q.ahead("node-a", True)  # pinned here
+    assert q.ahead("node-b", False)  # pinned to the same busy node: behind it
+    q.enter("node-a", here=True)  # waits while node-a (this node) is busy
+    assert not q.ahead(None, True)  # it can run on an idle peer meanwhile
+    assert q.ahead("node-a", True)
+    free = queues(runtime(1)).of("m")
+    free.enter(None)
+    assert free.ahead(None, True) and free.ahead("node-b", False)
+
+
+async def test_a_request_refused_elsewhere_waits_in_its_arrival_place() -> None:
+    """A request that arrived first but waits only after a peer refused it (``arrived``
+    given) goes before the requests that arrived after it: the freed slot is its."""
+    rt = runtime(1)
+    q = queues(rt).of("m")
+    held = q.take()
+    assert held is not None
+    later = [q.enter(), q.enter()]
+    first = q.enter(arrived=later[0].arrived - 1.0)
+    q.release(held)
+    q.grant()
+    assert first.grant is held
+    assert all(w.grant is None for w in later)
+    assert q.oldest() == first.arrived
