@@ -181,7 +181,9 @@ class MeshLink:
         # Slot offers (viiwork.agent.peering.offers): a new oldest waiter is announced to peers.
         queues.head_listeners.append(self._announce_soon)
         clock_ms = lambda: time.monotonic() * 1000.0  # noqa: E731
-        self.wants = WantBook(clock=clock_ms, ttl_ms=(config.routing.queue_timeout_s + 5.0) * 1000.0)
+        # A want's age counts as at most this node's queue timeout (WantBook: why not the bound).
+        self.wants = WantBook(clock=clock_ms, ttl_ms=(config.routing.queue_timeout_s + 5.0) * 1000.0,
+                              max_age_ms=config.routing.queue_timeout_s * 1000.0)
         self.holds = Holds(clock=clock_ms)
         self.offer_counters: Counter[str] = Counter()
         self._announced: dict[str, float | None] = {}
@@ -568,7 +570,10 @@ class MeshLink:
     async def _offer(self, hold: Hold, target: PeerTarget) -> None:
         """Offer the held slot; free it when declined, failed, or not claimed within
         ``hold_ms`` of a "taking" answer. Whatever happens here (even an error this code
-        does not foresee), the hold ends with this task; ``stop`` frees holds itself."""
+        does not foresee), the hold ends with this task; ``stop`` frees holds itself. An
+        origin that took the slot and did not claim it, or did not answer, gets a strike
+        before the slot is offered again (``WantBook.unclaimed``: its wants are ignored a
+        while), so it cannot keep the slot held for ever."""
         try:
             answer = await self._post(target, OFFER_PATH, {"model": hold.model, "offer": hold.offer_id})
             if answer is not None and answer.get("taking") is True:
@@ -576,13 +581,27 @@ class MeshLink:
                 await asyncio.sleep(self.holds.hold_ms / 1000.0)
                 if self.holds.drop(hold.offer_id) is not None:  # not claimed meanwhile
                     self.offer_counters["holds_expired"] += 1
+                    self._strike(hold, "took the offer and did not claim it")
                     self._free_hold(hold, reoffer=not self._stopped)
                 return
-            self.offer_counters["offers_declined" if answer is not None else "offers_failed"] += 1
+            if answer is None:
+                self.offer_counters["offers_failed"] += 1
+                if not self._stopped:  # (a stopping agent's own session fails it)
+                    self._strike(hold, "did not answer the offer")
+            else:
+                self.offer_counters["offers_declined"] += 1
         finally:
             left = self.holds.drop(hold.offer_id)
             if left is not None:
                 self._free_hold(left, reoffer=not self._stopped)
+
+    def _strike(self, hold: Hold, what: str) -> None:
+        strike = self.wants.unclaimed(hold.peer)
+        self.offer_counters["strikes"] += 1
+        if strike.log:  # once per origin per STRIKE_LOG_MS; the counter has every one
+            log.warning("mesh: %s %s for %s (strike %d in a row): its wants are ignored for %.0f s "
+                        "(docs/routing.md, Slot offers)", self.peer_name(hold.peer), what, hold.model,
+                        strike.count, strike.ignored_ms / 1000.0)
 
     def _free_hold(self, hold: Hold | None, reoffer: bool = True) -> None:
         if hold is None:
@@ -601,6 +620,7 @@ class MeshLink:
             self.offer_counters["claims_unknown"] += 1
             return None
         self.offer_counters["claims"] += 1
+        self.wants.claimed(hold.peer)
         return hold.backend
 
     def status(self) -> dict[str, Any]:

@@ -27,6 +27,13 @@ The exchange, for model ``M``:
 4. A hold that is not claimed within :data:`HOLD_MS` of the origin's answer (the answer
    itself may take up to the message timeout, 2 s) is freed by the glue, which also frees
    it whatever else ends the offer (a failed answer, a stopping agent).
+
+Any member can send wants, so the book does not take them on trust (docs/security.md): a
+want's age is capped (:class:`WantBook`, ``max_age_ms``), and an origin that said "taking"
+and never claimed, or never answered, gets a strike (:meth:`WantBook.unclaimed`): its wants
+are ignored for :data:`STRIKE_FIRST_MS`, doubling per strike in a row up to
+:data:`STRIKE_MAX_MS`, until it claims an offer again. Without that, one member announcing
+a day-old waiter and taking every offer kept a node's slot held for it for good.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from viiwork.agent.config.schema import MAX_DURATION_S
 from viiwork.agent.supervision.backends import Backend
 from viiwork.mesh.identity import NodeId
 
@@ -43,6 +51,11 @@ OFFER_HEADER = "X-Viiwork-Offer"  # on a forward: the id of the offer whose held
 HOLD_MS = 1000.0  # ms: a held slot not claimed within this is freed (a claim takes ~1 RTT)
 WANT_FANOUT = 32  # peers told about an origin's waiters, per model (most slots first)
 MAX_WAITING = 1_000_000  # a want's `waiting` above this is malformed
+MAX_OLDEST_MS = MAX_DURATION_S * 1000.0  # a want's `oldest_ms` above this is malformed (no queue waits longer)
+STRIKE_FIRST_MS = 1000.0  # an origin's first unclaimed offer: its wants are ignored this long
+STRIKE_MAX_MS = 60_000.0  # the ignoring doubles per strike in a row, up to this
+STRIKE_LOG_MS = 60_000.0  # at most one log line per origin this often
+STRIKE_FORGET_MS = 600_000.0  # strikes whose ignoring ended this long ago are forgotten
 
 
 class WantError(ValueError):
@@ -68,8 +81,8 @@ class Want:
             raise WantError("want.model must be a non-empty string of at most 256 characters")
         if isinstance(waiting, bool) or not isinstance(waiting, int) or not 0 <= waiting <= MAX_WAITING:
             raise WantError(f"want.waiting must be an integer from 0 to {MAX_WAITING}")
-        if isinstance(oldest, bool) or not isinstance(oldest, int | float) or not 0 <= oldest <= 86_400_000:
-            raise WantError("want.oldest_ms must be a number of milliseconds from 0 to 86400000")
+        if isinstance(oldest, bool) or not isinstance(oldest, int | float) or not 0 <= oldest <= MAX_OLDEST_MS:
+            raise WantError(f"want.oldest_ms must be a number of milliseconds from 0 to {MAX_OLDEST_MS:.0f}")
         return cls(model, waiting, float(oldest))
 
     def doc(self) -> dict[str, Any]:
@@ -96,21 +109,51 @@ class _Entry:
     heard_at_ms: float
 
 
+@dataclass(frozen=True, slots=True)
+class Strike:
+    """What :meth:`WantBook.unclaimed` decided: the origin's ``count``-th strike in a row, its
+    wants ignored for ``ignored_ms`` from now; ``log``: the first strike of this origin in
+    :data:`STRIKE_LOG_MS` (log it; the others only count)."""
+
+    count: int
+    ignored_ms: float
+    log: bool
+
+
+@dataclass(slots=True)
+class _Strikes:
+    count: int
+    until_ms: float  # its wants are ignored until then (this node's clock)
+
+
 class WantBook:
-    """What this node knows of other origins' waiting requests, per model.
+    """What this node knows of other origins' waiting requests, per model, and which
+    origins' wants it ignores for now (strikes, see the module doc).
 
     ``clock``: monotonic milliseconds; ``ttl_ms``: an entry not renewed within this is
     dropped (a waiter never waits longer than ``routing.queue_timeout_s``, and the origin
-    announces every new oldest waiter, so an older entry is a lost message).
+    announces every new oldest waiter, so an older entry is a lost message);
+    ``max_age_ms`` (default ``ttl_ms``): a want's ``oldest_ms`` above this counts as this
+    much. The agent passes its own ``routing.queue_timeout_s``, not the config's bound (a
+    day, which caps nothing): this node's own waiters are never older than its timeout, so
+    a waiter at an honest origin with a longer timeout, capped, still beats every one of
+    them, as it did uncapped; between remote origins, a made-up day-old waiter ranks no
+    older than an honest one at the cap (only among wants older than the cap is the order
+    lost: the first heard wins). The cap alone cannot stop a member from outranking this
+    node's waiters (any age up to it may be honest); the strikes do.
     """
 
-    def __init__(self, clock: Callable[[], float], ttl_ms: float) -> None:
+    def __init__(self, clock: Callable[[], float], ttl_ms: float, max_age_ms: float | None = None) -> None:
         self.clock = clock
         self.ttl_ms = ttl_ms
+        self.max_age_ms = ttl_ms if max_age_ms is None else max_age_ms
         self._models: dict[str, dict[NodeId, _Entry]] = {}
+        self._strikes: dict[NodeId, _Strikes] = {}
+        self._logged: dict[NodeId, float] = {}  # when each origin's strike was last logged
 
     def note(self, peer: NodeId, want: Want) -> None:
-        """``peer`` announced ``want`` (its oldest waiter is ``oldest_ms`` old now)."""
+        """``peer`` announced ``want`` (its oldest waiter is ``oldest_ms`` old now, counted
+        as at most ``max_age_ms``)."""
         book = self._models.setdefault(want.model, {})
         if want.waiting <= 0:
             book.pop(peer, None)
@@ -118,7 +161,7 @@ class WantBook:
                 del self._models[want.model]
             return
         now = self.clock()
-        book[peer] = _Entry(now - want.oldest_ms, want.waiting, now)
+        book[peer] = _Entry(now - min(want.oldest_ms, self.max_age_ms), want.waiting, now)
 
     def pick(self, model: str, own_oldest_ms: float | None,
              eligible: Callable[[NodeId], bool] = lambda _peer: True) -> NodeId | None:
@@ -126,7 +169,8 @@ class WantBook:
         whose oldest waiter is older than this node's own oldest (``own_oldest_ms``: its
         age, None when nothing waits here); None: this node's own queue (or nobody) takes
         it. Ties go to this node (no round trip). Only peers for which ``eligible`` is true
-        (alive, still serving the model) are considered."""
+        (alive, still serving the model) and whose wants are not ignored for a strike
+        (:meth:`unclaimed`) are considered."""
         book = self._models.get(model)
         if not book:
             return None
@@ -137,9 +181,39 @@ class WantBook:
             if now - entry.heard_at_ms > self.ttl_ms:
                 del book[peer]
                 continue
-            if entry.oldest_at_ms < best_at and eligible(peer):
+            if entry.oldest_at_ms < best_at and not self.ignored(peer, now) and eligible(peer):
                 best, best_at = peer, entry.oldest_at_ms
         return best
+
+    def ignored(self, peer: NodeId, now: float | None = None) -> bool:
+        """Are ``peer``'s wants ignored now (a strike's time not yet over)?"""
+        strikes = self._strikes.get(peer)
+        return strikes is not None and (self.clock() if now is None else now) < strikes.until_ms
+
+    def unclaimed(self, peer: NodeId) -> Strike:
+        """``peer`` answered "taking" to an offer and did not claim it in time (or did not
+        answer at all): a strike. Its wants are ignored for :data:`STRIKE_FIRST_MS` times 2
+        per earlier strike in a row, at most :data:`STRIKE_MAX_MS`; :meth:`claimed` ends the
+        row. Strikes outlive :meth:`forget` (leaving and joining again clears nothing) and
+        are forgotten :data:`STRIKE_FORGET_MS` after their time is over."""
+        now = self.clock()
+        for other, old in list(self._strikes.items()):
+            if now - old.until_ms > STRIKE_FORGET_MS:
+                del self._strikes[other]
+        for other, at in list(self._logged.items()):
+            if now - at >= STRIKE_LOG_MS:
+                del self._logged[other]
+        count = self._strikes[peer].count + 1 if peer in self._strikes else 1
+        ignored_ms = min(STRIKE_FIRST_MS * 2.0 ** min(count - 1, 32), STRIKE_MAX_MS)
+        self._strikes[peer] = _Strikes(count, now + ignored_ms)
+        log = peer not in self._logged
+        if log:
+            self._logged[peer] = now
+        return Strike(count, ignored_ms, log)
+
+    def claimed(self, peer: NodeId) -> None:
+        """``peer`` claimed an offer: its strikes end (its wants count again at once)."""
+        self._strikes.pop(peer, None)
 
     def offered(self, peer: NodeId, model: str) -> None:
         """A slot was offered to ``peer`` (or it declined): forget its entry until it

@@ -19,6 +19,7 @@ sets how long it holds its slot (``TOKEN_S`` per token).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import time
@@ -564,6 +565,63 @@ async def test_a_hold_is_freed_whatever_the_offer_answer(one_agent: Agent, tmp_p
         doc = await wait(b, lambda d: offers(d)["held"] == 0 and busy_local(d) == 0, 6,
                          "B's hold freed (HOLD_MS is 1 s, the message timeout 2 s)")
         assert doc
+    finally:
+        await probe.stop(leave=False)
+
+
+async def test_a_member_that_takes_offers_and_never_claims_cannot_starve_local_waiters(
+        one_agent: Agent, tmp_path: Path) -> None:
+    """A member (open trust: anyone who knows the mesh id) tells B every 50 ms that its oldest
+    waiter is a day old, takes every offer and never claims one. B's own requests pinned to
+    B, each sent while B's slot is held for the member, still run within about HOLD_MS: the
+    day counts as B's queue timeout at most, and each unclaimed offer is a strike (its wants
+    ignored 1 s, then 2 s, ...). Before: B kept its only slot held for the member, and the
+    pinned request got 429 after the queue timeout (10 s)."""
+    b = one_agent
+    probe, offered = await start_taking_probe(tmp_path, b)
+    base = f"https://{mesh_address(b)}"
+    wants_sent = 0
+    try:
+        await wait(b, lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 15, "the probe alive at B")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe.client_ssl_context)) as as_probe, \
+                aiohttp.ClientSession() as http:
+            async def flood() -> None:
+                nonlocal wants_sent
+                while True:
+                    async with as_probe.post(base + "/mesh/v1/want",
+                                             json={"model": "shared", "waiting": 1, "oldest_ms": 86_000_000}) as r:
+                        assert r.status == 204
+                    wants_sent += 1
+                    await asyncio.sleep(0.05)
+
+            flooding = asyncio.create_task(flood())
+            offered_at: list[float] = []
+            try:
+                for i in range(3):
+                    # B's slot is held for the probe now (each offer after the last strike's time)
+                    await asyncio.wait_for(offered.get(), 10)
+                    t0 = time.monotonic()
+                    offered_at.append(t0)
+                    async with http.post(f"{b.url}/v1/chat/completions?host=node-b", json=chat(seconds=0.2)) as r:
+                        await r.read()
+                        took = time.monotonic() - t0
+                        assert r.status == 200, (f"pinned request {i}: {r.status} after {took:.1f} s; "
+                                                 f"B's offers: {offers(b.status())}")
+                    assert took < 3.0, f"pinned request {i} took {took:.1f} s; B's offers: {offers(b.status())}"
+                assert not flooding.done()
+            finally:
+                flooding.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flooding
+        o = offers(b.status())
+        assert wants_sent >= 10 and o["wants_in"] >= wants_sent, (wants_sent, o)
+        assert o["holds_expired"] >= 3 and o["strikes"] == o["holds_expired"] and o.get("claims", 0) == 0, o
+        assert o["offers_out"] <= o["strikes"] + 1, o  # one offer per strike's time at most
+        # between offers: the hold (1 s) and the strike's time, 1 s then 2 s (at least; measured ~2.0, ~3.0)
+        gaps = [later - earlier for earlier, later in zip(offered_at, offered_at[1:], strict=False)]
+        assert gaps[0] >= 1.9 and gaps[1] >= 2.9, gaps
+        logged = [line for line in b.log_text().splitlines() if "did not claim it" in line]
+        assert len(logged) == 1 and "probe" in logged[0] and "strike 1" in logged[0], logged
     finally:
         await probe.stop(leave=False)
 

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from viiwork.agent.peering.offers import HOLD_MS, Holds, Want, WantBook, WantError, parse_offer
+from viiwork.agent.peering.offers import (
+    HOLD_MS,
+    MAX_OLDEST_MS,
+    STRIKE_FIRST_MS,
+    STRIKE_FORGET_MS,
+    STRIKE_LOG_MS,
+    STRIKE_MAX_MS,
+    Holds,
+    Want,
+    WantBook,
+    WantError,
+    parse_offer,
+)
 from viiwork.mesh.identity import NodeId
 
 A, B, C = NodeId("a" * 16), NodeId("b" * 16), NodeId("c" * 16)
@@ -115,6 +127,84 @@ def test_forget_drops_a_peer_everywhere(book: WantBook) -> None:
     book.note(A, Want("n", 1, 10.0))
     book.forget(A)
     assert book.pick("m", None) is None and book.pick("n", None) is None
+
+
+
+# --- what a member cannot make up: a want's age, offers it takes and never claims ------------------
+
+
+def test_a_wants_age_counts_as_at_most_the_cap(clock: Clock) -> None:
+    """A member says its oldest waiter is a day old: it counts as ``max_age_ms`` (this node's
+    queue timeout), so it beats a waiter here only as an honest one that old would, and an
+    honest remote waiter just under the cap, heard earlier, is not outranked."""
+    book = WantBook(clock=clock, ttl_ms=25_000.0, max_age_ms=20_000.0)
+    assert WantBook(clock=clock, ttl_ms=25_000.0).max_age_ms == 25_000.0  # default: the ttl
+    book.note(A, Want("m", 1, 19_999.0))
+    clock.ms += 2.0  # A's is 20 001 ms old now
+    book.note(B, Want("m", 1, MAX_OLDEST_MS))  # counts as 20 000 ms
+    assert book.pick("m", None) == A
+    book.forget(A)
+    assert book.pick("m", None) == B
+    assert book.pick("m", 19_999.0) == B  # every waiter here is younger than the cap: B still wins
+    assert book.pick("m", 20_000.0) is None  # the same age: a tie, this node's
+    clock.ms += 1000.0
+    assert book.pick("m", 20_999.0) == B and book.pick("m", 21_000.0) is None  # ages from when heard
+
+
+def test_an_origin_that_takes_and_never_claims_is_ignored_for_a_doubling_time(book: WantBook, clock: Clock) -> None:
+    book.note(A, Want("m", 1, 900.0))
+    book.note(B, Want("m", 1, 100.0))
+    first = book.unclaimed(A)
+    assert (first.count, first.ignored_ms, first.log) == (1, STRIKE_FIRST_MS, True)
+    assert book.ignored(A) and not book.ignored(B)
+    book.note(A, Want("m", 1, 900.0))  # it announces again at once: still ignored
+    assert book.pick("m", None) == B
+    assert book.pick("m", 50.0, eligible=lambda p: p != B) is None  # this node's own waiter, younger than A's
+    clock.ms += STRIKE_FIRST_MS - 1.0
+    assert book.pick("m", None, eligible=lambda p: p != B) is None
+    clock.ms += 1.0
+    assert book.pick("m", None) == A  # its time is over
+    second = book.unclaimed(A)
+    assert (second.count, second.ignored_ms, second.log) == (2, 2 * STRIKE_FIRST_MS, False)  # logged once
+    clock.ms += 2 * STRIKE_FIRST_MS - 1.0
+    assert book.ignored(A)
+    clock.ms += 1.0
+    assert not book.ignored(A)
+    times = [book.unclaimed(A).ignored_ms for _ in range(10)]
+    assert times[:4] == [4 * STRIKE_FIRST_MS, 8 * STRIKE_FIRST_MS, 16 * STRIKE_FIRST_MS, 32 * STRIKE_FIRST_MS]
+    assert times[4:] == [STRIKE_MAX_MS] * 6
+    assert book.unclaimed(A).count == 13
+    for _ in range(2000):  # a long row overflows nothing
+        assert book.unclaimed(A).ignored_ms == STRIKE_MAX_MS
+    assert book.pick("m", None) == B and book.ignored(A)
+
+
+def test_a_claim_ends_the_strikes(book: WantBook, clock: Clock) -> None:
+    book.note(A, Want("m", 1, 900.0))
+    for _ in range(4):
+        book.unclaimed(A)
+    assert book.ignored(A)
+    book.claimed(A)
+    assert not book.ignored(A) and book.pick("m", None) == A
+    strike = book.unclaimed(A)
+    assert (strike.count, strike.ignored_ms) == (1, STRIKE_FIRST_MS)
+    assert not strike.log  # logged less than STRIKE_LOG_MS ago, claim or not
+    clock.ms += STRIKE_LOG_MS
+    assert book.unclaimed(A).log and not book.unclaimed(A).log
+    book.claimed(B)  # no strikes: nothing to end
+
+
+def test_strikes_outlive_forget_and_are_forgotten_long_after(book: WantBook, clock: Clock) -> None:
+    book.unclaimed(A)
+    book.unclaimed(A)
+    book.forget(A)  # it left the mesh (or said so) and joins again
+    assert book.ignored(A)
+    book.note(A, Want("m", 1, 900.0))
+    assert book.pick("m", None) is None
+    clock.ms += 2 * STRIKE_FIRST_MS + STRIKE_FORGET_MS + 1.0
+    book.note(A, Want("m", 1, 900.0))
+    book.unclaimed(B)  # a strike tidies up the ones long over
+    assert book.unclaimed(A).count == 1
 
 
 # --- holds ------------------------------------------------------------------------------------
