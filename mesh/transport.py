@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 import time
 from collections import Counter
@@ -517,6 +518,8 @@ def _fault(exc: BaseException) -> str:
         reason = getattr(exc, "reason", None) or getattr(getattr(exc, "os_error", None), "reason", None)
         return f"TLS: {reason or exc}"
     os_error = getattr(exc, "os_error", exc)
+    if isinstance(os_error, socket.gaierror):  # a name lookup: its errno is not an OS error's
+        return f"name lookup failed: {os_error.strerror or os_error}".lower()
     if isinstance(os_error, OSError) and os_error.errno:
         return os.strerror(os_error.errno).lower()
     return f"{type(exc).__name__}: {exc}"

@@ -93,6 +93,10 @@ class Ejections:
             if event.report_unhealthy and self.report is not None:
                 self.reports += 1
                 self.report(backend.model, backend.id, f"ejected {event.in_row} times in a row: {event.reason}")
+                # The supervisor replaces the engine: the new one gets its probe as soon as it is
+                # healthy, not after the rest of this ejection (the count in a row is kept).
+                self.detector.end_ejection(backend.id, self.clock())
+                self._sync(backend)
         elif isinstance(event, Restored):
             log.info("backend %s", event.message)
             self._sync(backend)
@@ -165,12 +169,12 @@ class Ejections:
 
     def status(self) -> dict[str, Any]:
         """The ``outliers`` section of /v1/status: ``enabled``, ``settings``, ``counters``
-        (``OutlierDetector.counters`` and ``reports``: local backends reported unhealthy) and
+        (``OutlierDetector.counters`` and ``reports_total``: local backends reported unhealthy) and
         ``targets`` (``rows``)."""
         settings = self.detector.settings
         return {"enabled": self.enabled,
                 "settings": {name: getattr(settings, name) for name in settings.__dataclass_fields__},
-                "counters": {**self.detector.counters(), "reports": self.reports},
+                "counters": {**self.detector.counters(), "reports_total": self.reports},
                 "targets": self.rows()}
 
     def peer_state(self, node_id: str, model: str) -> str:

@@ -276,6 +276,16 @@ class OutlierDetector:
         target = self._targets.get(key)
         return 0 if target is None else target.in_row
 
+    def end_ejection(self, key: Hashable, now: float) -> None:
+        """End ``key``'s ejection now: it is half-open (its next request is the probe), and its
+        count of ejections in a row is kept. For a backend whose engine is being replaced (the
+        respawn repeated ejections asked for): the new engine is tried once it is healthy, not
+        after the rest of an ejection earned by the old one. Not ejected or unknown: nothing."""
+        target = self._targets.get(key)
+        if target is not None and target.ejected_until is not None and now < target.ejected_until:
+            target.ejected_until = now
+            target.probe_at = None
+
     def forget(self, key: Hashable) -> None:
         """Drop what is known of ``key`` (a backend removed, a peer gone); unknown keys are fine."""
         self._targets.pop(key, None)

@@ -246,7 +246,7 @@ async def test_one_bad_backend_alone_answers_its_real_error_and_is_reported(tmp_
                 await send(http, agent)
                 await asyncio.sleep(0.02)
         doc = agent.status()
-        assert doc["models"][0]["backends"][0]["respawns"] >= 1 and doc["outliers"]["counters"]["reports"] >= 1
+        assert doc["models"][0]["backends"][0]["respawns"] >= 1 and doc["outliers"]["counters"]["reports_total"] >= 1
         assert "reported unhealthy to the supervisor" in agent.log_text()
 
 

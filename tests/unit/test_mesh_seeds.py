@@ -194,3 +194,15 @@ def test_backoff_settings_are_checked():
         GossipSettings(seed_backoff_min_ms=5000, seed_backoff_max_ms=1000)
     with pytest.raises(ValueError, match="seed_backoff"):
         GossipSettings(seed_backoff_min_ms=0)
+
+
+def test_a_seed_whose_name_does_not_resolve_says_so() -> None:
+    """A seed's host name that does not resolve reads as a failed name lookup in the WARNING,
+    /v1/mesh and the doctor (it read "unknown error -2": a lookup's errno is not an OS error's)."""
+    import socket
+
+    from viiwork.mesh.transport import _fault
+
+    text = _fault(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert text == "name lookup failed: name or service not known"
+    assert _fault(ConnectionRefusedError(111, "Connection refused")) == "connection refused"
