@@ -24,6 +24,10 @@ the same address. A connector built with ``require_expected=True`` (the agent's 
 session) refuses a request that names no node; the gossip client's does not, because seeds
 (``mesh.seeds``) are addresses whose node nobody knows yet (the check applies as soon as the
 target's node id is known: a peer from the table, or an mDNS advertisement naming one).
+
+A :class:`PeerConnector` looks names up (a seed such as ``gpu-box-3:8087``) with
+:class:`viiwork.mesh.lookups.MeshResolver`: on the mesh's own threads, never on the event
+loop's default executor, each within a deadline.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import aiohttp
 from aiohttp.client_reqrep import ConnectionKey
 
 from viiwork.mesh.identity import NodeId
+from viiwork.mesh.lookups import NAME_LOOKUP_TIMEOUT_S, MeshResolver
 from viiwork.mesh.tls import peer_node_id
 
 log = logging.getLogger(__name__)
@@ -103,11 +108,14 @@ class PeerConnector(aiohttp.TCPConnector):
 
     ``counters``: where ``peer_mismatch`` is counted (the mesh's transport counters);
     ``require_expected``: refuse requests that name no node; ``clock``: monotonic seconds,
-    for the warning's rate limit. Other arguments go to ``TCPConnector`` (``ssl`` is the
-    mesh client context)."""
+    for the warning's rate limit; ``lookup_timeout_s``: a name lookup's deadline
+    (:class:`~viiwork.mesh.lookups.MeshResolver`, unless ``resolver`` is given). Other
+    arguments go to ``TCPConnector`` (``ssl`` is the mesh client context)."""
 
     def __init__(self, *, counters: Counter[str] | None = None, require_expected: bool = False,
-                 clock: Callable[[], float] = time.monotonic, **kwargs: Any) -> None:
+                 clock: Callable[[], float] = time.monotonic, lookup_timeout_s: float = NAME_LOOKUP_TIMEOUT_S,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("resolver", MeshResolver(timeout_s=lookup_timeout_s))
         super().__init__(**kwargs)
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.require_expected = require_expected

@@ -40,13 +40,14 @@ Endpoints (POST, body and answer are :mod:`viiwork.mesh.messages` JSON):
 
 **Client.** :class:`GossipClient` runs one exchange per target (digest, reply, push) over a
 pooled HTTPS connection presenting this node's certificate, each bounded by
-``exchange_timeout_s`` (connect ``connect_timeout_s``), all of a round in parallel: a dead
-or slow peer costs one timed-out task, never the round or the event loop. When the target's
-node id is known (a peer from the table, an mDNS advertisement naming one; not a seed), the
-TLS peer must be that node before the digest is sent (:mod:`viiwork.mesh.dialing`). The
-node that answered (read when the response starts: :class:`_PeerResponse`) gets the
-exchange's round trip (``Membership.note_rtt``: ``rtt_ms``, which the router uses to prefer
-near peers, docs/routing.md) and names a seed's node.
+``exchange_timeout_s`` (connect ``connect_timeout_s``; a name lookup half of
+``exchange_timeout_s``, on the mesh's own threads: :mod:`viiwork.mesh.lookups`), all of a
+round in parallel: a dead or slow peer costs one timed-out task, never the round or the
+event loop. When the target's node id is known (a peer from the table, an mDNS
+advertisement naming one; not a seed), the TLS peer must be that node before the digest is
+sent (:mod:`viiwork.mesh.dialing`). The node that answered (read when the response starts:
+:class:`_PeerResponse`) gets the exchange's round trip (``Membership.note_rtt``: ``rtt_ms``,
+which the router uses to prefer near peers, docs/routing.md) and names a seed's node.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from aiohttp.web_runner import BaseRunner, BaseSite
 from viiwork.mesh.counters import DropReason
 from viiwork.mesh.dialing import PeerMismatch, expect_node, peer_session_parts
 from viiwork.mesh.identity import NodeId
+from viiwork.mesh.lookups import NAME_LOOKUP_TIMEOUT_S, NameLookupTimeout
 from viiwork.mesh.membership import GossipTarget, Membership
 from viiwork.mesh.places import AddressPlaces
 from viiwork.mesh.tls import peer_node_id
@@ -435,8 +437,10 @@ class GossipClient:
         self._warned: set[str] = set()
 
     async def start(self) -> None:
+        # A name lookup fails on its own deadline, within the exchange's: "name lookup timed out".
         parts = peer_session_parts(self.ssl_context, counters=self.membership.counters.transport, limit=256,
-                                   limit_per_host=2, keepalive_timeout=POOL_KEEPALIVE_S)
+                                   limit_per_host=2, keepalive_timeout=POOL_KEEPALIVE_S,
+                                   lookup_timeout_s=min(NAME_LOOKUP_TIMEOUT_S, self.exchange_timeout_s / 2))
         timeout = aiohttp.ClientTimeout(total=self.exchange_timeout_s, sock_connect=self.connect_timeout_s)
         self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False,
                                               response_class=_PeerResponse)
@@ -513,11 +517,14 @@ class GossipClient:
 
 def _fault(exc: BaseException) -> str:
     """A failed dial in a few words: the OS error's text ("connection refused", "no route to
-    host"), "TLS: ..." for a failed handshake, else the exception's type and message."""
+    host"), "name lookup failed: ..." (the lookup's own text) or "name lookup timed out",
+    "TLS: ..." for a failed handshake, else the exception's type and message."""
     if isinstance(exc, (ssl.SSLError, aiohttp.ClientSSLError)):
         reason = getattr(exc, "reason", None) or getattr(getattr(exc, "os_error", None), "reason", None)
         return f"TLS: {reason or exc}"
-    os_error = getattr(exc, "os_error", exc)
+    os_error = getattr(exc, "os_error", exc)  # (aiohttp's ClientConnectorDNSError carries the lookup's)
+    if isinstance(os_error, NameLookupTimeout):
+        return "name lookup timed out"
     if isinstance(os_error, socket.gaierror):  # a name lookup: its errno is not an OS error's
         return f"name lookup failed: {os_error.strerror or os_error}".lower()
     if isinstance(os_error, OSError) and os_error.errno:

@@ -67,6 +67,8 @@ from viiwork.agent.serving.router import (
 )
 from viiwork.agent.serving.waitqueue import Queues, WaitQueue
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
+from viiwork.engines.contract import Engine
+from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
@@ -113,13 +115,16 @@ async def _read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes:
 
 
 def _forward_ok(result: web.StreamResponse | Refused | Failed) -> bool | None:
-    """A forward's outcome for outlier ejection: False (a failure of the peer), True, or None
-    (a refusal for want of a slot or state: nothing said about the peer's health)."""
+    """A forward's outcome for outlier ejection: False (a failure of the peer), True (a 2xx or
+    3xx), or None (a refusal for want of a slot or state, or a client's 4xx: nothing said
+    about the peer's health)."""
     if isinstance(result, Failed):
         return False
     if isinstance(result, Refused):
         return False if result.reason in ("timeout", "suspect") or result.reason.startswith("unreachable") else None
-    return not result.get(BROKE, False)
+    if result.get(BROKE, False):
+        return False
+    return None if 400 <= result.status < 500 else True
 
 
 def gpu_capacities(inventory: GpuInventory) -> list[GpuCapacity]:
@@ -309,6 +314,15 @@ class MeshLink:
                 return PeerTarget.of(view)
         return None
 
+    def peer_engine(self, node_id: NodeId, model: str) -> Engine | None:
+        """The adapter of the engine ``node_id`` publishes for ``model`` (None: unknown), which
+        tells a client's fault from the peer's in an error event of its stream."""
+        for view in self.node.peers():
+            if view.node_id == node_id:
+                cap = next((m for m in view.models if m.name == model), None)
+                return ENGINES.get(cap.engine) if cap is not None else None
+        return None
+
     def peer_name(self, node_id: NodeId | None) -> str:
         if node_id is None:
             return "?"
@@ -377,15 +391,17 @@ class MeshLink:
         cannot be reached or turns silent before the first byte (the pipeline routes again),
         ``Failed`` when it answered a 5xx before it (the pipeline may retry elsewhere). The
         outcome counts for the peer's outlier ejection for ``call.model``: a failure when
-        unreachable, silent, a 5xx or a stream broken off; a refusal (no slot, not served,
-        draining) counts for nothing."""
+        unreachable, silent, a 5xx or a stream broken off (or ended by an error event that is not
+        the client's fault); a refusal (no slot, not served, draining) or a 4xx counts for nothing
+        (a half-open probe is released). A ``Failed`` is counted by the pipeline when the request
+        ends: a retry that fails too makes it the request's fault (``Pipeline._settle``)."""
         model = call.model
         target = self.peer_target(to.node_id)
         result: web.StreamResponse | Refused | Failed
         if target is None:
             result = Refused(503, "no mesh address")
         else:
-            self.ejections.peer_sent(to.node_id, model)
+            probe = self.ejections.peer_sent(to.node_id, model)
             token = self.reservations.reserve(to.node_id, model)
             log.debug("request %s for %s: forwarding to %s%s", call.request_id, model, to.name,
                       " (offered slot)" if offer_id else "")
@@ -402,12 +418,15 @@ class MeshLink:
                         call.request, target, call.body, call.stream, headers, call.request_id,
                         session=self.session, extra_headers=extra,
                         relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
-                        lost=lost)
+                        lost=lost, engine=self.peer_engine(to.node_id, model))
             finally:
                 self.reservations.release(token)
                 self.wake(model)
             ok = _forward_ok(result)
-            if ok is not None:
+            if ok is None:
+                if probe:
+                    self.ejections.peer_unjudged(to.node_id, model)
+            elif not isinstance(result, Failed):  # a Failed: counted by the pipeline
                 self.ejections.peer_outcome(to.node_id, to.name, model, ok)
         if not isinstance(result, Refused):
             self.forwards_out += 1

@@ -33,6 +33,9 @@ An event ``{"error": ...}`` (or vLLM's older ``{"object": "error", ...}``) raise
 :class:`StreamError` carrying the event, for the caller to answer as the engine's error.
 Pure functions: no I/O, never raise on a shape they do not know (unknown keys follow the
 rules above), only :class:`StreamError` / :class:`StreamBroken`.
+
+The same error events in a stream relayed as is (not assembled) are found by
+:class:`ErrorEventWatch`, chunk by chunk, without parsing the events that are not errors.
 """
 
 from __future__ import annotations
@@ -129,10 +132,83 @@ def parse_events(data: Iterable[str]) -> list[dict[str, Any]]:
             raise StreamBroken(f"stream event is not JSON: {text[:120]!r}") from None
         if not isinstance(event, dict):
             raise StreamBroken(f"stream event is not a JSON object: {text[:120]!r}")
-        if "error" in event or event.get("object") == "error":
-            raise StreamError(_error_status(event), json.dumps(event).encode())
+        error = error_event(event)
+        if error is not None:
+            raise error
         out.append(event)
     raise StreamBroken("the stream ended before [DONE]")
+
+
+def error_event(event: dict[str, Any]) -> StreamError | None:
+    """The :class:`StreamError` of an engine's error event (``{"error": ...}``, or vLLM's
+    older ``{"object": "error", ...}``), None for any other event."""
+    if "error" in event or event.get("object") == "error":
+        return StreamError(_error_status(event), json.dumps(event).encode())
+    return None
+
+
+# Any error event's line holds one of these: the key "error" (or vLLM's value "error"), or
+# llama-server's ``error:`` field at a line's start. Text inside a JSON string cannot hold
+# the first (its quotes are escaped).
+_ERROR_MARK = b'"error"'
+_ERROR_FIELD = b"error:"
+_ERROR_FIELD_LINE = b"\nerror:"
+
+
+class ErrorEventWatch:
+    """Finds the first error event (:func:`error_event`, :func:`sse_data`'s reading of the
+    ``error:`` field) in a stream fed chunk by chunk as it is relayed.
+
+    Cheap on the hot path: a chunk whose lines hold no ``"error"`` (nor an ``error:`` line)
+    is only searched for those bytes; only a complete line that holds one is parsed. A line
+    cut between chunks is kept until its end arrives (at most ``MAX_LINE_BYTES``: a longer
+    line is not an error event and is skipped). One event per ``data:`` line, as engines
+    write them (an event split over several ``data:`` lines is not seen). ``error``: the
+    first error event found, None until then; once found, later chunks are not searched.
+    """
+
+    MAX_LINE_BYTES = 64 * 1024
+
+    __slots__ = ("_partial", "_skip_line", "error")
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self._skip_line = False  # the next line's start was dropped (over MAX_LINE_BYTES)
+        self.error: StreamError | None = None
+
+    def feed(self, chunk: bytes) -> StreamError | None:
+        """Read the next ``chunk`` of the stream; the error event found in it (also kept
+        in ``error``), else None. Never raises."""
+        if self.error is not None:
+            return None
+        skip = self._skip_line  # this chunk starts inside a line too long to be an error event
+        data = self._partial + chunk if self._partial else chunk
+        end = len(data) if data.endswith(b"\n") else data.rfind(b"\n") + 1
+        if end == 0:  # no line ends in it: keep it for the next chunk
+            if skip or len(data) > self.MAX_LINE_BYTES:
+                self._partial, self._skip_line = b"", True
+            else:
+                self._partial = data
+            return None
+        self._partial, self._skip_line = data[end:], False
+        if len(self._partial) > self.MAX_LINE_BYTES:
+            self._partial, self._skip_line = b"", True
+        if _ERROR_MARK not in data and not data.startswith(_ERROR_FIELD) and _ERROR_FIELD_LINE not in data:
+            return None
+        lines = data[:end].split(b"\n")
+        if skip:
+            lines = lines[1:]
+        for line in lines:
+            if _ERROR_MARK in line or line.startswith(_ERROR_FIELD):
+                for text in sse_data([line]):
+                    try:
+                        event = json.loads(text)
+                    except (ValueError, RecursionError):
+                        continue
+                    if isinstance(event, dict) and (found := error_event(event)) is not None:
+                        self.error = found
+                        return found
+        return None
 
 
 def assemble(events: Iterable[dict[str, Any]], obj: str) -> dict[str, Any]:

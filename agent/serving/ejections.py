@@ -15,7 +15,12 @@ node sends and carries out what it decides, on the agent's event loop:
 - a peer's key is read per request (``peer_usable``): the router leaves ejected peers out;
 - every ejection is one WARNING line, every restore one INFO line; a local backend ejected
   ``report_after_ejections`` times in a row is reported to the supervisor (``report``), whose
-  health ladder respawns it.
+  health ladder respawns it (or keeps it in service: outlier reports never spend a backend's
+  last respawn);
+- what the request path counts (agent/serving/pipeline.py): a 2xx or 3xx is a success, a 4xx
+  nothing (the client's; a half-open probe that ends so is released: ``unjudged``), and a
+  failure before the first byte that a retry elsewhere repeated is the request's fault,
+  counted against no target (``request_fault``).
 
 With ``enabled`` False nothing is recorded and every target is usable (the behaviour before
 issue 22; ``[routing.outliers] enabled = false``).
@@ -36,8 +41,10 @@ from viiwork.mesh.identity import NodeId
 
 log = logging.getLogger(__name__)
 
-#: ``report(model, backend_id, reason)``: tell the supervisor a local backend is unhealthy.
-Report = Callable[[str, BackendId, str], None]
+#: ``report(model, backend_id, reason)``: tell the supervisor a local backend is unhealthy;
+#: True when its engine is being replaced (a respawn), False when the report was ignored or
+#: declined (the backend stays in service, and ejected).
+Report = Callable[[str, BackendId, str], bool]
 
 
 def outlier_settings(config: OutliersConfig) -> OutlierSettings:
@@ -62,6 +69,7 @@ class Ejections:
         self.report = report
         self.clock = clock
         self.reports = 0
+        self.request_faults = 0
         self._names: dict[NodeId, str] = {}  # peers forwarded to: node id -> name, for status
 
     @classmethod
@@ -71,14 +79,32 @@ class Ejections:
 
     # -- local backends --------------------------------------------------------------------
 
-    def sent(self, backend: Backend) -> None:
-        """A request goes to ``backend`` now: takes its half-open probe (``allow``)."""
+    def sent(self, backend: Backend) -> bool:
+        """A request goes to ``backend`` now: takes its half-open probe (``allow``). True when
+        this request is that probe."""
         if not self.enabled:
-            return
+            return False
         now = self.clock()
         if self.detector.state(backend.id, now) == HALF_OPEN and self.detector.allow(backend.id, now):
             backend.ejected = True  # the probe runs: nothing else until its outcome
             self._later(self.detector.settings.probe_timeout_s, backend)
+            return True
+        return False
+
+    def unjudged(self, backend: Backend) -> None:
+        """The half-open probe sent to ``backend`` ended with nothing to count (a client's 4xx,
+        or a failure that was the request's fault): the probe is released, the next request is
+        the probe (``OutlierDetector.release``)."""
+        if self.enabled:
+            self.detector.release(backend.id, self.clock())
+            self._sync(backend)
+
+    def request_fault(self) -> None:
+        """Count a request that failed before its first byte on two targets or more (a retry
+        failed too) or whose retry answered a 4xx: its failures are the request's fault, counted
+        against no target (``request_faults_total``)."""
+        if self.enabled:
+            self.request_faults += 1
 
     def outcome(self, backend: Backend, ok: bool) -> None:
         """The outcome of a request sent to ``backend``: ``ok`` False for an engine 5xx that is
@@ -92,11 +118,11 @@ class Ejections:
             self._later(event.ejection_s, backend)
             if event.report_unhealthy and self.report is not None:
                 self.reports += 1
-                self.report(backend.model, backend.id, f"ejected {event.in_row} times in a row: {event.reason}")
-                # The supervisor replaces the engine: the new one gets its probe as soon as it is
-                # healthy, not after the rest of this ejection (the count in a row is kept).
-                self.detector.end_ejection(backend.id, self.clock())
-                self._sync(backend)
+                if self.report(backend.model, backend.id, f"ejected {event.in_row} times in a row: {event.reason}"):
+                    # The supervisor replaces the engine: the new one gets its probe as soon as it
+                    # is healthy, not after the rest of this ejection (the count in a row is kept).
+                    self.detector.end_ejection(backend.id, self.clock())
+                    self._sync(backend)
         elif isinstance(event, Restored):
             log.info("backend %s", event.message)
             self._sync(backend)
@@ -133,10 +159,20 @@ class Ejections:
         usable = self.detector.usable
         return frozenset(n for n in node_ids if not usable((n, model), now))
 
-    def peer_sent(self, node_id: NodeId, model: str) -> None:
-        """A forward for ``model`` goes to ``node_id`` now: takes its half-open probe."""
+    def peer_sent(self, node_id: NodeId, model: str) -> bool:
+        """A forward for ``model`` goes to ``node_id`` now: takes its half-open probe. True when
+        this forward is that probe."""
+        if not self.enabled:
+            return False
+        key = (node_id, model)
+        now = self.clock()
+        return self.detector.state(key, now) == HALF_OPEN and self.detector.allow(key, now)
+
+    def peer_unjudged(self, node_id: NodeId, model: str) -> None:
+        """A forward to ``node_id`` for ``model`` ended with nothing to count (a refusal, a 4xx,
+        a failure that was the request's fault): a half-open probe out there is released."""
         if self.enabled:
-            self.detector.allow((node_id, model), self.clock())
+            self.detector.release((node_id, model), self.clock())
 
     def peer_outcome(self, node_id: NodeId, name: str, model: str, ok: bool) -> None:
         """The outcome of a forward to peer ``node_id`` (``name``) for ``model``."""
@@ -169,13 +205,18 @@ class Ejections:
 
     def status(self) -> dict[str, Any]:
         """The ``outliers`` section of /v1/status: ``enabled``, ``settings``, ``counters``
-        (``OutlierDetector.counters`` and ``reports_total``: local backends reported unhealthy) and
-        ``targets`` (``rows``)."""
+        (``OutlierDetector.counters``, ``reports_total``: local backends reported unhealthy, and
+        ``request_faults_total``: requests whose failures were their own fault, ``request_fault``)
+        and ``targets`` (``rows``)."""
         settings = self.detector.settings
         return {"enabled": self.enabled,
                 "settings": {name: getattr(settings, name) for name in settings.__dataclass_fields__},
-                "counters": {**self.detector.counters(), "reports_total": self.reports},
-                "targets": self.rows()}
+                "counters": self.counters(), "targets": self.rows()}
+
+    def counters(self) -> dict[str, int]:
+        """The counters of /v1/status and /metrics, by name."""
+        return {**self.detector.counters(), "reports_total": self.reports,
+                "request_faults_total": self.request_faults}
 
     def peer_state(self, node_id: str, model: str) -> str:
         """"ok", "ejected" or "half-open": peer ``node_id`` for ``model`` in this node's view."""
@@ -183,9 +224,8 @@ class Ejections:
 
     def metrics_lines(self) -> list[str]:
         """/metrics: the detector's counters and the targets out of routing now, by kind."""
-        counters = {**self.detector.counters(), "reports_total": self.reports}
         lines = []
-        for name, value in counters.items():
+        for name, value in self.counters().items():
             metric = f"viiwork_outlier_{name}"
             lines += [f"# HELP {metric} {_HELP[name]}", f"# TYPE {metric} counter", f"{metric} {value}"]
         out_now = {"backend": 0, "peer": 0}
@@ -205,6 +245,8 @@ _HELP = {
     "probes_total": "Half-open probes let through.",
     "dropped_total": "Targets dropped to keep the outlier table within routing.outliers.max_targets.",
     "reports_total": "Local backends reported unhealthy to the supervisor after repeated ejections.",
+    "request_faults_total": "Requests that failed before the first byte on two backends (or whose retry answered "
+                            "a 4xx): the request's fault, counted against no backend.",
 }
 
 

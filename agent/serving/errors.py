@@ -146,6 +146,14 @@ def engine_error(status: int, body: bytes, backend_id: str, adapter: Engine | No
                           code=ErrorCode.UPSTREAM_ERROR, headers=headers)
 
 
+def engine_failed(status: int, body: bytes, adapter: Engine | None) -> bool:
+    """Whether an engine's error ``status`` with ``body`` is the engine's failure (what
+    :func:`engine_error` answers with a 5xx), not the client's fault: a 5xx that the
+    adapter's ``client_fault`` does not classify. Used for an error event in a relayed stream,
+    whose status is already sent: only a failure counts against its backend."""
+    return status >= 500 and classify_client_fault(adapter, status, body) is None
+
+
 def _clip(text: str) -> str:
     text = text.strip()
     return text if len(text) <= ENGINE_MESSAGE_MAX_CHARS else text[:ENGINE_MESSAGE_MAX_CHARS] + "..."

@@ -5,8 +5,9 @@ monotonic seconds (``time.monotonic()`` in the agent, a made-up clock in
 tests/unit/test_outliers.py). A *target* is any hashable key: a local backend id, or a
 ``(peer node id, model)`` pair for requests forwarded to a peer. The caller classifies each
 answer and calls ``record(key, ok, now)``: a failure (``ok=False``) is an engine 5xx, a
-connection reset or refusal, or a timeout before an answer; anything else is a success (a
-client's 4xx too: it says nothing about the target's health).
+connection reset or refusal, or a timeout before an answer; a 2xx or 3xx is a success; a
+client's 4xx, or a failure that was the request's fault (agent/serving/pipeline.py), is not
+recorded: it says nothing of the target's health.
 
 The rules (settings: ``OutlierSettings``; defaults in brackets):
 
@@ -20,7 +21,8 @@ The rules (settings: ``OutlierSettings``; defaults in brackets):
   (requests sent before the ejection) change nothing;
 - when the ejection has passed the target is **half-open**: ``allow`` lets exactly one request
   through (the probe), then refuses until an outcome is recorded, or until ``probe_timeout_s``
-  [30 s] have passed without one (the probe's caller went away), when another probe may go.
+  [30 s] have passed without one (the probe's caller went away) or the caller ``release``-d
+  it (its answer said nothing of the target), when another probe may go.
   The first outcome recorded while half-open decides: a success **restores** the target
   (consecutive and window counts cleared), a failure ejects it again with k+1;
 - k is kept after a restore, so the next ejection is longer, until the target has answered
@@ -284,6 +286,13 @@ class OutlierDetector:
         target = self._targets.get(key)
         if target is not None and target.ejected_until is not None and now < target.ejected_until:
             target.ejected_until = now
+            target.probe_at = None
+
+    def release(self, key: Hashable, now: float) -> None:
+        """Half-open ``key``'s probe ended with no outcome to record (a client's 4xx): another
+        may go at once, not after ``probe_timeout_s``. Otherwise nothing."""
+        target = self._targets.get(key)
+        if target is not None and target.ejected_until is not None and now >= target.ejected_until:
             target.probe_at = None
 
     def forget(self, key: Hashable) -> None:

@@ -17,8 +17,11 @@ renders what this returns after: an upstream response, or a :class:`Refuse`.
 A failure before the first byte reached the client (an engine 5xx that is not the client's
 fault, a reset, silence: ``Failed``) is retried on another backend, here or on a peer, within
 ``routing.forward_retry``, at once or after a wait in the queue; the client gets the engine's
-error only when no other backend can take the request. Every outcome feeds outlier ejection (``agent/serving/ejections.py``;
-docs/routing.md, "Outlier ejection").
+error only when no other backend can take the request. Every outcome feeds outlier ejection
+(``agent/serving/ejections.py``; docs/routing.md, "Outlier ejection"): a 2xx or 3xx is a
+success, a 4xx the client's (counted for nothing), a failure a failure; but a failure before
+the first byte is held until the request ends (``Pipeline._settle``): a retry that fails too
+makes both the request's fault, counted against no backend.
 
 Answers that differ with or without a mesh keep their own words: an unknown model is "not
 served here" on a standalone node and "not served anywhere in the mesh" in a mesh; a full
@@ -213,6 +216,8 @@ class Pipeline:
         failures = 0
         failed_peers: set[NodeId] = set()
         avoid: set[str] = set()  # local backends it failed on
+        # Its failures before the first byte, counted for outlier ejection when it ends (_settle).
+        held: list[_Held] | None = None
         here = self.peers.is_here(call.host)
         if queue.ahead(call.host, here):  # never overtake a waiting request: wait behind it
             if queue.full():
@@ -249,43 +254,50 @@ class Pipeline:
                             waiter = None
                         headers = self._headers(call, started, self.node_name, backend.id)
                         self.retries += failed is not None
-                        result = await self._run_here(call, queue, backend, headers)
+                        probe = self.ejections.sent(backend)
+                        result = await self._run_here(call, queue, backend, headers, probe, hold=True)
                         if not isinstance(result, Failed):
+                            if held is not None:  # a retry answered it
+                                self._settle(call, held, result.status < 400)
                             return result
                         # Failed before the first byte: run it again elsewhere.
                         failed, failures = result, failures + 1
+                        held = _hold(held, _Held(backend, None, probe))
                         avoid.add(backend.id)
                         if self._retry(call, backend.id, failed, failures):
                             continue
-                        return failed.response
+                        return self._give_up(call, held, failed)
                     decision = Queue("local slot taken meanwhile")
                 # 3b. Forward: a refusal or failure before the first byte routes it again, elsewhere.
                 elif isinstance(decision, RunOnPeer):
                     if failed is not None and decision.node_id in failed_peers:  # pinned there
-                        return failed.response
+                        return self._give_up(call, held, failed)
                     if waiter is not None:  # not waiting while the forward is in flight
                         queue.dispatch(waiter)
                     headers = self._headers(call, started, decision.name, None)
                     self.retries += failed is not None
                     forwarded = await self.peers.forward(call, decision, offer[1] if offer else None, headers)
                     if not isinstance(forwarded, (Refused, Failed)):
+                        if held is not None:  # a retry answered it
+                            self._settle(call, held, forwarded.status < 400)
                         return forwarded
                     if waiter is not None:  # back in its place in the queue
                         queue.dispatch(waiter, False)
                     tried.add(decision.node_id)
                     if isinstance(forwarded, Failed):
                         failed, failures = forwarded, failures + 1
+                        held = _hold(held, _Held(None, decision, False))
                         failed_peers.add(decision.node_id)
                         if self._retry(call, decision.name, failed, failures):
                             continue
-                        return failed.response
+                        return self._give_up(call, held, failed)
                     refusals += 1
                     if refusals <= self.forward_retry:
                         continue
                     decision = Queue("peers refused")
                 if isinstance(decision, Refuse):
                     if failed is not None:  # nothing else can serve it: the engine's own error
-                        return failed.response
+                        return self._give_up(call, held, failed)
                     if waiter is None:  # a model nobody serves leaves no queue behind
                         self.queues.forget_idle(model)
                     return decision
@@ -293,10 +305,10 @@ class Pipeline:
                 # failure only for another backend (a pinned request waits for none).
                 if failed is not None and (call.host is not None
                                            or not self.peers.elsewhere(model, failed_peers, avoid)):
-                    return failed.response
+                    return self._give_up(call, held, failed)
                 if waiter is None:
                     if queue.full():
-                        return failed.response if failed is not None else self._queue_full(queue)
+                        return self._give_up(call, held, failed) if failed is not None else self._queue_full(queue)
                     # A request that failed here waits for a slot routed to it, not a local grant.
                     # In its place by arrival: a request refused elsewhere first is not
                     # put behind those that came after it.
@@ -304,11 +316,13 @@ class Pipeline:
                     waiter = queue.enter(call.host, here and not avoid, arrived)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    return failed.response if failed is not None else self._queue_timeout(queue)
+                    return self._give_up(call, held, failed) if failed is not None else self._queue_timeout(queue)
                 await queue.park(waiter, remaining)
                 tried = set(failed_peers)
                 refusals = 0
         finally:
+            if held:  # the client went away before the request ended: nothing is known, none counted
+                self._release(call, held)
             if waiter is not None:
                 unused = queue.leave(waiter)
                 if unused is not None:  # granted while it gave up: the next waiter's
@@ -338,8 +352,8 @@ class Pipeline:
                   self.peers.peer_name(origin), backend.id)
         headers = {"X-Viiwork-Node": self.node_name, "X-Viiwork-Backend": backend.id,
                    "X-Viiwork-Origin": self.peers.peer_name(origin), "X-Request-Id": call.request_id}
-        result = await self._run_here(call, queue, backend, headers)
-        # A failure is answered to the origin, which may retry it on another node.
+        # A failure is answered to the origin, which may retry it on another node; counted at once.
+        result = await self._run_here(call, queue, backend, headers, self.ejections.sent(backend), hold=False)
         return result.response if isinstance(result, Failed) else result
 
     # -- the steps -------------------------------------------------------------------------
@@ -356,25 +370,74 @@ class Pipeline:
                           code=ErrorCode.DRAINING, retry_after_s=5)
         return None
 
-    async def _run_here(self, call: Call, queue: WaitQueue, backend: Backend,
-                        headers: dict[str, str]) -> web.StreamResponse | Failed:
-        """Run ``call`` on this node's ``backend`` (its slot taken): the response, or ``Failed``
-        before the first byte. The outcome is counted for outlier ejection (none when the
-        client went away: the handler is cancelled)."""
-        self.ejections.sent(backend)
-        ok: bool | None = None
+    async def _run_here(self, call: Call, queue: WaitQueue, backend: Backend, headers: dict[str, str],
+                        probe: bool, *, hold: bool) -> web.StreamResponse | Failed:
+        """Run ``call`` on this node's ``backend`` (its slot taken; ``probe``: what
+        ``Ejections.sent`` said, the request is the backend's half-open probe): the response,
+        or ``Failed`` before the first byte. The outcome is counted (``_count``; none when the
+        client went away: the handler is cancelled), a ``Failed`` only when not ``hold`` (the
+        caller holds it until the request ends: ``_settle``)."""
+        answer: web.StreamResponse | Failed | None = None
         try:
             response = await self.upstream.forward(call.request, backend, call.body, call.stream, headers,
                                                    call.request_id)
             assert not isinstance(response, Refused)  # only a refusable forward (to a peer) is refused
-            ok = not isinstance(response, Failed) and not response.get(BROKE, False)
+            answer = response
             return response
         finally:
-            if ok is not None:
-                self.ejections.outcome(backend, ok)
-                if ok:
-                    backend.note_success()  # the health ladder's hysteresis (agent/supervision/health_ladder.py)
+            if answer is not None and not (hold and isinstance(answer, Failed)):
+                self._count(backend, answer, probe)
             self._free(queue, backend)
+
+    def _count(self, backend: Backend, answer: web.StreamResponse | Failed, probe: bool) -> None:
+        """``answer``'s outcome on ``backend``, for outlier ejection and the health ladder's
+        hysteresis (``Backend.note_success``, agent/supervision/health_ladder.py): a 2xx or 3xx
+        is a success; a failure (``Failed``, a stream broken after its first byte) a failure;
+        a 4xx is the client's, neither: nothing is counted, and a half-open ``probe`` is
+        released (the next request is the probe)."""
+        if isinstance(answer, Failed) or answer.get(BROKE, False) or answer.status >= 500:
+            self.ejections.outcome(backend, False)
+        elif answer.status < 400:
+            self.ejections.outcome(backend, True)
+            backend.note_success()
+        elif probe:
+            self.ejections.unjudged(backend)
+
+    def _settle(self, call: Call, held: list[_Held], retried_ok: bool | None) -> None:
+        """Count the failures before the first byte that ``call`` met (``held``, oldest first)
+        now that it ends. A retry answered it below 400 (``retried_ok`` True): each is a failure
+        of its target. No retry answered (None: the client gets the failure's error) and it
+        failed once: that failure (no retry was possible: no other backend, pinned, no budget).
+        Else (a retry failed too, or answered a 4xx) the request's fault: none is counted
+        (``Ejections.request_fault``). ``held`` is emptied."""
+        if retried_ok or (retried_ok is None and len(held) == 1):
+            for item in held:
+                if item.backend is not None:
+                    self.ejections.outcome(item.backend, False)
+                elif item.peer is not None:
+                    self.ejections.peer_outcome(item.peer.node_id, item.peer.name, call.model, False)
+            held.clear()
+            return
+        log.debug("request %s failed before the first byte on %s: the request's fault, counted against none",
+                  call.request_id, ", ".join(item.name for item in held))
+        self.ejections.request_fault()
+        self._release(call, held)
+
+    def _release(self, call: Call, held: list[_Held]) -> None:
+        """Count none of ``held``: the half-open probes among them are released; ``held`` is emptied."""
+        for item in held:
+            if item.backend is not None:
+                if item.probe:
+                    self.ejections.unjudged(item.backend)
+            elif item.peer is not None:  # a half-open peer gets no other forward while its probe runs
+                self.ejections.peer_unjudged(item.peer.node_id, call.model)
+        held.clear()
+
+    def _give_up(self, call: Call, held: list[_Held] | None, failed: Failed) -> web.Response:
+        """The error of the last failure, for the client: no other backend takes the request."""
+        if held is not None:
+            self._settle(call, held, None)
+        return failed.response
 
     def _retry(self, call: Call, target: str, failed: Failed, failures: int) -> bool:
         """May the request that failed on ``target`` before its first byte run elsewhere
@@ -415,6 +478,28 @@ class Pipeline:
         where = " in the mesh" if self.peers.in_mesh else ""
         return Refuse(429, f"model {queue.model!r}: no slot freed{where} within {queue.timeout_s:g} s",
                       code=ErrorCode.RATE_LIMIT_EXCEEDED, retry_after_s=2)
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A failure before the first byte, not counted yet (``Pipeline._settle``): on this node's
+    ``backend`` (``probe``: the request was its half-open probe), else on ``peer``."""
+
+    backend: Backend | None
+    peer: RunOnPeer | None
+    probe: bool
+
+    @property
+    def name(self) -> str:
+        return self.backend.id if self.backend is not None else self.peer.name if self.peer is not None else "?"
+
+
+def _hold(held: list[_Held] | None, item: _Held) -> list[_Held]:
+    """``held`` with ``item`` added (a new list for the request's first failure)."""
+    if held is None:
+        return [item]
+    held.append(item)
+    return held
 
 
 # The code of a refusal to a peer (X-Viiwork-Refused reason), for the origin's logs and relays.

@@ -13,6 +13,9 @@ the error shapes are in agent/serving/errors.py.
 - After the first byte there is no retry: an engine that dies or stays silent longer than
   ``stream_idle_timeout_s`` ends the client's stream with a terminal SSE error event (the
   response is marked ``BROKE``: a failure for outlier ejection, agent/serving/ejections.py).
+  So does an error event the engine (or a peer) sent in its stream, relayed as is, unless the
+  engine adapter classifies it as the client's fault (``engine_failed``, agent/serving/errors.py;
+  a peer's with the adapter of the engine it publishes for the model).
 - A failure before anything reached the client (an engine 5xx that is not the client's
   fault, a refused or reset connection, silence, a peer's 5xx answer) comes back as
   ``Failed``, carrying the error answer already rendered: the pipeline retries the request
@@ -54,6 +57,7 @@ from aiohttp import web
 
 from viiwork.agent.serving.assemble import (
     ASSEMBLED_PATHS,
+    ErrorEventWatch,
     StreamBroken,
     StreamError,
     assemble,
@@ -61,7 +65,14 @@ from viiwork.agent.serving.assemble import (
     sse_data,
     stream_body,
 )
-from viiwork.agent.serving.errors import ErrorCode, engine_error, error_response, sse_error_event
+from viiwork.agent.serving.errors import (
+    ErrorCode,
+    engine_error,
+    engine_failed,
+    engine_message,
+    error_response,
+    sse_error_event,
+)
 from viiwork.agent.supervision.backends import Backend
 from viiwork.agent.supervision.engine_keys import auth_headers
 from viiwork.engines.contract import Engine, stops_nonstream_on_disconnect
@@ -211,6 +222,7 @@ class Upstream:
         relay_headers: tuple[str, ...] = (),
         refusable: bool = False,
         lost: asyncio.Event | None = None,
+        engine: Engine | None = None,
     ) -> web.StreamResponse | Refused | Failed:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
@@ -222,6 +234,9 @@ class Upstream:
         caller can try elsewhere. ``lost`` (with ``refusable``): an event set when the peer
         turns suspect or dead; before the first byte the forward is abandoned as
         ``Refused(504, "suspect")``, after it the stream ends with an SSE error event (504).
+        ``engine``: the adapter of the engine behind a peer ``backend`` (None: unknown), which
+        tells whether an error event in its stream is the client's fault (a local Backend's
+        is ``engine_of(backend)``).
         Returns the response to give the client (already prepared and finished when
         streamed; ``BROKE`` set when its stream broke), or ``Failed`` before the first byte:
         the 502/504 JSON error of an engine or peer that failed, could not be reached or
@@ -297,7 +312,8 @@ class Upstream:
                 except PeerLost:  # nothing reached the client yet: route again
                     upstream.close()
                     return Refused(504, "suspect")
-            return await self._relay_stream(request, upstream, backend, headers, content_type)
+            adapter = self.engine_of(backend) if isinstance(backend, Backend) else engine
+            return await self._relay_stream(request, upstream, backend, headers, adapter)
         finally:
             if watch is not None:
                 watch.cancel()
@@ -371,7 +387,7 @@ class Upstream:
                             headers=headers)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Target,
-                            headers: dict[str, str], content_type: str) -> web.StreamResponse:
+                            headers: dict[str, str], adapter: Engine | None) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=headers)
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
@@ -390,11 +406,15 @@ class Upstream:
         buffered = transport.get_write_buffer_size
         low_water = transport.get_write_buffer_limits()[0]
         protocol = request.protocol
+        # The engine's own error event, relayed as is: a failure unless the client's fault.
+        watch = ErrorEventWatch()
+        find_error = watch.feed
         try:
             while True:
                 chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
                 if not chunk:
                     break
+                find_error(chunk)
                 try:
                     if protocol.writing_paused or buffered() + len(chunk) > low_water:
                         try:
@@ -437,6 +457,13 @@ class Upstream:
             log.warning("backend %s broke off a stream: %r", backend.id, exc)
             await self._write_error(response, 502, f"backend {backend.id} broke off the stream: "
                                     f"{exc.__class__.__name__}")
+        else:
+            error = watch.error
+            if error is not None and engine_failed(error.status, error.body, adapter):
+                self.stream_errors += 1
+                response[BROKE] = True
+                log.warning("backend %s ended a stream with an error event (%d): %s", backend.id, error.status,
+                            (engine_message(error.body)[0] or "")[:200])
         try:
             await response.write_eof()
         except ConnectionError:

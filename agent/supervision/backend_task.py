@@ -185,12 +185,27 @@ class BackendTask:
     def report(self, reason: str) -> bool:
         """The request path's outlier detection says this backend fails (``reason``): a healthy
         backend's watch ends its health as a failed probe streak would (``hl.Reported``).
-        False (nothing done) when the backend is not healthy."""
+        False (nothing done) when the backend is not healthy, or when the ladder declines the
+        report (it would spend the last respawn: ``hl.ReportDeclined``, logged once)."""
         if self.backend.state is not BackendState.HEALTHY or self.task is None:
+            return False
+        config = self.node.config
+        rules = hl.LadderRules.from_config(config.health, config.supervisor)
+        if self.ladder.state is BackendState.HEALTHY and hl.declines_report(self.ladder, time.monotonic(), rules):
+            for action in self.step(hl.Reported(reason)):
+                if isinstance(action, hl.ReportDeclined):
+                    self._declined(action)
             return False
         self.report_reason = reason
         self.reported.set()
         return True
+
+    def _declined(self, action: hl.ReportDeclined) -> None:
+        """Log a declined outlier report: the first since the backend became healthy at WARNING."""
+        log.log(logging.WARNING if action.declined == 1 else logging.DEBUG,
+                "backend %s kept in service: %s, but outlier reports never spend the last respawn "
+                "(%d of health.max_respawns %d spent; %d report(s) declined)", self.backend.id, action.reason,
+                self.ladder.spent, self.node.config.health.max_respawns, action.declined)
 
     def step(self, event: hl.Event) -> tuple[hl.Action, ...]:
         """Move the ladder by ``event`` now; the backend shows its health figures."""
@@ -502,6 +517,8 @@ class BackendTask:
                     elif isinstance(action, hl.ProbeCounted):
                         log.warning("backend %s: probe failed (%d/%d): %s",
                                     backend.id, action.failures, health.max_failures, last_error)
+                    elif isinstance(action, hl.ReportDeclined):
+                        self._declined(action)
                     elif isinstance(action, hl.RespawnDeferred) and not deferred:
                         deferred = True
                         log.warning("backend %s kept in service: %s, but %d backend(s) of this node are down "

@@ -113,7 +113,7 @@ class Backend:
         self.released_at = time.monotonic()
 
     def note_success(self, now: float | None = None) -> None:
-        """A request routing sent here was answered well (an HTTP status below 500):
+        """A request routing sent here was answered well (a 2xx or 3xx; a client's 4xx is not):
         ``last_success_at`` becomes ``now`` (monotonic s; None: the clock now). The health
         ladder counts it as a good probe (``health.success_counts_as_probe_s``)."""
         self.last_success_at = time.monotonic() if now is None else now

@@ -10,7 +10,7 @@ returns (stop the engine, wait, respawn, give up) in order. Tests drive it in vi
     starting --Ready--> healthy --max_failures counted ProbeFailed, Reported, or Failed--> unhealthy
        |  Failed (startup timeout, exit, launch error)                               |
        +-------------------------> unhealthy --BackoffOver--> starting (respawn) <---+
-                                       | budget spent (checked at the failure)
+                                       | budget spent (checked at the failure; never by Reported)
                                        v
                                      dead  (Revived: a fresh budget; Broken: at once)
 
@@ -35,6 +35,11 @@ The rules, with their settings (``[health]``, docs/configuration.md):
   backend is dead; else it is respawned after ``respawn_backoff_s * 2**spent``, at most
   ``respawn_backoff_max_s``, plus a random share of ``[supervisor] respawn_jitter_s`` (drawn
   by the task: ``Backoff.jitter_s``);
+- an outlier report (``Reported``) never spends the last respawn: when the budget (refilled
+  as above) has at most one respawn left it keeps the backend healthy (``ReportDeclined``,
+  counted in ``declined``), so only an engine's exits, failed launches and failed probes make
+  a backend dead. A request path's verdict can be a client's doing (requests that fail every
+  backend), and a good backend must not be killed by it;
 - a disk fault (a key file the full state dir cannot take) spends nothing: the launch is
   retried after the pending-write interval;
 - ``Revived`` (``viiworkctl up``) restores the full budget; ``Parked`` (down, stop) keeps it.
@@ -87,7 +92,8 @@ class Ladder:
     the budget was last full. ``respawns``: all respawns (never reset; /v1/status).
     ``healthy_since``: monotonic s of the last ``Ready``, None when not healthy.
     ``reason``: why it is unhealthy or dead ("" otherwise). ``backoff_s``: the backoff an
-    unhealthy backend waits before its respawn, None when it waits for none (a disk fault)."""
+    unhealthy backend waits before its respawn, None when it waits for none (a disk fault).
+    ``declined``: outlier reports declined since the backend last became healthy."""
 
     state: BackendState = BackendState.STARTING
     failures: int = 0
@@ -96,6 +102,7 @@ class Ladder:
     healthy_since: float | None = None
     reason: str = ""
     backoff_s: float | None = None
+    declined: int = 0
 
 
 # ----------------------------------------------------------------- events
@@ -134,7 +141,8 @@ class ProbeFailed:
 class Reported:
     """The request path's outlier detection reports a healthy backend failing (ejected
     several times in a row): it ends health like ``max_failures`` failed probes, with
-    ``reason``; ``respawn_free`` as in ``ProbeFailed``."""
+    ``reason``, unless that would spend the last respawn (``declines_report``);
+    ``respawn_free`` as in ``ProbeFailed``."""
 
     reason: str
     respawn_free: bool = True
@@ -206,6 +214,16 @@ class RespawnDeferred:
 
 
 @dataclass(frozen=True, slots=True)
+class ReportDeclined:
+    """Log only: the outlier report (``reason``) was declined, the backend stays healthy: the
+    respawn budget has at most one respawn left, kept for the engine's own failures.
+    ``declined``: reports declined since the backend became healthy (log the first)."""
+
+    reason: str
+    declined: int
+
+
+@dataclass(frozen=True, slots=True)
 class StopEngine:
     """Stop what is left of the engine, draining its requests first."""
 
@@ -239,8 +257,8 @@ class Respawn:
     spent: int
 
 
-Action = (ProbeExcused | ProbeCounted | ProbeContradicted | RespawnDeferred | StopEngine | Backoff | RetryDisk | Die
-          | Respawn)
+Action = (ProbeExcused | ProbeCounted | ProbeContradicted | RespawnDeferred | ReportDeclined | StopEngine | Backoff
+          | RetryDisk | Die | Respawn)
 
 
 class InvalidTransition(ValueError):
@@ -271,7 +289,8 @@ def step(ladder: Ladder, event: Event, now: float, rules: LadderRules) -> tuple[
         case Ready():
             if state is not BackendState.STARTING:
                 raise InvalidTransition(state, event)
-            return replace(ladder, state=BackendState.HEALTHY, failures=0, healthy_since=now, reason=""), ()
+            return replace(ladder, state=BackendState.HEALTHY, failures=0, healthy_since=now, reason="",
+                           declined=0), ()
         case ProbeOk():
             if state is not BackendState.HEALTHY:
                 raise InvalidTransition(state, event)
@@ -297,6 +316,9 @@ def step(ladder: Ladder, event: Event, now: float, rules: LadderRules) -> tuple[
         case Reported(reason=reason, respawn_free=respawn_free):
             if state is not BackendState.HEALTHY:
                 raise InvalidTransition(state, event)
+            if declines_report(ladder, now, rules):
+                declined = ladder.declined + 1
+                return replace(ladder, declined=declined), (ReportDeclined(reason, declined),)
             if not respawn_free:
                 return ladder, (RespawnDeferred(reason),)
             return _fail(ladder, reason, now, rules)
@@ -325,11 +347,22 @@ def step(ladder: Ladder, event: Event, now: float, rules: LadderRules) -> tuple[
     raise TypeError(f"not a ladder event: {event!r}")
 
 
+def declines_report(ladder: Ladder, now: float, rules: LadderRules) -> bool:
+    """Whether a ``Reported`` at ``now`` is declined: the respawn it would spend is the budget's
+    last (or none is left), once refilled by a long enough health."""
+    return _spent(ladder, now, rules) + 1 >= rules.max_respawns
+
+
+def _spent(ladder: Ladder, now: float, rules: LadderRules) -> int:
+    """The respawns spent at ``now``: 0 once healthy for ``healthy_refill_s`` (the budget refills)."""
+    if ladder.healthy_since is not None and now - ladder.healthy_since >= rules.healthy_refill_s:
+        return 0
+    return ladder.spent
+
+
 def _fail(ladder: Ladder, reason: str, now: float, rules: LadderRules) -> tuple[Ladder, tuple[Action, ...]]:
     """Unhealthy with ``reason``: the budget refilled by a long enough health, then dead or a backoff."""
-    spent = ladder.spent
-    if ladder.healthy_since is not None and now - ladder.healthy_since >= rules.healthy_refill_s:
-        spent = 0
+    spent = _spent(ladder, now, rules)
     if spent >= rules.max_respawns:
         return (replace(ladder, state=BackendState.DEAD, failures=0, spent=spent, healthy_since=None, reason=reason),
                 (StopEngine(), Die(reason)))

@@ -328,21 +328,24 @@ class Supervisor:
                 w.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
 
-    def report_outlier(self, model: str, backend_id: BackendId, reason: str) -> None:
+    def report_outlier(self, model: str, backend_id: BackendId, reason: str) -> bool:
         """The request path's outlier detection (agent/serving/outliers.py) ejected local backend
         ``backend_id`` of ``model`` several times in a row: a healthy backend becomes unhealthy
         with ``reason``, as a failed probe streak would, and is respawned by the ladder's rules
-        (budget, backoff, ``supervisor.max_concurrent_respawns``). An unknown model or backend,
-        or one that is not healthy (already respawning, stopped, dead), is ignored (logged at
-        debug). Returns at once; the backend's task acts on it."""
+        (budget, backoff, ``supervisor.max_concurrent_respawns``), but a report never spends its
+        last respawn: then it stays healthy (agent/supervision/health_ladder.py, logged once). An
+        unknown model or backend, or one that is not healthy (already respawning, stopped,
+        dead), is ignored (logged at debug). Returns at once (the backend's task acts on it):
+        True when the backend is to be respawned, False when the report was ignored or declined."""
         task = next((t for t in self._tasks if t.runtime.name == model and t.backend.id == backend_id), None)
         if task is None:
             log.debug("outlier report for unknown backend %s of model %r ignored", backend_id, model)
-            return
+            return False
         if not task.report(reason):
-            log.debug("outlier report for backend %s ignored: it is %s", backend_id, task.backend.state)
-            return
+            log.debug("outlier report for backend %s not acted on: it is %s", backend_id, task.backend.state)
+            return False
         log.warning("backend %s reported failing by outlier detection: %s", backend_id, reason)
+        return True
 
     # ----------------------------------------------------------------- status
 

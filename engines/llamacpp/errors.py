@@ -14,6 +14,12 @@ The rules below come from its real answers, captured verbatim in
 - "image input is not supported", "audio input is not supported", "video input is not
   supported" (500, streamed or not: the model has no ``--mmproj``) and "unsupported
   content[].type" (400: a part type llama-server does not know): "unsupported_content".
+- "Failed to parse messages: ..." (500: a message llama-server's chat parser cannot read: a
+  text part without ``text`` or with a number for it, ``tool_calls`` not a list of calls),
+  "Failed to parse tools: ..." (500: ``tools`` not a list of tool objects) and "Unknown
+  reasoning format: ..." (500 on chat: an unknown ``reasoning_format``; /v1/completions
+  answers it 400 "Field 'reasoning_format': ..."): "invalid_request". The engine's own text
+  after the prefix is a JSON library's message about the client's JSON.
 
 Anything else is None (not the client's fault, or not known to be): the pooling refusal of
 an embedding server ("Pooling type 'none' is not OAI compatible") is the operator's
@@ -37,6 +43,8 @@ _MESSAGE_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"input \(\d+ tokens\) is too large to process\b"), "context_length_exceeded"),
     (re.compile(r"(image|audio|video) input is not supported\b"), "unsupported_content"),
     (re.compile(r"unsupported content\[\]\.type\b"), "unsupported_content"),
+    (re.compile(r"Failed to parse (messages|tools): "), "invalid_request"),
+    (re.compile(r"Unknown reasoning format: "), "invalid_request"),
 )
 
 

@@ -130,3 +130,32 @@ def test_with_no_live_peer_dead_seeds_are_backed_off_not_dialed_every_round(tmp_
         assert [ln for ln in a.logged().splitlines() if SUMMARY in ln][0].count("200 of 200") == 1
     finally:
         a.stop()
+
+
+def test_seeds_whose_names_do_not_resolve_do_not_hide_the_live_one(tmp_path):
+    """200 seeds named ``nohost-N.invalid`` and the live peer named ``localhost``: names are
+    looked up on the mesh's own threads, each within its deadline (viiwork.mesh.lookups), so
+    the live one is seen at once and each dead one says its lookup failed (before: behind 200
+    such names the live peer was seen after 43.7 s, its dials "timed out")."""
+    b = Runner(tmp_path, "b", [])
+    a = None
+    try:
+        names = [f"nohost-{i}.invalid:8087" for i in range(200)]
+        live = f"localhost:{b.mesh_port}"
+        a = Runner(tmp_path, "a", [*names, live])
+
+        def a_sees_b() -> bool:
+            return any(n["id"] == b.node_id and n["liveness"] == "alive" for n in a.view()["nodes"])
+
+        wait_until(a_sees_b, 5.0, "A to see its live seed B (named localhost) behind 200 names that do not resolve")
+        print(f"\nlive peer alive in A's view {time.monotonic() - a.started:.2f} s after A's start")
+        wait_until(lambda: all(s["attempts"] for s in a.view()["seeds"]), 5.0, "every seed dialed")
+        seeds = {s["address"]: s for s in a.view()["seeds"]}
+        assert seeds[live]["answered"] and seeds[live]["last_error"] is None
+        errors = {seeds[x]["last_error"] for x in names}
+        assert all(e is None or e.startswith("name lookup ") for e in errors), errors  # None: in flight
+        assert any(e is not None for e in errors), errors
+    finally:
+        if a is not None:
+            a.stop()
+        b.stop()

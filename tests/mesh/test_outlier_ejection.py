@@ -273,3 +273,64 @@ async def test_a_model_only_the_failing_node_serves_answers_its_real_error_at_ev
         assert slowest < 1.0 and engine_requests(a) == 20, (slowest, engine_requests(a))
         assert a.model("shared")["backends"][0]["ejected"]  # ejected at a, offered all the same
         assert mesh_view(b, "node-a")["models"][0]["slots"] == 2
+
+
+def error_event_binary(directory: Path) -> Path:
+    """The fake engine, whose first process started ends every stream with llama-server's
+    error event after 2 content chunks (``FAKE_ERROR_AFTER_CHUNKS``); later ones answer well."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "fake-llama-server"
+    inner = fake_engine_binary(directory, "fake-inner")
+    path.write_text(f"#!/bin/sh\nif mkdir '{directory / 'bad'}' 2>/dev/null; then export FAKE_ERROR_AFTER_CHUNKS=2; fi\n"
+                    f"exec '{inner}' \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def stream_failed(body: bytes) -> bool:
+    """A stream that ended with an error event (no [DONE])."""
+    assert body.startswith(b"data: "), body[:200]
+    return not body.rstrip().endswith(b"data: [DONE]") and b'"error"' in body
+
+
+async def test_a_backend_that_ends_its_streams_with_an_error_event_is_ejected(tmp_path: Path) -> None:
+    """Issue 22: an error event in a stream (status 200 already sent) is a failure of the
+    backend: before, the failing backend (the quickest to answer) got every stream, 20 of 20."""
+    binary = error_event_binary(tmp_path / "bin")
+    with run_agent(tmp_path, [{**model(binary, GOOD), "backends": 3}], name="alone",
+                   extra={"routing.outliers": OUTLIERS}) as agent:
+        agent.wait_healthy("shared", count=3, timeout_s=30)
+        async with aiohttp.ClientSession() as http:
+            failed = [stream_failed((await send(http, agent, stream=True))[2]) for _ in range(20)]
+        rows = targets(agent, "backend")
+        ejections = agent.status()["outliers"]["counters"]["ejections_total"]
+        logged = agent.log_text()
+    print(f"\n20 streams, 3 backends (one ends its streams with an error event): {sum(failed)} failed")
+    assert 5 <= sum(failed) <= 7 and not any(failed[-5:]), failed  # 5 to eject it, then a probe or two
+    assert len([r for r in rows if r["ejected_in_row"] >= 1]) == 1, rows  # the failing one only
+    assert ejections >= 1
+    assert "ended a stream with an error event (500): fake engine failed mid-stream" in logged
+
+
+async def test_a_peer_whose_streams_end_with_an_error_event_is_ejected_in_the_origins_view(tmp_path: Path) -> None:
+    """The origin sees the peer's stream relayed as is: the same error event counts against
+    the peer for the model (a ejects nothing itself: only b's view keeps streams away)."""
+    binary = fake_engine_binary(tmp_path / "bin")
+    bad = {**GOOD, "FAKE_ERROR_AFTER_CHUNKS": "2"}
+    with ExitStack() as stack:
+        agents = start_agents(tmp_path, stack, {"a": ([model(binary, bad)], {**OUTLIERS, "enabled": False}),
+                                                "b": ([model(binary, GOOD, name="other")], OUTLIERS),
+                                                "c": ([model(binary, GOOD)], OUTLIERS)})
+        b = agents["b"]
+        outcomes: list[tuple[str, bool]] = []
+        async with aiohttp.ClientSession() as http:
+            while sum(f for _, f in outcomes) < 5 and len(outcomes) < 60:
+                _, node, body = await send(http, b, stream=True)
+                outcomes.append((node, stream_failed(body)))
+            after = [(node, stream_failed(body)) for _, node, body in
+                     [await send(http, b, stream=True) for _ in range(5)]]
+        rows = [t for t in targets(b, "peer") if t["node"] == "node-a"]
+    print(f"\nstreams at b: {len(outcomes)} until 5 failed on node-a, then {after}")
+    assert {node for node, f in outcomes if f} == {"node-a"}
+    assert after == [("node-c", False)] * 5  # node-a ejected for the model in b's view
+    assert rows and rows[0]["ejected_in_row"] >= 1, targets(b, "peer")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from viiwork.agent.serving.assemble import (
     ASSEMBLED_PATHS,
+    ErrorEventWatch,
     StreamBroken,
     StreamError,
     assemble,
@@ -24,6 +25,7 @@ from viiwork.agent.serving.assemble import (
     sse_data,
     stream_body,
 )
+from viiwork.agent.serving.errors import engine_failed
 from viiwork.engines.contract import stops_nonstream_on_disconnect
 from viiwork.engines.llamacpp import LlamaCppEngine
 from viiwork.engines.sglang import SglangEngine
@@ -160,6 +162,69 @@ def test_error_event_raises_stream_error(line: bytes, status: int) -> None:
     assert info.value.status == status
     doc = json.loads(info.value.body)
     assert "error" in doc or doc["object"] == "error"
+
+
+def watched(chunks: list[bytes]) -> StreamError | None:
+    watch = ErrorEventWatch()
+    found = [e for c in chunks if (e := watch.feed(c)) is not None]
+    assert len(found) <= 1 and (found[0] if found else None) is watch.error
+    return watch.error
+
+
+VLLM_STREAMS = ["vllm-0.32.0-cpu-chat_stream.txt", "vllm-0.32.0-cpu-chat_stream_usage.txt"]
+ERROR_LINES = [
+    (b'data: {"error":{"code":500,"message":"image input is not supported","type":"server_error"}}', 500),
+    (b'error: {"code":400,"message":"the request exceeds the available context size","type":"x"}', 400),
+    (b'data: {"object":"error","message":"bad","type":"BadRequestError","code":400}', 400),
+    (b'data: {"error":{"message":"oops","code":"weird"}}', 500),
+]
+
+
+@pytest.mark.parametrize("line, status", ERROR_LINES)
+def test_error_event_found_in_a_relayed_stream_however_it_is_cut(line: bytes, status: int) -> None:
+    """The events parse_events raises for, found chunk by chunk (agent/serving/proxy.py relays
+    them as they come), wherever the chunks are cut."""
+    stream = capture("llamacpp/captures/7e4c0a9-smollm2-chat_stream.txt").split(b"data: [DONE]")[0]
+    stream += line + b"\n\n"
+    for cut in [*range(len(stream) - 300, len(stream)), 1]:
+        error = watched([stream[:cut], stream[cut:]])
+        assert error is not None and error.status == status, cut
+        assert json.loads(error.body) == json.loads(sse_data([line])[0])
+    error = watched([stream[i:i + 1] for i in range(len(stream) - 400, len(stream))])  # byte by byte
+    assert error is not None and error.status == status
+
+
+def test_no_error_event_in_ordinary_streams() -> None:
+    stream = capture("llamacpp/captures/7e4c0a9-smollm2-chat_stream.txt")
+    assert watched([stream]) is None and watched([stream[i:i + 7] for i in range(0, len(stream), 7)]) is None
+    assert watched([capture("vllm/captures/" + name) for name in VLLM_STREAMS]) is None
+    # The word in content (its quotes escaped), a logprobs token "error", an "error:" inside a line.
+    quoted = events({"choices": [{"index": 0, "delta": {"content": '{"error": 1}\nerror: x'}}]},
+                    {"choices": [{"index": 0, "logprobs": {"content": [{"token": "error"}]}}]})
+    assert b'"error"' in quoted and watched([quoted]) is None
+
+
+def test_a_line_too_long_for_an_error_event_is_skipped() -> None:
+    long = b'data: {"choices":[{"delta":{"content":"' + b"x" * (ErrorEventWatch.MAX_LINE_BYTES * 2) + b'"}}]}\n\n'
+    error = b'data: {"error":{"code":500,"message":"late"}}\n\n'
+    step = 4096
+    assert watched([(long + error)[i:i + step] for i in range(0, len(long) + len(error), step)]) is not None
+    # The tail of the dropped line is not read as a line of its own.
+    head = b'data: {"' + b"y" * ErrorEventWatch.MAX_LINE_BYTES
+    assert watched([head, b'error: {"code": 500}\n']) is None
+    assert watched([head[:100], head[100:], b"y" * 10, b'error: {"code": 500}\n']) is None
+    assert watched([head[:100], b'error: {"code": 500}\n']) is None  # (not at a line's start)
+
+
+@pytest.mark.parametrize("line, status", ERROR_LINES)
+def test_only_an_error_that_is_not_the_clients_fault_is_a_failure(line: bytes, status: int) -> None:
+    """The rule of engine_error (agent/serving/errors.py): a 4xx, or a 5xx the adapter
+    classifies as the client's (llama-server's "image input is not supported"), is not."""
+    error = watched([line + b"\n\n"])
+    assert error is not None
+    llamacpp = LlamaCppEngine()
+    assert engine_failed(error.status, error.body, llamacpp) == (status >= 500 and b"image" not in line)
+    assert engine_failed(error.status, error.body, None) == (status >= 500)
 
 
 @pytest.mark.parametrize("raw", [

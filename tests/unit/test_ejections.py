@@ -146,7 +146,7 @@ def test_the_flag_follows_the_detector_and_a_repeat_offender_is_reported() -> No
     reports: list[tuple[str, str, str]] = []
     clock = Clock()
     ej = Ejections({"m": rt}, OutlierSettings(jitter=0.0, base_ejection_s=5.0, report_after_ejections=2),
-                   report=lambda m, b, why: reports.append((m, b, why)), clock=clock)
+                   report=lambda m, b, why: reports.append((m, b, why)) or True, clock=clock)
     for _ in range(4):
         ej.outcome(backend, False)
     assert not backend.ejected
@@ -169,8 +169,47 @@ def test_the_flag_follows_the_detector_and_a_repeat_offender_is_reported() -> No
     ej.outcome(backend, True)  # the probe succeeded: restored
     assert not backend.ejected
     assert ej.status()["counters"] == {"ejections_total": 2, "restores_total": 1, "probes_total": 2,
-                                       "dropped_total": 0, "reports_total": 1}
+                                       "dropped_total": 0, "reports_total": 1, "request_faults_total": 0}
     assert ej.rows()[0]["kind"] == "backend" and ej.rows()[0]["state"] == "ok"
+
+
+def test_a_declined_report_keeps_the_backend_ejected() -> None:
+    """The supervisor keeps the backend in service (a report never spends its last respawn,
+    agent/supervision/health_ladder.py): nothing replaces the engine, so its ejection runs on,
+    rather than a probe at once after every report."""
+    rt = runtime(1)
+    backend = rt.backends[0]
+    clock = Clock()
+    ej = Ejections({"m": rt}, OutlierSettings(jitter=0.0, report_after_ejections=1),
+                   report=lambda m, b, why: False, clock=clock)
+    for _ in range(5):
+        ej.outcome(backend, False)
+    assert ej.reports == 1 and backend.ejected and ej.detector.state(backend.id, clock.now) == "ejected"
+
+
+def test_a_probe_that_says_nothing_is_released() -> None:
+    rt = runtime(1)
+    backend = rt.backends[0]
+    clock = Clock()
+    ej = Ejections({"m": rt}, OutlierSettings(jitter=0.0), clock=clock)
+    for _ in range(5):
+        ej.outcome(backend, False)
+    assert not ej.sent(backend)  # ejected: no probe
+    clock.now = 5.1
+    assert ej.sent(backend) and backend.ejected  # the probe runs
+    assert not ej.sent(backend)
+    ej.unjudged(backend)  # it ended in a client's 4xx
+    assert not backend.ejected and ej.detector.usable(backend.id, clock.now)
+    assert ej.sent(backend)  # the next request is the probe
+    ej.outcome(backend, True)
+    assert ej.detector.state(backend.id, clock.now) == "ok" and not ej.sent(backend)
+    # Peers: the same, per (peer, model).
+    for _ in range(5):
+        ej.peer_outcome(NodeId("p"), "p", "m", False)
+    clock.now = 11.0
+    assert ej.peer_sent(NodeId("p"), "m") and not ej.peer_usable(NodeId("p"), "m")
+    ej.peer_unjudged(NodeId("p"), "m")
+    assert ej.peer_usable(NodeId("p"), "m") and ej.peer_sent(NodeId("p"), "m")
 
 
 def test_disabled_records_nothing() -> None:

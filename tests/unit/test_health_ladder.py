@@ -50,7 +50,13 @@ TRANSITIONS = [
     (at(S.HEALTHY, healthy_since=0.0), hl.Reported("ejected 3 times"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
     (at(S.HEALTHY, healthy_since=0.0), hl.Reported("ejected 3 times", respawn_free=False), S.HEALTHY,
      ["RespawnDeferred"]),
-    (at(S.HEALTHY, healthy_since=0.0, spent=3), hl.Reported("ejected 3 times"), S.DEAD, ["StopEngine", "Die"]),
+    (at(S.HEALTHY, healthy_since=0.0, spent=1), hl.Reported("ejected 3 times"), S.UNHEALTHY,
+     ["StopEngine", "Backoff"]),
+    # A report never spends the last respawn (max_respawns 3), nor kills: only the engine's own failures do.
+    (at(S.HEALTHY, healthy_since=0.0, spent=2), hl.Reported("ejected 3 times"), S.HEALTHY, ["ReportDeclined"]),
+    (at(S.HEALTHY, healthy_since=0.0, spent=3), hl.Reported("ejected 3 times"), S.HEALTHY, ["ReportDeclined"]),
+    (at(S.HEALTHY, healthy_since=0.0, spent=2), hl.Reported("ejected", respawn_free=False), S.HEALTHY,
+     ["ReportDeclined"]),
     (at(S.STARTING), hl.Failed("startup timeout"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
     (at(S.HEALTHY, healthy_since=0.0), hl.Failed("exited"), S.UNHEALTHY, ["StopEngine", "Backoff"]),
     (at(S.STARTING, spent=3), hl.Failed("exited"), S.DEAD, ["StopEngine", "Die"]),
@@ -234,7 +240,54 @@ def test_an_outlier_report_ends_health_by_the_usual_rules() -> None:
     deferred, did = hl.step(ladder, hl.Reported("ejected", respawn_free=False), 1.0, RULES)
     assert deferred == ladder and did == (hl.RespawnDeferred("ejected"),)
     spent, did = hl.step(healthy(spent=3), hl.Reported("ejected"), 1.0, RULES)
-    assert spent.state is S.DEAD and did == (hl.StopEngine(), hl.Die("ejected"))
+    assert spent == replace(healthy(spent=3), declined=1) and did == (hl.ReportDeclined("ejected", 1),)
+
+
+def test_outlier_reports_never_make_a_backend_dead() -> None:
+    """Issue 22: a client whose requests fail every backend got good backends reported every
+    ~20 s; each report spent a respawn, and the backends went dead at ~180 s. Now reports
+    spend all but the last respawn, then change nothing; the engine's own failures still do."""
+    rules = hl.LadderRules(max_respawns=3, respawn_backoff_s=1.0, respawn_backoff_max_s=60.0, healthy_refill_s=600.0,
+                           respawn_jitter_s=0.0)
+    ladder, now, declined = healthy(), 0.0, []
+    for i in range(250):  # a report every 20 s, for over an hour
+        if i == 25:  # within healthy_refill_s of the last respawn
+            assert (ladder.respawns, ladder.spent) == (2, 2)  # the last respawn is kept
+            assert declined == list(range(1, 24))  # counted; the task logs the first
+        now += 20.0
+        ladder, did = hl.step(ladder, hl.Reported("ejected 3 times in a row: 5 consecutive failures"), now, rules)
+        if ladder.state is S.UNHEALTHY:  # respawned by the usual rules
+            (backoff,) = [a for a in did if isinstance(a, hl.Backoff)]
+            now += backoff.delay_s
+            ladder, _ = hl.step(ladder, hl.BackoffOver(), now, rules)
+            now += 2.0
+            ladder, _ = hl.step(ladder, hl.Ready(), now, rules)
+        else:
+            (action,) = did
+            assert isinstance(action, hl.ReportDeclined)
+            declined.append(action.declined)
+        assert ladder.state is S.HEALTHY
+    # Healthy for healthy_refill_s (600 s) in between, the budget refills (by the usual rule):
+    # reports spend all but its last respawn again.
+    assert ladder.spent == 2 and ladder.respawns > 2
+    # The engine exits: the kept respawn is used, and the next exit is the end.
+    ladder, did = hl.step(ladder, hl.Failed("exited: status 1"), now + 1.0, rules)
+    assert ladder.state is S.UNHEALTHY and hl.Backoff(4.0) in did
+    ladder, _ = hl.step(ladder, hl.BackoffOver(), now + 5.0, rules)
+    ladder, _ = hl.step(ladder, hl.Ready(), now + 7.0, rules)
+    assert ladder.declined == 0  # a new engine: its first declined report is logged again
+    ladder, did = hl.step(ladder, hl.Failed("exited: status 1"), now + 8.0, rules)
+    assert ladder.state is S.DEAD and hl.Die("exited: status 1") in did
+
+
+def test_a_report_after_a_long_health_finds_the_budget_refilled() -> None:
+    ladder = healthy(spent=2)  # max_respawns 3: declined now ...
+    assert hl.declines_report(ladder, 599.0, RULES) and not hl.declines_report(ladder, 600.0, RULES)
+    after, did = hl.step(ladder, hl.Reported("ejected"), 600.0, RULES)  # ... not after healthy_refill_s
+    assert (after.state, after.spent) == (S.UNHEALTHY, 0) and hl.Backoff(1.0) in did
+    for budget in (0, 1):  # no respawn a report may spend: declined from the first
+        rules = replace(RULES, max_respawns=budget)
+        assert hl.step(healthy(), hl.Reported("x"), 1e6, rules)[0].state is S.HEALTHY
 
 
 def test_the_backoff_carries_the_jitter_for_the_task_to_draw() -> None:
@@ -397,6 +450,10 @@ def test_ladder_invariants_hold_for_any_event_sequence(events, max_failures, max
             assert ladder.state is S.DEAD or any(isinstance(a, hl.Die) for a in actions)
         if isinstance(event, hl.Failed) and event.disk:
             assert (after.spent, after.respawns) == (ladder.spent, ladder.respawns)
+        if isinstance(event, hl.Reported):  # an outlier report never kills, nor spends the last respawn
+            assert after.state is not S.DEAD and not any(isinstance(a, hl.Die) for a in actions)
+            if after.state is S.UNHEALTHY:
+                assert after.spent + 1 < max_respawns
         ladder = after
 
 

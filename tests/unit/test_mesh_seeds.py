@@ -3,7 +3,8 @@ per-address backoff (viiwork.mesh.candidates, docs/mesh.md "Seeds"), in virtual 
 
 No sockets: the core is fed an injected clock (tests/support/mesh_crypto.py ManualClock) and
 told how each dial ended, as the transport does. The same rules with real processes and real
-dead addresses: tests/mesh/test_dead_seeds.py.
+dead addresses: tests/mesh/test_dead_seeds.py. At the end, a named seed's lookup
+(viiwork.mesh.lookups), with a lookup function standing for the DNS server.
 """
 
 from __future__ import annotations
@@ -206,3 +207,113 @@ def test_a_seed_whose_name_does_not_resolve_says_so() -> None:
     text = _fault(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
     assert text == "name lookup failed: name or service not known"
     assert _fault(ConnectionRefusedError(111, "Connection refused")) == "connection refused"
+
+
+async def test_hanging_name_lookups_leave_the_default_executor_free() -> None:
+    """Seeds whose names hang (a DNS server that does not answer: the lookup function stands
+    for it) hold only the mesh's own lookup threads (viiwork.mesh.lookups): the loop's
+    default executor, which asyncio.to_thread shares with GPU reads and state-dir writes,
+    stays free (before: 200 such seeds held it for tens of seconds). Each dial fails at its
+    deadline as "name lookup timed out"; a name whose lookup still hangs is not looked up
+    again beside it."""
+    import asyncio
+    import threading
+    import time
+
+    from viiwork.mesh.lookups import MeshResolver, NameLookupTimeout
+
+    answer = threading.Event()
+    started: list[str] = []
+
+    def slow_dns(host: str, port: int, **_: object) -> list:
+        started.append(host)
+        answer.wait(10)
+        return []
+
+    resolver = MeshResolver(timeout_s=0.5, lookup=slow_dns)
+    try:
+        lookups = [asyncio.ensure_future(resolver.resolve(f"nohost-{i}.invalid", 8087)) for i in range(50)]
+        await asyncio.sleep(0.05)
+        sent = time.monotonic()
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 1), 0.1) == 1
+        print(f"\nthe default executor answered in {(time.monotonic() - sent) * 1000:.1f} ms while 50 lookups hang")
+        results = await asyncio.wait_for(asyncio.gather(*lookups, return_exceptions=True), 2.0)
+        assert all(isinstance(r, NameLookupTimeout) for r in results), results[:3]
+        assert str(results[0]) == "name lookup of nohost-0.invalid timed out after 0.5 s"
+        assert len(started) == 50
+        with pytest.raises(NameLookupTimeout):  # its first lookup still hangs: waited on, not repeated
+            await resolver.resolve("nohost-0.invalid", 8087)
+        assert len(started) == 50
+    finally:
+        answer.set()
+
+
+async def test_a_lookup_that_never_got_a_thread_never_runs() -> None:
+    """A lookup still waiting for one of the bounded threads when its callers give up is
+    dropped, and the threads end with their lookups (none kept idle)."""
+    import asyncio
+    import threading
+
+    from viiwork.mesh.lookups import LookupThreads, MeshResolver, NameLookupTimeout
+
+    answer = threading.Event()
+    started: list[str] = []
+
+    def slow_dns(host: str, port: int, **_: object) -> list:
+        started.append(host)
+        answer.wait(10)
+        return []
+
+    threads = LookupThreads(2)
+    resolver = MeshResolver(timeout_s=0.3, lookup=slow_dns, threads=threads)
+    try:
+        results = await asyncio.gather(*(resolver.resolve(f"n{i}.invalid", 1) for i in range(10)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, NameLookupTimeout) for r in results)
+        assert len(started) == 2 and threads.running == 2
+    finally:
+        answer.set()
+    for _ in range(100):
+        if threads.running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert len(started) == 2 and threads.running == 0
+    assert await MeshResolver(threads=threads).resolve("127.0.0.1", 80)  # a thread again when needed
+
+
+async def test_a_lookups_failure_reads_as_its_own_text_through_aiohttp() -> None:
+    """What a dial of a named seed reports (``last_error``, the WARNING): the lookup's own
+    error through aiohttp's connector, its deadline as "name lookup timed out" (not "timed
+    out", the exchange's); a name that resolves gets the addresses aiohttp's own resolver gives."""
+    import asyncio
+    import socket
+    import time
+
+    import aiohttp
+
+    from viiwork.mesh.dialing import PeerConnector
+    from viiwork.mesh.lookups import MeshResolver
+    from viiwork.mesh.transport import _fault
+
+    def no_such_name(host: str, port: int, **_: object) -> list:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    def hangs(host: str, port: int, **_: object) -> list:
+        time.sleep(0.5)
+        return []
+
+    for lookup, want in ((no_such_name, "name lookup failed: name or service not known"),
+                         (hangs, "name lookup timed out")):
+        connector = PeerConnector(resolver=MeshResolver(timeout_s=0.2, lookup=lookup))
+        async with aiohttp.ClientSession(connector=connector) as http:
+            try:
+                async with http.get("http://seed.example:9/", timeout=aiohttp.ClientTimeout(total=2)):
+                    raise AssertionError("answered")
+            except aiohttp.ClientError as exc:
+                assert _fault(exc) == want, exc
+    connector = PeerConnector()  # the mesh's resolver by default, with its 2 s deadline
+    assert isinstance(connector._resolver, MeshResolver) and connector._resolver.timeout_s == 2.0
+    await connector.close()
+    ours = await MeshResolver().resolve("localhost", 8087)
+    theirs = await aiohttp.ThreadedResolver(asyncio.get_running_loop()).resolve("localhost", 8087)
+    assert ours == theirs and ours and ours[0]["port"] == 8087

@@ -221,6 +221,19 @@ def test_a_probe_timeout_lets_another_probe_go() -> None:
     assert isinstance(d.record("b0", True, 36.0), ol.Restored)
 
 
+def test_a_released_probe_lets_another_go_at_once_and_release_changes_nothing_else() -> None:
+    d = ol.OutlierDetector(EXACT)
+    fail(d, "b0", 5)
+    d.release("b0", 1.0)  # ejected: nothing to release, still ejected
+    d.release("nobody", 1.0)
+    assert not d.allow("b0", 4.9) and len(d) == 1
+    assert d.allow("b0", 5.0)
+    d.release("b0", 5.5)  # the probe's answer said nothing (a client's 4xx)
+    assert d.usable("b0", 5.5) and d.allow("b0", 5.5) and not d.allow("b0", 5.6)
+    assert d.state("b0", 5.6) == "half-open" and d.ejected_in_row("b0") == 1 and d.probes_total == 2
+    assert isinstance(d.record("b0", False, 6.0), ol.Ejected)  # the next outcome still decides
+
+
 # ----------------------------------------------------------------- table
 
 

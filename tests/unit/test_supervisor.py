@@ -7,6 +7,7 @@ llamacpp adapter's command line; intervals are shortened through the config, nev
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -398,27 +399,33 @@ async def test_a_health_blip_without_traffic_restarts_one_backend_not_the_node(t
     assert [b.reason for b in backends if b.respawns] == [""]
 
 
-async def test_report_outlier_respawns_a_healthy_backend_by_the_ladders_rules(tmp_path, binary, supervise):
-    config = make_config(tmp_path, [fake_model(binary, backends=2)], health={"max_respawns": 1})
+async def test_report_outlier_respawns_a_healthy_backend_by_the_ladders_rules(tmp_path, binary, supervise, caplog):
+    config = make_config(tmp_path, [fake_model(binary, backends=2)], health={"max_respawns": 2})
     sup = await supervise(config)
     b0, b1 = sup.models["m"].backends
     await healthy(b0)
     await healthy(b1)
     rec = Recorder(sup.models["m"])
     first = b0.pid
-    sup.report_outlier("m", b0.id, "ejected 3 times in a row: 5 failures in a row")
+    assert sup.report_outlier("m", b0.id, "ejected 3 times in a row: 5 failures in a row")
     await eventually(lambda: b0.respawns == 1 and b0.state is BackendState.HEALTHY and b0.pid != first, 10,
                      "respawned after the report")
     assert not alive(first)
     assert BackendState.UNHEALTHY in rec.states(0)
     assert b1.respawns == 0 and BackendState.UNHEALTHY not in rec.states(1)
     # unknown model or backend: ignored
-    sup.report_outlier("nope", b0.id, "x")
-    sup.report_outlier("m", BackendId("m-9"), "x")
-    # the budget counts: one more report and the backend is dead (max_respawns 1)
-    sup.report_outlier("m", b0.id, "ejected again")
-    await eventually(lambda: b0.state is BackendState.DEAD, 10, "dead after the budget")
-    assert b0.reason == "ejected again"
+    assert not sup.report_outlier("nope", b0.id, "x")
+    assert not sup.report_outlier("m", BackendId("m-9"), "x")
+    # A report never spends the last respawn (max_respawns 2): the backend stays in service,
+    # logged once (issue 22: a client's bad requests had good backends reported until dead).
+    second = b0.pid
+    caplog.set_level(logging.DEBUG, "viiwork.agent.supervision.supervisor")
+    for _ in range(3):
+        assert not sup.report_outlier("m", b0.id, "ejected again")
+    await asyncio.sleep(0.3)
+    assert b0.state is BackendState.HEALTHY and b0.respawns == 1 and b0.pid == second
+    kept = [r for r in caplog.records if r.levelno == logging.WARNING and "kept in service" in r.getMessage()]
+    assert len(kept) == 1 and "outlier reports never spend the last respawn" in kept[0].getMessage()
     assert b1.state is BackendState.HEALTHY and b1.respawns == 0
 
 

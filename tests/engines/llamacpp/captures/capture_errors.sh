@@ -39,6 +39,16 @@ post /v1/chat/completions '{"messages":[{"role":"user","content":[{"type":"text"
 # 400s the engine already answers as the client's: an unknown content part type, a bad field type
 post /v1/chat/completions '{"messages":[{"role":"user","content":[{"type":"video","video":"x"}]}],"max_tokens":8}' "$pfx-error_unknown_part.txt"
 post /v1/chat/completions '{"messages":"not a list","max_tokens":8}' "$pfx-error_messages_not_list.txt"
+# 500s of llama-server's chat parsing that are the client's fault: a text part without text or
+# with a number for it, tool_calls not a list, tools not a list of tools, an unknown reasoning format
+post /v1/chat/completions '{"messages":[{"role":"user","content":[{"type":"text"}]}],"max_tokens":8}' "$pfx-error_text_part_no_text.txt"
+post /v1/chat/completions '{"messages":[{"role":"user","content":[{"type":"text","text":5}]}],"max_tokens":8}' "$pfx-error_text_part_number.txt"
+post /v1/chat/completions '{"messages":[{"role":"assistant","content":"hi","tool_calls":"x"},{"role":"user","content":"hi"}],"max_tokens":8}' "$pfx-error_tool_calls_not_list.txt"
+post /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"tools":"x","max_tokens":8}' "$pfx-error_tools_not_list.txt"
+post /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"tools":[5],"max_tokens":8}' "$pfx-error_tools_number.txt"
+post /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"reasoning_format":"zz","max_tokens":8}' "$pfx-error_reasoning_format_chat.txt"
+post /v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"reasoning_format":"zz","max_tokens":8,"stream":true}' "$pfx-error_reasoning_format_chat_stream.txt"
+post /v1/completions '{"prompt":"hi","reasoning_format":"zz","max_tokens":8}' "$pfx-error_reasoning_format_completions.txt"
 stop
 
 # 2. an embedding server: input longer than the batch, and the pooling refusal of a GGUF
