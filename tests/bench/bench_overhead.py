@@ -22,6 +22,7 @@ Figures, all from one run:
   non-streamed and for 20-chunk streamed answers (chunks/s = requests/s x 20).
 - per-chunk cost = (total - TTFB) / chunks of the c=1 streamed series.
 - ``--profile``: py-spy samples the agent under the c=32 load; the top frames are printed.
+  With ``--baseline``, both agents are also sampled under the same c=1 load, side by side.
 - memory and start-up: an agent with no models, NOTIFY_SOCKET set to a datagram socket owned
   here; time from exec to ``READY=1`` and VmRSS after it settles.
 
@@ -645,6 +646,51 @@ def profile_agent(pid: int, port: int, work: Path, seconds: float) -> list[str]:
     return summarize_profile(raw.read_text())
 
 
+def profile_c1_ab(systems: list[tuple[str, int, int]], work: Path, n: int, stream: bool,
+                  top: int = 25, wrk_s: float = 0.0) -> list[str]:
+    """py-spy on each agent (name, pid, port) while it serves ``n`` c=1 requests: samples of
+    each function's self time (and, marked ``[incl]``, the agent's own functions' inclusive
+    time) per 1,000 requests, side by side: where an A/B's c=1 gap goes."""
+    pyspy = shutil.which("py-spy") or next((str(p) for p in (Path(sys.executable).parent / "py-spy",
+                                            HERE.parents[1] / ".bench-venv/bin/py-spy") if p.exists()), None)
+    if not pyspy:
+        return ["py-spy not found: no profile taken."]
+    per: dict[str, Counter[str]] = {}
+    for name, pid, port in systems:
+        raw = work / f"c1-{pid}.pyspy.txt"
+        spy = subprocess.Popen([pyspy, "record", "-p", str(pid), "-r", "500", "--format", "raw", "-o", str(raw),
+                                "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)
+        if wrk_s:  # c=32 instead: normalised by the requests wrk saw answered
+            n = max(1, run_wrk(port, SBODY if stream else BODY, wrk_s, 32, work).requests)
+        else:
+            run_c1(port, n, stream, C1(), 20)
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            return ["py-spy did not finish."]
+        counts: Counter[str] = Counter()
+        for line in (raw.read_text() if raw.exists() else "").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack and count.isdigit():
+                frames = stack.split(";")
+                counts[_short(frames[-1])] += int(count)
+                for f in set(frames):
+                    if "agent/" in f and "site-packages" not in f:
+                        counts["[incl] " + _short(f)] += int(count)
+        per[name] = Counter({k: v * 1000 / n for k, v in counts.items()})
+    names = [s[0] for s in systems]
+    keys = Counter()
+    for c in per.values():
+        keys.update(c)
+    out = ["| function | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for k, _ in keys.most_common(top):
+        out.append(f"| `{k}` | " + " | ".join(f"{per[nm][k]:.0f}" for nm in names) + " |")
+    return out
+
+
 def summarize_profile(text: str, top: int = 14) -> list[str]:
     """Collapsed stacks -> self time by function and inclusive time of grouped layers."""
     self_t: Counter[str] = Counter()
@@ -1016,6 +1062,17 @@ def main() -> int:
             if args.other_client:
                 other = other_client(systems, base.name if base else None)
             profile = profile_agent(agent.pid, aport, work, 6) if args.profile else []
+            if args.profile and base is not None and len(systems) > 0:
+                bsys = next(s for s in systems if s.name == base.name)
+                for stream in (False, True):
+                    profile += ["", f"#### c=1 A/B profile ({'streamed' if stream else 'non-streamed'}): "
+                                "py-spy samples (500 Hz) per 1,000 requests", ""]
+                    profile += profile_c1_ab([("this tree", agent.pid, aport), (base.name, bsys.proc.pid, bsys.port)],
+                                             work, 1500, stream)
+                profile += ["", "#### c=32 A/B profile (non-streamed, wrk 4 s): py-spy samples (500 Hz) per 1,000 "
+                            "requests", ""]
+                profile += profile_c1_ab([("this tree", agent.pid, aport), (base.name, bsys.proc.pid, bsys.port)],
+                                         work, 1, False, 40, wrk_s=4.0)
             startup, rss, snote = startup_and_rss(work, args.startup_runs)
             rss_peers, pnote = rss_with_peers(work)
             if pnote:
