@@ -18,6 +18,13 @@ integers. Errors are typed: :class:`MalformedSummary` (names the field),
 
 Protocol versions (a node accepts the current and the previous one, docs/mesh.md "Versions"):
 
+- **4** (implemented, not yet current): as 3, plus extensions (:mod:`viiwork.mesh.extensions`):
+  the optional key ``ext``, ``{name: [version, value]}``, left out when empty (so a payload
+  without extensions has the shape of 3). Its bounds are the protocol's (broken:
+  ``malformed`` / ``oversized``); within them an extension the node does not understand is
+  kept, relayed unchanged and listed in ``SummaryPayload.extensions.ignored``, never refused. A payload of an earlier
+  version cannot carry extensions (ValueError when encoding; ``ext`` is an unknown key
+  to its decoder).
 - **3** (current): as 2, plus the ``state`` value ``restarting`` (the node stops and its
   agent comes back soon: docs/mesh.md, "Failure detection and timings"). A node that
   publishes in 2 (a peer still speaks only 2) says ``leaving`` instead, what a stopping
@@ -40,16 +47,24 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from viiwork.mesh.extensions import (
+    EMPTY,
+    ExtensionError,
+    Extensions,
+    OversizedExtensions,
+    canonical_bytes,
+    decode_extensions,
+)
 from viiwork.mesh.identity import NodeId, is_node_id
 
 PROTOCOL_VERSION = 3
 PREVIOUS_PROTOCOL_VERSION = 2
-IMPLEMENTED_PROTOCOLS = (1, 2, 3)
+IMPLEMENTED_PROTOCOLS = (1, 2, 3, 4)
+EXTENSIONS_PROTOCOL = 4  # the first version whose payload may carry ``ext``
 
 MAX_SUMMARY_BYTES = 16 * 1024  # canonical payload; a node with 10 models is ~2.5 KB
 MAX_MODELS = 64
@@ -100,6 +115,7 @@ STATES_OF_PROTOCOL: dict[int, frozenset[PublishedState]] = {
     1: frozenset({PublishedState.SERVING, PublishedState.DRAINING, PublishedState.LEAVING}),
     2: frozenset({PublishedState.SERVING, PublishedState.DRAINING, PublishedState.LEAVING}),
     3: frozenset(PublishedState),
+    4: frozenset(PublishedState),
 }
 
 
@@ -157,7 +173,8 @@ class SummaryPayload:
     ``speaks``: the newest version the node speaks (it may publish in the previous one
     during a rolling upgrade, see :mod:`viiwork.mesh.membership`); ``generation``/``seq``
     order a node's publications; ``boot`` is the boot nonce (display only); ``api``/``mesh``
-    are advertised ``host:port`` addresses (``api`` may be "" when the node advertises none)."""
+    are advertised ``host:port`` addresses (``api`` may be "" when the node advertises none);
+    ``extensions`` (protocol 4): the ``ext`` fields, empty when none."""
 
     protocol: int
     mesh_id: str
@@ -173,6 +190,7 @@ class SummaryPayload:
     models: tuple[ModelCapacity, ...] = ()
     speaks: int = 0  # 0: same as ``protocol``
     gpus: tuple[GpuCapacity, ...] = ()  # protocol 2 only
+    extensions: Extensions = EMPTY  # protocol 4 on
 
     def __post_init__(self) -> None:
         if self.speaks == 0:
@@ -206,8 +224,9 @@ class SignedSummary:
 
 
 def canonical_json(obj: Any) -> bytes:
-    """The canonical encoding: sorted keys, ``,``/``:`` separators, ASCII, no NaN."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    """The canonical encoding: sorted keys, ``,``/``:`` separators, ASCII, no NaN (one
+    encoder for summaries and their extensions: :func:`viiwork.mesh.extensions.canonical_bytes`)."""
+    return canonical_bytes(obj)
 
 
 def signing_input(payload_bytes: bytes) -> bytes:
@@ -222,18 +241,22 @@ _MODEL_KEYS = {
     2: frozenset({"name", "engine", "kind", "slots", "busy", "waiting", "ctx_per_slot", "healthy", "total",
                   "fingerprint"}),
 }
-_MODEL_KEYS[3] = _MODEL_KEYS[2]
+_MODEL_KEYS[3] = _MODEL_KEYS[4] = _MODEL_KEYS[2]
 _BASE_PAYLOAD_KEYS = frozenset({"protocol", "speaks", "mesh_id", "node_id", "name", "api", "mesh", "version",
                                 "generation", "boot", "seq", "state", "models"})
-_PAYLOAD_KEYS = {1: _BASE_PAYLOAD_KEYS, 2: _BASE_PAYLOAD_KEYS | {"gpus"}, 3: _BASE_PAYLOAD_KEYS | {"gpus"}}
+_PAYLOAD_KEYS = {1: _BASE_PAYLOAD_KEYS, 2: _BASE_PAYLOAD_KEYS | {"gpus"}, 3: _BASE_PAYLOAD_KEYS | {"gpus"},
+                 4: _BASE_PAYLOAD_KEYS | {"gpus"}}  # and, optional from 4, "ext"
 _GPU_KEYS = frozenset({"index", "name", "memory_total_mib", "memory_free_mib"})
 
 
 def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
     """The JSON object of ``payload`` in its own protocol version (ValueError when its
-    ``state`` does not exist in that version: see :func:`state_for_protocol`)."""
+    ``state`` does not exist in that version: see :func:`state_for_protocol`; or when it
+    carries extensions before protocol 4)."""
     if payload.state not in STATES_OF_PROTOCOL[payload.protocol]:
         raise ValueError(f"state {payload.state.value!r} does not exist in protocol {payload.protocol}")
+    if payload.extensions and payload.protocol < EXTENSIONS_PROTOCOL:
+        raise ValueError(f"protocol {payload.protocol} carries no extensions (from {EXTENSIONS_PROTOCOL} on)")
     models = []
     for m in payload.models:
         entry: dict[str, Any] = {
@@ -252,6 +275,8 @@ def payload_to_obj(payload: SummaryPayload) -> dict[str, Any]:
     if payload.protocol >= 2:
         obj["gpus"] = [{"index": g.index, "name": g.name, "memory_total_mib": g.memory_total_mib,
                         "memory_free_mib": g.memory_free_mib} for g in payload.gpus]
+    if payload.extensions:
+        obj["ext"] = payload.extensions.encode()
     return obj
 
 
@@ -366,7 +391,8 @@ def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
     if not isinstance(obj, dict):
         raise MalformedSummary(f"payload: expected an object, got {type(obj).__name__}")
     protocol = check_protocol(obj.get("protocol"), accepted, "payload.protocol")
-    obj = _keys(obj, _PAYLOAD_KEYS[protocol], "payload")
+    has_ext = protocol >= EXTENSIONS_PROTOCOL and "ext" in obj
+    obj = _keys(obj, _PAYLOAD_KEYS[protocol] | ({"ext"} if has_ext else set()), "payload")
     node_id = obj["node_id"]
     if not is_node_id(node_id):
         raise MalformedSummary(f"payload.node_id: not a node id: {node_id!r:.40}")
@@ -391,7 +417,16 @@ def decode_payload(obj: Any, accepted: tuple[int, ...]) -> SummaryPayload:
         if not isinstance(gpus_obj, list) or len(gpus_obj) > MAX_GPUS:
             raise MalformedSummary(f"payload.gpus: expected a list of at most {MAX_GPUS} GPUs")
         gpus = tuple(decode_gpu(g, f"payload.gpus[{i}]") for i, g in enumerate(gpus_obj))
+    extensions = EMPTY
+    if has_ext:
+        try:
+            extensions = decode_extensions(obj["ext"], where="payload.ext")
+        except OversizedExtensions as exc:
+            raise OversizedSummary(str(exc)) from None
+        except ExtensionError as exc:
+            raise MalformedSummary(str(exc)) from None
     return SummaryPayload(
+        extensions=extensions,
         gpus=gpus,
         protocol=protocol,
         speaks=speaks,
