@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, TypeVar, cast
 
+from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS
 from viiwork.mesh.identity import NodeId, is_node_id
 
 MAX_EXTENSIONS = 16
@@ -49,9 +50,8 @@ MAX_EXTENSION_BYTES = 8 * 1024  # half of summary.MAX_SUMMARY_BYTES (16 KiB): ro
 UNKNOWN_EXTENSION_CAP = 1024  # canonical bytes of one value this node does not understand
 MAX_EXTENSION_DEPTH = 8  # nested lists/objects within one value
 MAX_EXTENSION_VERSION = 2**31
-MAX_EXTENSION_INT = 2**53  # JSON-safe, as summary.MAX_INT
-MAX_MODEL_NAME_CHARS = 200  # as summary.MAX_NAME_CHARS
-MAX_LABEL_CHARS = 64  # as summary.MAX_LABEL_CHARS
+MAX_EXTENSION_INT = MAX_INT  # JSON-safe, as in a summary
+MAX_MODEL_NAME_CHARS = MAX_NAME_CHARS
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 _DIGEST = re.compile(r"[0-9a-f]{16}\Z")
 
@@ -327,7 +327,7 @@ def _per_model(value: Any, where: str, max_models: int) -> list[tuple[str, Any]]
     return [(_label(k, where, MAX_MODEL_NAME_CHARS), v) for k, v in sorted(value.items())]
 
 
-MAX_SPEED_MODELS = 64  # as summary.MAX_MODELS
+MAX_SPEED_MODELS = MAX_MODELS
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,9 +38,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from viiwork.mesh.bounds import MAX_INT
 from viiwork.mesh.identity import NodeId, is_node_id
 from viiwork.mesh.summary import (
-    MAX_INT,
     MalformedSummary,
     OversizedSummary,
     SignedSummary,

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS
 from viiwork.mesh.extensions import (
     EMPTY,
     ExtensionError,
@@ -67,12 +68,8 @@ IMPLEMENTED_PROTOCOLS = (1, 2, 3, 4)
 EXTENSIONS_PROTOCOL = 4  # the first version whose payload may carry ``ext``
 
 MAX_SUMMARY_BYTES = 16 * 1024  # canonical payload; a node with 10 models is ~2.5 KB
-MAX_MODELS = 64
 MAX_GPUS = 64
-MAX_NAME_CHARS = 200
-MAX_LABEL_CHARS = 64
 MAX_ADDRESS_CHARS = 270  # [ipv6]:port or a 253-char DNS name with a port
-MAX_INT = 2**53  # JSON-safe; counters beyond this are malformed
 SIGNATURE_BYTES = 64
 SIGNING_DOMAIN = b"viiwork-summary\x00"
 

@@ -31,13 +31,10 @@ from pydantic import (
 
 from viiwork.engines.contract import Kind
 from viiwork.engines.registry import ENGINES, engine_names
+from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.summary import (
     MAX_ADDRESS_CHARS,
-    MAX_INT,
-    MAX_LABEL_CHARS,
-    MAX_MODELS,
-    MAX_NAME_CHARS,
     MAX_SUMMARY_BYTES,
     PROTOCOL_VERSION,
     STATES_OF_PROTOCOL,
