@@ -336,6 +336,8 @@ class OutlierDetector:
             target.streak = 0
             if target.consecutive >= settings.consecutive_failures:
                 return self._eject(key, target, now, f"{target.consecutive} consecutive failures")
+        if ok and not any(target.failures):  # no failure in the window: no rate to judge (failure_rate > 0)
+            return None
         failed, total = target.totals(now, self._slice_s)
         if total >= settings.min_requests and failed >= settings.failure_rate * total:
             return self._eject(key, target, now, f"{failed} of {total} requests failed in {settings.window_s:g} s")

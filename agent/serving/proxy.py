@@ -64,6 +64,7 @@ from viiwork.agent.serving.assemble import (
     parse_events,
     sse_data,
     stream_body,
+    stream_lines,
 )
 from viiwork.agent.serving.errors import (
     ErrorCode,
@@ -375,7 +376,7 @@ class Upstream:
         if isinstance(data, web.Response):
             return data
         try:
-            answer = assemble(parse_events(sse_data(data.splitlines())), obj)
+            answer = assemble(parse_events(sse_data(stream_lines(data))), obj)
         except StreamError as exc:
             adapter = self.engine_of(backend) if isinstance(backend, Backend) else None  # always local here
             return engine_error(exc.status, exc.body, backend.id, adapter, headers=headers)

@@ -24,6 +24,7 @@ from viiwork.agent.serving.assemble import (
     parse_events,
     sse_data,
     stream_body,
+    stream_lines,
 )
 from viiwork.agent.serving.errors import engine_failed
 from viiwork.engines.contract import stops_nonstream_on_disconnect
@@ -247,6 +248,59 @@ def test_assemble_needs_an_event() -> None:
 def test_sse_framing() -> None:
     raw = b": comment\r\ndata:{\"a\":\r\ndata: 1}\r\nid: 7\r\nevent: x\r\n\r\ndata: [DONE]"
     assert sse_data(raw.splitlines()) == ['{"a":\n1}', "[DONE]"]
+    assert sse_data(stream_lines(raw)) == ['{"a":\n1}', "[DONE]"]
+
+
+# Lines of SSE as engines and broken engines write them: fields, comments, blank lines, any
+# line end, text with the breaks str.splitlines knows and bytes.splitlines does not.
+SSE_LINE = st.one_of(
+    st.builds(lambda v: b"data: " + v, st.binary(max_size=12)),
+    st.sampled_from([b"", b": c", b"data:x", b"data:  two", b"event: e", b"error: {\"code\": 500}", b"data: [DONE]",
+                     "data: \"\u2028\x85\x1c\"".encode(), b"\xff\xfe", b"data: \xe2\x80"]),
+    st.binary(max_size=8))
+SSE = st.lists(st.tuples(SSE_LINE, st.sampled_from([b"\n", b"\r\n", b"\r"])), max_size=10).map(
+    lambda lines: b"".join(line + end for line, end in lines))
+
+
+@settings(max_examples=400, deadline=None)
+@given(SSE)
+def test_stream_lines_read_a_body_as_its_bytes_lines(raw: bytes) -> None:
+    """The whole-body reading (one decode) gives the events that line-by-line decoding gives."""
+    assert sse_data(stream_lines(raw)) == sse_data(raw.splitlines())
+
+
+EVENT_TEXT = st.one_of(st.builds(lambda doc, pad: pad[0] + json.dumps(doc) + pad[1],
+                                 st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3),
+                                 st.sampled_from([("", ""), (" ", ""), ("", " "), ("\t", "\n"), ("\ufeff", "")])),
+                       st.sampled_from(["{}", '{"a": 1} {"b": 2}', '{"a": 1}x', "[1]", "1", "nul", '"s"', "{", ""]),
+                       st.text(max_size=6))
+
+
+def _old_parse(texts: list[str]) -> list[dict[str, Any]] | str:
+    """parse_events as it read each event before: json.loads."""
+    out = []
+    for text in texts:
+        if text.strip() == "[DONE]":
+            return out
+        try:
+            event = json.loads(text)
+        except (ValueError, RecursionError):
+            return "broken"
+        if not isinstance(event, dict):
+            return "broken"
+        out.append(event)
+    return "broken"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(EVENT_TEXT, max_size=5), st.booleans())
+def test_parse_events_reads_each_event_as_json_loads_does(texts: list[str], done: bool) -> None:
+    texts = [t for t in texts if "error" not in t] + (["[DONE]"] if done else [])
+    try:
+        got: list[dict[str, Any]] | str = parse_events(texts)
+    except StreamBroken:
+        got = "broken"
+    assert got == _old_parse(texts)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
