@@ -49,13 +49,14 @@ Rules (docs/mesh.md; docs/architecture.md, rule 7):
   is retried every ``reseed_every_rounds`` rounds; with probability
   ``probe_dead_per_round`` one random dead node is probed too, so partitions heal (both
   sides of a partition declare the other dead, and nobody would gossip across otherwise).
-- **Versions**: a node accepts its protocol and the previous one. It speaks to a known
+- **Versions**: a node accepts its protocol and the two before it (so protocol 4 reads
+  99079c7's protocol 2, the last release before 3). It speaks to a known
   peer in the newest version both speak (the peer's summary says which it ``speaks``), to
   an unknown address in its own, and answers in the version it was asked in; a message in
   a version it does not speak gets an empty reply in its own version, from which the
   sender learns to speak down (remembered for a minute, then retried, in case the address
   was upgraded). A node publishes in the newest version that every live peer speaks
-  (never below the previous one), so during a rolling upgrade everyone reads everyone's
+  (never below the oldest it accepts), so during a rolling upgrade everyone reads everyone's
   summaries, and the last old node's departure switches the fleet to the new version.
 - **One node per identity** (:mod:`viiwork.mesh.clones`): each boot of a node id is tracked
   by the span of its publication times; two boots that both keep publishing, at once, for
@@ -82,6 +83,8 @@ from typing import Any
 from viiwork.mesh.candidates import DROPPED_REPLY, Candidate, CandidateView, backoff_ms
 from viiwork.mesh.clones import BootTracker, IdentityConflict
 from viiwork.mesh.counters import DropReason, MeshCounters
+from viiwork.mesh.extensions import EMPTY as EMPTY_EXTENSIONS
+from viiwork.mesh.extensions import Extensions
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.messages import (
     MAX_AGE_MS,
@@ -242,6 +245,8 @@ class PeerView:
     certificate_not_after: dt.datetime | None
     gpus: tuple[GpuCapacity, ...] = ()
     conflict: IdentityConflict | None = None  # while liveness is ``conflict``
+    # Protocol 4's ``ext`` (mesh/extensions.py): typed values through ``extensions.get(SPEC)``.
+    extensions: Extensions = EMPTY_EXTENSIONS
 
 
 @dataclass(slots=True)
@@ -286,7 +291,7 @@ class Membership:
     ``node_id``/``certificate_der``: this node; ``policy``: certificate and signature
     checks; ``clock()``: monotonic milliseconds; ``wall_clock()``: aware UTC datetime (for
     certificate validity only); ``rng``: peer selection and reply order; ``protocol``: the
-    newest version this node speaks (the previous one is accepted too).
+    newest version this node speaks (the two before it are accepted too).
 
     Callbacks in ``on_update`` are called with a node id after a newer summary of it was
     accepted, and ``on_liveness`` with (node id, old, new) on liveness transitions; both are
@@ -312,7 +317,7 @@ class Membership:
         self.wall_clock = wall_clock
         self.rng = rng
         self.protocol = protocol
-        self.accepted: tuple[int, ...] = tuple(v for v in IMPLEMENTED_PROTOCOLS if protocol - 1 <= v <= protocol)
+        self.accepted: tuple[int, ...] = tuple(v for v in IMPLEMENTED_PROTOCOLS if protocol - 2 <= v <= protocol)
         self.records: dict[NodeId, _Record] = {}
         # What a digest says: node id -> (generation, seq), (0, 0) where a certificate is needed.
         # Kept in step with ``records`` and ``self_summary`` so a digest is one dict copy.
@@ -361,7 +366,7 @@ class Membership:
 
     def emit_protocol(self) -> int:
         """The version to publish in: the newest one every live peer speaks (by the
-        ``speaks`` of its summary), never below the previous version."""
+        ``speaks`` of its summary), never below the oldest version it accepts."""
         low = self.protocol
         for rec in self.records.values():
             if rec.liveness in (Liveness.ALIVE, Liveness.SUSPECT):
@@ -582,6 +587,8 @@ class Membership:
         if cert_refresh:
             return True
         self.counters.summaries_accepted += 1
+        if p.extensions.ignored:  # kept and relayed unchanged, not understood here (docs/mesh.md, "Extensions")
+            self.counters.transport["extensions_ignored"] += len(p.extensions.ignored)
         for cb in self.on_update:
             cb(p.node_id)
         return True
@@ -918,6 +925,7 @@ class Membership:
                 state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
                 generation=p.generation, boot=p.boot, seq=p.seq, models=p.models, rtt_ms=rec.rtt_ms,
                 certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus, conflict=rec.conflict,
+                extensions=p.extensions,
             ))
         return out
 

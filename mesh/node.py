@@ -42,6 +42,7 @@ from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
 from viiwork.mesh.candidates import unreachable_line
 from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
+from viiwork.mesh.extensions import Extensions
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
 from viiwork.mesh.persist import PendingWrites, state_dir_fault
@@ -183,6 +184,7 @@ class MeshNode:
         self.writes = PendingWrites()
         self._started_at = 0.0
         self._pending: tuple[tuple[ModelCapacity, ...], PublishedState] | None = None
+        self._pending_extensions: Extensions | None = None
         # Set when another running agent publishes this node's id and this boot is the one
         # that leaves (mesh/clones.py): gossip stops at once, stop() announces nothing, and
         # ``on_refuse`` callbacks get the one line to exit with (the agent stops, non-zero).
@@ -314,6 +316,9 @@ class MeshNode:
             mesh=self.advertised_mesh or _join("0.0.0.0", self.listen_port), version=s.version, boot=boot,
             heartbeat_ms=s.gossip.heartbeat_ms,
             store_generation=self._store_generation)
+        if self._pending_extensions is not None:
+            self.publisher.set_extensions(self._pending_extensions)
+            self._pending_extensions = None
         self._refresh_local()
         self.publisher.maybe_publish(force=True)
 
@@ -533,6 +538,15 @@ class MeshNode:
             self._pending = (models, state)
             return
         self.publisher.set_local(models, state)
+        self.publisher.maybe_publish()
+
+    def set_local_extensions(self, extensions: Extensions) -> None:
+        """This node's ``ext`` fields (mesh/extensions.py), published with its next summary in
+        protocol 4 and later (left out while a live peer speaks only an older version)."""
+        if self.publisher is None:
+            self._pending_extensions = extensions
+            return
+        self.publisher.set_extensions(extensions)
         self.publisher.maybe_publish()
 
     # --- views ----------------------------------------------------------------------------------

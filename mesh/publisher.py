@@ -17,9 +17,12 @@ import logging
 from collections.abc import Callable, Iterable
 
 from viiwork.mesh.boot import Boot
+from viiwork.mesh.extensions import EMPTY as EMPTY_EXTENSIONS
+from viiwork.mesh.extensions import Extensions
 from viiwork.mesh.membership import Membership
 from viiwork.mesh.signing import Signer
 from viiwork.mesh.summary import (
+    EXTENSIONS_PROTOCOL,
     GpuCapacity,
     ModelCapacity,
     OversizedSummary,
@@ -56,6 +59,7 @@ class LocalPublisher:
         self.models: tuple[ModelCapacity, ...] = ()
         self.gpus: tuple[GpuCapacity, ...] = ()
         self.state = PublishedState.SERVING
+        self.extensions: Extensions = EMPTY_EXTENSIONS  # published from protocol 4 on
         self._changed = True
         self._last_protocol = 0
         self.last: SignedSummary | None = None
@@ -69,6 +73,14 @@ class LocalPublisher:
         new_gpus = self.gpus if gpus is None else tuple(sorted(gpus, key=lambda g: g.index))
         if models != self.models or state is not self.state or new_gpus != self.gpus:
             self.models, self.state, self.gpus = models, state, new_gpus
+            self._changed = True
+
+    def set_extensions(self, extensions: Extensions) -> None:
+        """New ``ext`` fields (mesh/extensions.py: ``Extensions.of({SPEC: value})``), published
+        at the next :meth:`maybe_publish` in protocol 4 and later; a summary in an older
+        version (a peer speaks only that) leaves them out: its decoder would refuse ``ext``."""
+        if extensions != self.extensions:
+            self.extensions = extensions
             self._changed = True
 
     def _sign(self, payload: SummaryPayload) -> SignedSummary | None:
@@ -108,6 +120,7 @@ class LocalPublisher:
             protocol=protocol, speaks=m.protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
             state=state_for_protocol(self.state, protocol), models=models, gpus=self.gpus if protocol >= 2 else (),
+            extensions=self.extensions if protocol >= EXTENSIONS_PROTOCOL else EMPTY_EXTENSIONS,
         )
         summary = self._sign(payload)
         if summary is None and payload.gpus:

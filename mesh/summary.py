@@ -16,21 +16,22 @@ Strict decoding: exactly the keys of the payload's protocol version, the right J
 integers. Errors are typed: :class:`MalformedSummary` (names the field),
 :class:`OversizedSummary`, :class:`UnsupportedProtocol`.
 
-Protocol versions (a node accepts the current and the previous one, docs/mesh.md "Versions"):
+Protocol versions (a node accepts the current one and the two before it, docs/mesh.md "Versions"):
 
-- **4** (implemented, not yet current): as 3, plus extensions (:mod:`viiwork.mesh.extensions`):
+- **4** (current): as 3, plus extensions (:mod:`viiwork.mesh.extensions`):
   the optional key ``ext``, ``{name: [version, value]}``, left out when empty (so a payload
   without extensions has the shape of 3). Its bounds are the protocol's (broken:
   ``malformed`` / ``oversized``); within them an extension the node does not understand is
   kept, relayed unchanged and listed in ``SummaryPayload.extensions.ignored``, never refused. A payload of an earlier
   version cannot carry extensions (ValueError when encoding; ``ext`` is an unknown key
   to its decoder).
-- **3** (current): as 2, plus the ``state`` value ``restarting`` (the node stops and its
+- **3**: as 2, plus the ``state`` value ``restarting`` (the node stops and its
   agent comes back soon: docs/mesh.md, "Failure detection and timings"). A node that
   publishes in 2 (a peer still speaks only 2) says ``leaving`` instead, what a stopping
   node of protocol 2 said on a restart too; a protocol-2 decoder refuses an unknown state
   value (``malformed``), so the value cannot travel in 2.
-- **2** (previous): as described here, with the states ``serving``, ``draining``, ``leaving``.
+- **2** (the oldest a node of 4 accepts: 99079c7, the last protocol-2 release): as
+  described here, with the states ``serving``, ``draining``, ``leaving``.
 - **1** (the pre-release format, still implemented so that a node told to speak 2 reads it):
   models carry no ``fingerprint`` (decoded as None, "unknown") and relayed summaries carry
   no ``age_ms`` (decoded as 0). See :mod:`viiwork.mesh.messages`.
@@ -62,8 +63,8 @@ from viiwork.mesh.extensions import (
 )
 from viiwork.mesh.identity import NodeId, is_node_id
 
-PROTOCOL_VERSION = 3
-PREVIOUS_PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 4
+OLDEST_ACCEPTED_PROTOCOL = 2  # PROTOCOL_VERSION - 2: a node accepts its version and the two before it
 IMPLEMENTED_PROTOCOLS = (1, 2, 3, 4)
 EXTENSIONS_PROTOCOL = 4  # the first version whose payload may carry ``ext``
 

@@ -276,7 +276,7 @@ def test_the_copies_of_summary_figures_agree() -> None:
     assert ext_mod.MAX_EXTENSION_INT == summary_mod.MAX_INT
     assert ext_mod.MAX_SPEED_MODELS == summary_mod.MAX_MODELS
     assert 2 * MAX_EXTENSION_BYTES == summary_mod.MAX_SUMMARY_BYTES
-    assert 4 in summary_mod.IMPLEMENTED_PROTOCOLS and summary_mod.PROTOCOL_VERSION == 3
+    assert 4 in summary_mod.IMPLEMENTED_PROTOCOLS and summary_mod.PROTOCOL_VERSION == 4
 
 
 # --- properties -------------------------------------------------------------------------------
