@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import json.scanner
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 # Path -> the ``object`` of its non-streamed answer. /v1/embeddings has no stream.
 ASSEMBLED_PATHS: dict[str, str] = {
@@ -53,9 +53,10 @@ ASSEMBLED_PATHS: dict[str, str] = {
 
 DONE = "[DONE]"
 
-# json.loads's own scanner (json.decoder: ``JSONDecoder.raw_decode`` calls it), reached once
+# json.loads's own scanner (``JSONDecoder.scan_once``, which ``raw_decode`` calls), reached once
 # instead of through two wrappers per event (parse_events).
-_scan_once = json.scanner.make_scanner(json.JSONDecoder())
+# (typeshed types make_scanner's argument as its own class: the decoder is what it reads.)
+_scan_once = json.scanner.make_scanner(cast(Any, json.JSONDecoder()))
 
 
 class StreamError(Exception):
