@@ -14,6 +14,7 @@ from viiwork import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.status",
+    "viiwork.agent.cli.init",
     "viiwork.agent.cli.config_check",
     "viiwork.agent.cli.doctor",
     "viiwork.agent.cli.mesh",

@@ -1,33 +1,76 @@
-"""viiworkctl config check FILE: validate a config with the agent's own loader."""
+"""viiworkctl config check FILE | config show --config FILE: validate a config, show it whole.
+
+``check`` runs the agent's own loader and, unless ``--offline``, asks this host what the
+agent will need of it (viiwork.agent.host.config_host: GPUs, model files, engine binaries,
+free ports). ``show`` prints the effective config, every default filled in, each value
+marked as from the file or a default (viiwork.agent.config.effective).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tomllib
+from pathlib import Path
 
-from viiwork.agent.config.load import ConfigError, load_config
+from viiwork.agent.config.effective import effective, render_toml, sources
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, ConfigIssue, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    config = subparsers.add_parser("config", help="configuration tools")
+    config = subparsers.add_parser("config", help="configuration tools: check, show")
     sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     check = sub.add_parser(
         "check",
-        help="validate a config file (exit 1 with every error, 2 if it has no models, 0 with a one-line summary)",
+        help="validate a config file and this host for it (exit 1 with every error, 2 if it has no models)",
         description=(
-            "Validate FILE with the agent's own loader. Errors name the field path and line. "
+            "Validate FILE with the agent's own loader, then check this host for it: the GPUs "
+            "named exist, model files exist and are readable, engine binaries are found, listen "
+            "ports are free (or held by this config's own running agent, found through its admin "
+            "socket). Errors name the field path and line; every one is reported. "
+            "--offline checks the file only (a config meant for another machine). "
             "A valid file with no [[models]] (an empty file too) gets a warning and exit 2: "
             "the agent accepts it but serves nothing."
         ),
     )
-    check.add_argument("file")
+    check.add_argument("file", type=Path)
+    check.add_argument("--offline", action="store_true", help="check the file only, not this host")
     check.add_argument("--json", action="store_true", help="machine-readable result")
     check.set_defaults(func=run_check)
+    show = sub.add_parser(
+        "show",
+        help="print the effective config, every default filled in, marking what came from the file",
+        description=(
+            "Print the config the agent would run: every key, defaults filled in, as TOML with a "
+            "'# from file' or '# default' comment on each key (an unset key as a comment line), "
+            "or with --json as {\"config\": ..., \"sources\": {\"api.listen\": \"file\", ...}}."
+        ),
+    )
+    show.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
+                      help=f"agent config (default {DEFAULT_CONFIG_PATH})")
+    show.add_argument("--json", action="store_true", help="JSON with a parallel sources map")
+    show.set_defaults(func=run_show)
     config.set_defaults(func=lambda args: (config.print_help(), 2)[1])
 
 
 NO_MODELS = "no [[models]] configured: the agent starts but serves nothing"
+
+
+def _errors(file: Path, issues: list[ConfigIssue], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"ok": False, "file": str(file), "errors": [
+            {"path": i.dotted, "line": i.line, "message": i.message} for i in issues]}))
+    else:
+        print(str(ConfigError(str(file), issues)), file=sys.stderr)
+    return 1
+
+
+def _text(file: Path) -> str | None:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -35,23 +78,43 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.file)
     except ConfigError as exc:
-        if args.json:
-            print(json.dumps({"ok": False, "file": args.file, "errors": [
-                {"path": i.dotted, "line": i.line, "message": i.message} for i in exc.issues]}))
-        else:
-            print(str(exc), file=sys.stderr)
-        return 1
+        return _errors(args.file, exc.issues, args.json)
+    if not args.offline:
+        from viiwork.agent.host.config_host import host_issues
+
+        issues = host_issues(args.file, cfg, _text(args.file))
+        if issues:
+            return _errors(args.file, issues, args.json)
     backends = sum(m.backend_count for m in cfg.models)
     summary = (
-        f"{args.file}: ok: node {cfg.node.name!r}, {len(cfg.models)} model(s), {backends} backend(s), "
+        f"{args.file}: ok{' (file only)' if args.offline else ''}: node {cfg.node.name!r}, "
+        f"{len(cfg.models)} model(s), {backends} backend(s), "
         f"api {cfg.api.listen}, {'mesh ' + cfg.mesh.trust if cfg.mesh else 'standalone'}"
     )
     warnings = [] if cfg.models else [NO_MODELS]
     if args.json:
-        print(json.dumps({"ok": True, "file": args.file, "models": [m.name for m in cfg.models],
+        print(json.dumps({"ok": True, "file": str(args.file), "host_checked": not args.offline,
+                          "models": [m.name for m in cfg.models],
                           "backends": backends, "summary": summary, "warnings": warnings}))
     else:
         print(summary)
         for warning in warnings:
             print(f"{args.file}: warning: {warning}", file=sys.stderr)
     return 2 if warnings else 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Exit 0 with the effective config on stdout; 1 with the file's errors on stderr."""
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        return _errors(args.config, exc.issues, args.json)
+    raw = tomllib.loads(_text(args.config) or "")
+    data = effective(cfg)
+    marks = sources(data, raw)
+    if args.json:
+        print(json.dumps({"file": str(args.config), "config": data, "sources": marks}, indent=2))
+    else:
+        print(f"# effective config of {args.config}: every key, defaults filled in")
+        print(render_toml(data, marks), end="")
+    return 0

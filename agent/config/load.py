@@ -81,7 +81,12 @@ def _issues_from(exc: ValidationError, text: str, prefix: tuple[str | int, ...] 
             loc, message = loc + inner.path, inner.message
         elif isinstance(inner, BlockError):
             # Reported at models[i].options; the operator wrote models[i].<engine>.
-            issues.extend(_issues_from(inner.error, text, loc[:-1] + (inner.engine,)))
+            for name in inner.mismatched:
+                where = loc[:-1] + (name,)
+                issues.append(ConfigIssue(where, f"block '{name}' does not match engine = {inner.engine!r}",
+                                          line_of(text, where) if text else None))
+            if inner.error is not None:
+                issues.extend(_issues_from(inner.error, text, loc[:-1] + (inner.engine,)))
             continue
         else:
             message = _MESSAGES.get(err["type"], err["msg"])

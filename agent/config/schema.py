@@ -347,9 +347,11 @@ class ModelConfig(_Strict):
             if engine not in cls.model_fields:
                 data.pop(engine, None)
             return data
-        for name in ENGINES:
-            if name in data and name != engine:
-                raise PathError((name,), f"block '{name}' does not match engine = {engine!r}")
+        # A block for another engine is reported with the entry's other errors (by the
+        # `options` validator), not instead of them.
+        mismatched = tuple(name for name in ENGINES if name in data and name != engine)
+        for name in mismatched:
+            data.pop(name)
         if isinstance(engine, str):
             block = data.pop(engine, {})
             if not isinstance(block, dict):
@@ -358,14 +360,17 @@ class ModelConfig(_Strict):
                 data["options"] = ENGINES[engine].options_model.model_validate(block)
             except ValidationError as exc:
                 # Reported by the `options` validator, so the entry's other keys are still checked.
-                data["options"] = _InvalidBlock(engine, exc)
+                data["options"] = _InvalidBlock(engine, exc, mismatched)
+            else:
+                if mismatched:
+                    data["options"] = _InvalidBlock(engine, None, mismatched)
         return data
 
     @field_validator("options")
     @classmethod
     def _options_valid(cls, v: Any) -> Any:
         if isinstance(v, _InvalidBlock):
-            raise BlockError(v.engine, v.error)
+            raise BlockError(v.engine, v.error, v.mismatched)
         return v
 
     @field_validator("engine")
@@ -554,17 +559,21 @@ class PathError(ValueError):
 
 @dataclass(frozen=True)
 class _InvalidBlock:
-    """An engine block that failed its options model (stands in for ``options``)."""
+    """An engine block that failed its options model, or blocks named for other engines
+    (stands in for ``options``)."""
 
     engine: str
-    error: ValidationError
+    error: ValidationError | None
+    mismatched: tuple[str, ...] = ()
 
 
 class BlockError(ValueError):
-    """An engine block's own validation errors (``error``), which the loader re-paths under
-    ``models[i].<engine>``."""
+    """An engine block's own validation errors (``error``, or None), which the loader
+    re-paths under ``models[i].<engine>``, and the blocks named for other engines
+    (``mismatched``: engine names), each reported at ``models[i].<name>``."""
 
-    def __init__(self, engine: str, error: ValidationError) -> None:
+    def __init__(self, engine: str, error: ValidationError | None, mismatched: tuple[str, ...] = ()) -> None:
         super().__init__(f"invalid '{engine}' block")
         self.engine = engine
         self.error = error
+        self.mismatched = mismatched

@@ -495,8 +495,8 @@ def viiworkctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_config_check_ok_prints_one_line_summary(tmp_path: Path) -> None:
     path = tmp_path / "viiwork.toml"
-    path.write_text(VALID)
-    result = viiworkctl("config", "check", str(path))
+    path.write_text(VALID)  # a config for another machine: its GPUs and files are not here
+    result = viiworkctl("config", "check", "--offline", str(path))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 1
@@ -519,7 +519,7 @@ def test_config_check_errors_go_to_stderr_with_exit_1(tmp_path: Path) -> None:
 def test_config_check_json(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
     good.write_text(VALID)
-    ok = viiworkctl("config", "check", "--json", str(good))
+    ok = viiworkctl("config", "check", "--offline", "--json", str(good))
     assert ok.returncode == 0
     body = json.loads(ok.stdout)
     assert body["ok"] is True

@@ -440,13 +440,14 @@ def test_config_check_warns_and_exits_2_without_models(tmp_path: Path, content: 
     path.write_text(SHIPPED.read_text() if content == "shipped" else content)
     cfg = parse_config(path.read_text())  # valid: the agent starts, and waits for a model
     assert cfg.models == []
-    result = viiworkctl("config", "check", str(path))
+    # --offline: the file only (its listen port may be taken on this host).
+    result = viiworkctl("config", "check", "--offline", str(path))
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stdout.startswith(f"{path}: ok") and "0 model(s)" in result.stdout
     assert result.stderr == f"{path}: warning: no [[models]] configured: the agent starts but serves nothing\n"
     if content:
         return
-    as_json = viiworkctl("config", "check", "--json", str(path))
+    as_json = viiworkctl("config", "check", "--offline", "--json", str(path))
     assert as_json.returncode == 2
     body = json.loads(as_json.stdout)
     assert body["ok"] is True and body["models"] == [] and len(body["warnings"]) == 1
@@ -455,7 +456,7 @@ def test_config_check_warns_and_exits_2_without_models(tmp_path: Path, content: 
 def test_config_check_with_a_model_exits_0_without_warning(tmp_path: Path) -> None:
     path = tmp_path / "viiwork.toml"
     path.write_text('[[models]]\nname = "a"\nengine = "llamacpp"\npath = "/m.gguf"\n')
-    result = viiworkctl("config", "check", "--json", str(path))
+    result = viiworkctl("config", "check", "--offline", "--json", str(path))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["warnings"] == []
 

@@ -1,0 +1,278 @@
+"""viiworkctl init --out FILE: write a starter config from what this host has.
+
+It looks at the GPUs (viiwork.agent.host.gpus inventory), the GGUF files under each
+``--models-dir`` (recursively; a file counts when it starts with the GGUF magic), the engine
+binaries installed (each engine's default ``binary`` on PATH, then next to this Python, where
+``make venv`` puts llama-server), and the mesh trust asked for (``--mesh``; default
+standalone: no ``[mesh]``). It prints each choice and its reason, validates the result with
+the agent's own loader, and writes it through tomli-w; an existing FILE is kept unless
+``--force``. Every bad input is one ``viiworkctl init: ...`` line on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from viiwork.agent.config.load import ConfigError, parse_config
+from viiwork.agent.config.schema import parse_hostport
+from viiwork.agent.host.facts import BinaryState, resolve_binary
+from viiwork.agent.host.gpus.inventory import GpuInventory
+from viiwork.engines.registry import ENGINES
+from viiwork.mesh.bounds import MAX_NAME_CHARS
+
+GGUF_MAGIC = b"GGUF"
+GGUF_ENGINE = "llamacpp"  # the engine that serves GGUF files
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
+_NAME_BAD = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class InitError(Exception):
+    """Bad input: the message is the whole one-line error."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "init",
+        help="write a starter config from this host's GPUs, GGUF files and engines",
+        description=(
+            "Write a starter config to FILE from what this host has: its GPUs, the GGUF files "
+            "under each --models-dir, the installed engine binaries, and the mesh trust asked "
+            "for. Prints what it chose and why. The result passes `viiworkctl config check`. "
+            "An existing FILE is kept unless --force."
+        ),
+    )
+    parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the config")
+    parser.add_argument("--models-dir", type=Path, action="append", default=[], metavar="DIR",
+                        help="a directory searched (recursively) for .gguf files; repeatable")
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    parser.add_argument("--mesh", choices=("standalone", "open", "ca"), default="standalone",
+                        help="standalone (default: no [mesh]), open (labs: --mesh-id) or ca (--ca-certificate)")
+    parser.add_argument("--mesh-id", help="the mesh's name, for --mesh open")
+    parser.add_argument("--ca-certificate", type=Path, help="the mesh CA's certificate, for --mesh ca")
+    parser.add_argument("--listen", default="0.0.0.0:8086", help="the client API's host:port (default 0.0.0.0:8086)")
+    parser.add_argument("--no-gpus", action="store_true", help="put every model on the CPU")
+    parser.set_defaults(func=run_init)
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """A GGUF model file found: ``path`` (absolute), ``size`` bytes."""
+
+    path: Path
+    size: int
+
+
+def find_ggufs(directory: Path, notes: list[str]) -> list[GgufFile]:
+    """The GGUF models under ``directory`` (sorted); the first part of a split model only.
+
+    InitError when ``directory`` is not a readable directory; files and subdirectories that
+    cannot be read, projector files (mmproj) and later split parts are skipped, each with
+    a line in ``notes``.
+    """
+    if not directory.exists():
+        raise InitError(f"--models-dir {directory}: does not exist")
+    if not directory.is_dir():
+        raise InitError(f"--models-dir {directory}: not a directory")
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise InitError(f"--models-dir {directory}: cannot be read (permission denied)")
+    found = []
+
+    def unreadable(exc: OSError) -> None:
+        notes.append(f"skipped {exc.filename}: {exc.strerror}")
+
+    for root, dirs, files in os.walk(directory, onerror=unreadable):
+        dirs.sort()
+        for name in sorted(files):
+            if not name.lower().endswith(".gguf"):
+                continue
+            path = Path(root, name).absolute()
+            split = _SPLIT.search(path.stem)
+            if name.lower().startswith("mmproj"):
+                notes.append(f"skipped {path}: a multimodal projector, not a model")
+                continue
+            if split and int(split.group(1)) != 1:
+                continue  # llama.cpp is given the first part and finds the others
+            try:
+                with path.open("rb") as f:
+                    magic = f.read(4)
+                size = path.stat().st_size
+            except OSError as exc:
+                notes.append(f"skipped {path}: {exc.strerror}")
+                continue
+            if magic != GGUF_MAGIC:
+                notes.append(f"skipped {path}: not a GGUF file (no GGUF magic)")
+                continue
+            found.append(GgufFile(path, size))
+    return found
+
+
+def model_name(path: Path, taken: set[str]) -> str:
+    """A model name from the file name: the stem without a split suffix, characters other
+    than letters, digits, '.', '_', '-' replaced by '-', unique among ``taken``."""
+    stem = _SPLIT.sub("", path.stem)
+    base = _NAME_BAD.sub("-", stem).strip("-") or "model"
+    base = base[:MAX_NAME_CHARS - 4]
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}-{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def find_engine_binary(engine_name: str) -> tuple[str | None, str]:
+    """(the binary to write, or None when the default name on PATH will do; why)."""
+    engine = ENGINES[engine_name]
+    default = getattr(engine.options_model(), "binary", None)
+    if not isinstance(default, str):
+        return None, f"{engine.display_name}: no binary to look for"
+    state, resolved, _ = resolve_binary(default)
+    if state is BinaryState.OK:
+        return None, f"{engine.display_name}: {default} found on PATH at {resolved}"
+    beside = Path(sys.executable).parent / default
+    state, resolved, _ = resolve_binary(str(beside))
+    if state is BinaryState.OK:
+        return str(beside), f"{engine.display_name}: {default} is not on PATH; found next to this Python at {beside}"
+    raise InitError(f"{engine.display_name}'s {default} is not on PATH nor next to {sys.executable}: "
+                    f"install it, or edit models[].{engine_name}.binary after init")
+
+
+def gpu_refs(inventory: GpuInventory) -> list[int | str]:
+    """The usable GPUs as config entries: indexes on a one-vendor host, else UUIDs."""
+    usable = [g for g in inventory.gpus if not g.lost]
+    if len(inventory.vendors) > 1:
+        return [g.uuid for g in usable if g.uuid]
+    return [g.index for g in usable]
+
+
+def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args: argparse.Namespace,
+         say: list[str]) -> dict[str, Any]:
+    """The config as a TOML document (a dict), each choice explained in ``say``."""
+    doc: dict[str, Any] = {"api": {"listen": args.listen}}
+    say.append(f"api.listen = {args.listen!r}" + (" (--listen)" if args.listen != "0.0.0.0:8086" else " (the default port)"))
+    if args.mesh == "open":
+        if not args.mesh_id:
+            raise InitError("--mesh open needs --mesh-id NAME (the name shared by the nodes of this mesh)")
+        doc["mesh"] = {"trust": "open", "mesh_id": args.mesh_id}
+        say.append(f"mesh: trust open, mesh_id {args.mesh_id!r} (--mesh open; labs only: peers pinned on first use)")
+    elif args.mesh == "ca":
+        if args.ca_certificate is None:
+            raise InitError("--mesh ca needs --ca-certificate FILE (create a CA with `viiworkctl mesh ca init --out DIR`)")
+        if not args.ca_certificate.is_file():
+            raise InitError(f"--ca-certificate {args.ca_certificate}: not a file")
+        doc["mesh"] = {"trust": "ca", "ca_certificate": str(args.ca_certificate.absolute())}
+        say.append(f"mesh: trust ca with {args.ca_certificate.absolute()} (--mesh ca)")
+    else:
+        say.append("standalone: no [mesh] (--mesh open or ca to join a mesh)")
+    models = []
+    taken: set[str] = set()
+    # The largest chat model gets the GPUs, one backend per GPU; the others run on the CPU.
+    chat = [f for f in files if "embed" not in f.path.name.lower()]
+    gpu_model = max(chat, key=lambda f: f.size) if chat and gpus else None
+    for f in files:
+        name = model_name(f.path, taken)
+        entry: dict[str, Any] = {"name": name, "engine": GGUF_ENGINE, "path": str(f.path)}
+        why = [f"{f.size / 2**20:.1f} MiB GGUF"]
+        if "embed" in f.path.name.lower():
+            entry["kind"] = "embedding"
+            why.append("kind embedding (its file name says embed)")
+        if f is gpu_model:
+            entry["gpus"] = list(gpus)
+            why.append(f"GPUs {', '.join(map(str, gpus))}, one backend each (the largest chat model)")
+        else:
+            why.append("on the CPU" + (" (the GPUs went to the largest chat model)" if gpu_model else ""))
+        if binary is not None:
+            entry[GGUF_ENGINE] = {"binary": binary}
+        models.append(entry)
+        say.append(f"model {name!r}: {f.path} ({'; '.join(why)})")
+    if models:
+        doc["models"] = models
+    return doc
+
+
+def run_init(args: argparse.Namespace) -> int:
+    """Exit 0 with FILE written; 1 with one error line on stderr and nothing written."""
+    try:
+        return _init(args)
+    except InitError as exc:
+        print(f"viiworkctl init: {exc}", file=sys.stderr)
+        return 1
+
+
+def _init(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    if out.exists() and not args.force:
+        raise InitError(f"{out} exists; pass --force to overwrite it")
+    if out.is_dir():
+        raise InitError(f"{out} is a directory")
+    if not out.parent.is_dir():
+        raise InitError(f"{out.parent} (the directory of --out) does not exist")
+    if args.mesh_id is not None and args.mesh != "open":
+        raise InitError("--mesh-id is for --mesh open")
+    if args.ca_certificate is not None and args.mesh != "ca":
+        raise InitError("--ca-certificate is for --mesh ca")
+    try:
+        parse_hostport(args.listen, "--listen")
+    except ValueError as exc:
+        raise InitError(str(exc)) from None
+    say: list[str] = []
+    notes: list[str] = []
+    files = [f for d in args.models_dir for f in find_ggufs(d, notes)]
+    if not args.models_dir:
+        notes.append("no --models-dir given: no [[models]] written")
+    elif not files:
+        notes.append(f"no GGUF file under {', '.join(map(str, args.models_dir))}: no [[models]] written")
+    binary = None
+    if files:
+        binary, why = find_engine_binary(GGUF_ENGINE)
+        say.append(why)
+    gpus: list[int | str] = []
+    if not args.no_gpus:
+        inventory = read_gpus()
+        gpus = gpu_refs(inventory)
+        say.append(f"GPUs: {inventory.describe()}")
+    doc = plan(files, gpus, binary, args, say)
+    text = tomli_w.dumps(doc)
+    try:
+        parse_config(text, str(out))
+    except ConfigError as exc:
+        raise InitError("the config would be invalid: " + "; ".join(str(i) for i in exc.issues)) from None
+    header = (f"# Written by `viiworkctl init` on {socket.gethostname()}. Every key: docs/configuration.md;\n"
+              f"# the effective config: `viiworkctl config show --config {out}`.\n\n")
+    try:
+        with out.open("w" if args.force else "x", encoding="utf-8") as f:
+            f.write(header + text)
+    except FileExistsError:
+        raise InitError(f"{out} exists; pass --force to overwrite it") from None
+    except OSError as exc:
+        raise InitError(f"cannot write {out}: {exc.strerror or exc}") from None
+    for line in say:
+        print(line)
+    for line in notes:
+        print(f"note: {line}")
+    print(f"wrote {out}; check it with `viiworkctl config check {out}`")
+    return 0
+
+
+def read_gpus() -> GpuInventory:
+    """This host's GPUs (NVML and amdgpu sysfs), as ``viiworkctl doctor`` reads them."""
+    from viiwork.agent.host.gpus.amd import AmdSysfsReader
+    from viiwork.agent.host.gpus.inventory import GpuSource, read_inventory
+    from viiwork.agent.host.gpus.nvml import NvmlReader
+
+    sources: list[GpuSource] = [NvmlReader(), AmdSysfsReader("/")]
+    try:
+        return read_inventory(sources)
+    finally:
+        for s in sources:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
