@@ -1,10 +1,13 @@
-"""docs/configuration.md documents exactly the keys the loader accepts, with their defaults.
+"""docs/configuration.md documents exactly the keys the loader accepts, with their defaults,
+bounds and allowed values.
 
 The pydantic models of viiwork.agent.config.schema (and each registered engine's options model)
 are the source of truth; this test fails when a key is added, renamed or removed, or a
 default changed, without the docs following. The docs keep one heading per section
 (``## `[api]` ``, ``## `[[models]]` ``, ``### `[models.llamacpp]` ``) with a table whose
-rows start ``| `key` | type | default | meaning |``.
+rows start ``| `key` | type | default | meaning |``. The type cell states each bound a
+field declares (``ge``, ``gt``, ``le``, ``lt``, string lengths) and each allowed value of a
+Literal or enum; checks made by validators (ports, cross-key rules) are in the docs' prose.
 """
 
 from __future__ import annotations
@@ -141,3 +144,67 @@ def test_documented_default_matches_the_model(section: str, key: str) -> None:
 def test_the_documented_error_example_is_the_loaders_format() -> None:
     text = DOC.read_text(encoding="utf-8")
     assert "models[1].llamacpp.thread: unknown key (line 23)" in text
+
+
+# What the loader enforces on each key, read from its field: bounds (ge, gt, le, lt),
+# string lengths, and the allowed values of a Literal or an enum. The Type cell must state
+# each one: a bound's number appears in it ("integer, 1-1024", "seconds, > 0, <= 86400"),
+# each allowed value as a quoted TOML string.
+def _constraints(annotation: object, metadata: list[object]) -> tuple[dict[str, float], set[str]]:
+    bounds: dict[str, float] = {}
+    allowed: set[str] = set()
+
+    def walk(ann: object, meta: list[object]) -> None:
+        for m in meta:
+            for attr in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+                value = getattr(m, attr, None)
+                if value is not None:
+                    bounds[attr] = value
+        origin = typing.get_origin(ann)
+        if origin is typing.Literal:
+            allowed.update(str(a) for a in typing.get_args(ann))
+            return
+        if isinstance(ann, type) and issubclass(ann, enum.Enum):
+            allowed.update(str(e.value) for e in ann)
+            return
+        if origin is typing.Annotated:
+            inner, *extra = typing.get_args(ann)
+            walk(inner, list(extra))
+            return
+        for arg in typing.get_args(ann):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                continue
+            walk(arg, [])
+
+    walk(annotation, metadata)
+    return bounds, allowed
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+CONSTRAINT_CASES = [(section, key) for section in sorted(SECTIONS) for key in _keys(section)]
+
+
+@pytest.mark.parametrize(("section", "key"), CONSTRAINT_CASES, ids=[f"{s}.{k}" for s, k in CONSTRAINT_CASES])
+def test_documented_type_states_every_bound_and_allowed_value(section: str, key: str) -> None:
+    row = TABLES.get(section, {}).get(key)
+    if row is None:
+        pytest.fail(f"[{section}] {key} is not documented")
+    cell = row[1]
+    field = SECTIONS[section].model_fields[key]
+    bounds, allowed = _constraints(field.annotation, list(field.metadata))
+    numbers = set(re.findall(r"\d+(?:\.\d+)?", cell.replace(",", " ")))
+    for kind, value in bounds.items():
+        text = _number(value)
+        assert text in numbers, f"[{section}] {key}: {kind} {text} is enforced; the docs' type says {cell!r}"
+        if kind == "gt":
+            assert re.search(rf"(> {text}\b|\({text},)", cell), f"[{section}] {key}: > {text} (exclusive): {cell!r}"
+        if kind == "lt":
+            assert re.search(rf"(< {text}\b|\b{text}\))", cell), f"[{section}] {key}: < {text} (exclusive): {cell!r}"
+    for value in allowed:
+        assert f'"{value}"' in cell, f"[{section}] {key}: {value!r} is allowed; the docs' type says {cell!r}"
+    documented = set(re.findall(r'`"([^"`]*)"`', cell))
+    if allowed:
+        assert documented <= allowed, f"[{section}] {key}: the docs allow {documented - allowed}, the loader does not"

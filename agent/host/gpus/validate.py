@@ -5,8 +5,8 @@ entries, a GPU named twice across models, ``gpus_per_backend`` dividing the list
 what needs the host: every ``models[i].gpus`` entry must name a GPU that exists here (an
 NVML index in PCI bus order, or a UUID), and two spellings of one GPU (``0`` and its UUID)
 still make it belong to two models. Errors name the field (``models[0].gpus``) and list the
-GPUs that do exist. The agent calls ``check_config_gpus`` at start; ``config check --host``
-can too.
+GPUs that do exist. The agent calls ``check_config_gpus`` at start; ``viiworkctl config check``
+runs it by default, through the doctor's ``config.gpus`` check (viiwork.agent.host.config_host).
 """
 
 from __future__ import annotations
