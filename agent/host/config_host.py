@@ -8,7 +8,8 @@ listen address of the config (``api.listen``, ``mesh.listen``; port 0 means any 
 and is not checked) must be free to bind, unless the process holding it is this config's
 own running agent: the one answering on the config's ``api.admin_socket``, identified by
 the socket's peer credentials (SO_PEERCRED) and the listening sockets in its
-``/proc/PID/fd``.
+``/proc/PID/fd`` (when that cannot be read, as another user, the ports in use are taken
+as the agent's own).
 """
 
 from __future__ import annotations
@@ -92,13 +93,15 @@ def listeners(config: Config) -> list[Listener]:
 def port_issues(config: Config, text: str | None = None, *, proc: str | Path = "/proc") -> list[ConfigIssue]:
     """Each listen port of the config that another process holds, or that cannot be bound here."""
     owner = agent_pid(config.api.admin_socket)
+    # None: the agent's open files cannot be read (another user): its ports cannot be told
+    # from another process's, and are taken as its own.
     held = listening_inodes(owner, proc) if owner is not None else set()
     issues = []
     for listener in listeners(config):
         problem = bind_problem(listener.host, listener.port)
         if problem is None:
             continue
-        if problem == "in use" and held & port_inodes(listener.port, proc):
+        if problem == "in use" and (held is None or held & port_inodes(listener.port, proc)):
             continue  # this config's own agent holds it
         address = f"{listener.host}:{listener.port}"
         if problem == "in use":
@@ -147,14 +150,14 @@ def agent_pid(admin_socket: Path, timeout_s: float = 2.0) -> int | None:
     return pid or None
 
 
-def listening_inodes(pid: int, proc: str | Path = "/proc") -> set[str]:
-    """Socket inodes among ``pid``'s open files (empty when they cannot be read)."""
+def listening_inodes(pid: int, proc: str | Path = "/proc") -> set[str] | None:
+    """Socket inodes among ``pid``'s open files; None when they cannot be read."""
     fd_dir = Path(proc) / str(pid) / "fd"
     out: set[str] = set()
     try:
         entries = list(fd_dir.iterdir())
     except OSError:
-        return out
+        return None
     for entry in entries:
         try:
             target = os.readlink(entry)

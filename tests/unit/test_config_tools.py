@@ -281,3 +281,18 @@ def test_a_mismatched_engine_block_hides_no_other_error(tmp_path: Path, capsys: 
     assert sorted(paths) == sorted(["api.listen", "models[0].name", "models[0].parallel",
                                     "models[0].vllm", "models[0].llamacpp.thread"])
     assert tomllib.loads(path.read_text())  # the file itself is valid TOML
+
+
+def test_ports_of_an_agent_whose_files_cannot_be_read_count_as_its_own(tmp_path: Path) -> None:
+    from viiwork.agent.host.config_host import port_issues
+
+    with run_agent(tmp_path, []) as agent:
+        cfg = load_config(tmp_path / "node-a.toml")
+        assert port_issues(cfg) == []  # read from /proc: its own
+        # A /proc without the agent's fd folder stands for another user's agent.
+        (tmp_path / "proc" / "net").mkdir(parents=True)
+        assert port_issues(cfg, proc=tmp_path / "proc") == []
+        # Without the agent (no admin socket answering), the same port is another process's.
+        other = cfg.model_copy(update={"api": cfg.api.model_copy(update={"admin_socket": tmp_path / "none.sock"})})
+        (issue,) = port_issues(other)
+        assert issue.dotted == "api.listen" and f"port {agent.url.rpartition(':')[2]} is in use" in issue.message
