@@ -296,3 +296,33 @@ def test_ports_of_an_agent_whose_files_cannot_be_read_count_as_its_own(tmp_path:
         other = cfg.model_copy(update={"api": cfg.api.model_copy(update={"admin_socket": tmp_path / "none.sock"})})
         (issue,) = port_issues(other)
         assert issue.dotted == "api.listen" and f"port {agent.url.rpartition(':')[2]} is in use" in issue.message
+
+
+def _docs_example() -> str:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    block = text.split("## A complete example", 1)[1].split("```toml\n", 1)[1]
+    return block.split("```", 1)[0]
+
+
+ROUND_TRIPS = {
+    "docs example": _docs_example(),
+    "mesh open": '[mesh]\ntrust = "open"\nmesh_id = "lab"\nseeds = ["10.0.0.2:8087"]\n'
+                 '[[models]]\nname = "v"\nengine = "vllm"\npath = "org/m"\ngpus = ["GPU-1", "GPU-2"]\n'
+                 'gpus_per_backend = 2\n[models.vllm]\ngpu_memory_utilization = 0.5\n'
+                 '[[models]]\nname = "s"\nengine = "sglang"\npath = "org/s"\n',
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("text", list(ROUND_TRIPS.values()), ids=list(ROUND_TRIPS))
+def test_config_show_reads_back_as_the_same_config(tmp_path: Path, text: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    code, out, err = run(capsys, "config", "show", "--config", str(path))
+    assert code == 0, err
+    assert parse_config(out) == load_config(path)
+    marked = [line for line in out.splitlines() if "  # " in line]
+    assert sum(line.endswith("# from file") for line in marked) == len(
+        [v for v in json.loads(run(capsys, "config", "show", "--config", str(path), "--json")[1])["sources"].values()
+         if v == "file"])
