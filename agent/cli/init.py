@@ -56,9 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     parser.add_argument("--mesh", choices=("standalone", "open", "ca"), default="standalone",
                         help="standalone (default: no [mesh]), open (labs: --mesh-id) or ca (--ca-certificate)")
-    parser.add_argument("--mesh-id", help="the mesh's name, for --mesh open")
-    parser.add_argument("--ca-certificate", type=Path, help="the mesh CA's certificate, for --mesh ca")
-    parser.add_argument("--listen", default="0.0.0.0:8086", help="the client API's host:port (default 0.0.0.0:8086)")
+    parser.add_argument("--mesh-id", metavar="NAME", help="the mesh's name, for --mesh open")
+    parser.add_argument("--ca-certificate", type=Path, metavar="FILE", help="the mesh CA's certificate, for --mesh ca")
+    parser.add_argument("--listen", default="0.0.0.0:8086", metavar="HOST:PORT", help="the client API's host:port (default 0.0.0.0:8086)")
     parser.add_argument("--no-gpus", action="store_true", help="put every model on the CPU")
     parser.set_defaults(func=run_init)
 
