@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="standalone (default: no [mesh]), open (labs: --mesh-id) or ca (--ca-certificate)")
     parser.add_argument("--mesh-id", metavar="NAME", help="the mesh's name, for --mesh open")
     parser.add_argument("--ca-certificate", type=Path, metavar="FILE", help="the mesh CA's certificate, for --mesh ca")
-    parser.add_argument("--listen", default="0.0.0.0:8086", metavar="HOST:PORT", help="the client API's host:port (default 0.0.0.0:8086)")
+    parser.add_argument("--listen", default="0.0.0.0:8086", metavar="HOST:PORT",
+                        help="the client API's host:port (default 0.0.0.0:8086)")
     parser.add_argument("--no-gpus", action="store_true", help="put every model on the CPU")
     parser.set_defaults(func=run_init)
 
