@@ -25,7 +25,8 @@ from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
-from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.config.demo import DEMO_CONFIG_FILE
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
 from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
@@ -85,9 +86,19 @@ async def make_runner(config: Config) -> Runner:
     return ProcessRunner()
 
 
-def _banner(host: str, port: int, config: Config) -> str:
+def _ctl_command() -> str:
+    """viiworkctl as the user can run it: the absolute path next to this interpreter (a venv's
+    bin is usually not on PATH), else the bare name."""
+    beside = Path(sys.executable).parent / "viiworkctl"
+    return str(beside) if beside.exists() else "viiworkctl"
+
+
+def _banner(host: str, port: int, config: Config, *, demo: bool = False) -> str:
+    """The lines printed once the API serves: how to try it and where things are, with full
+    paths (the demo's user has no config file to read them from)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}"
+    ctl = _ctl_command()
     lines = [f"viiwork {__version__}: node {config.node.name!r}, API on {base}"]
     chat = [m.name for m in config.models if m.kind.value == "chat"]
     if chat:
@@ -96,10 +107,18 @@ def _banner(host: str, port: int, config: Config) -> str:
             f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
             f"    -d '{{\"model\": \"{chat[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": "
             "\"Say hello in five words.\"}], \"max_tokens\": 32}'",
-            f"status: viiworkctl status --url {base}",
         ]
-    if config.api.admin_socket != ApiConfig().admin_socket:  # viiworkctl's default would miss it
-        lines.append(f"admin: viiworkctl models --socket {config.api.admin_socket}")
+    # viiworkctl finds a running demo by itself (agent/cli/target.py); another agent by its URL.
+    lines.append(f"status: {ctl} status" + ("" if demo else f" --url {base}"))
+    if demo or config.api.admin_socket != ApiConfig().admin_socket:  # viiworkctl's default would miss it
+        lines.append(f"admin socket: {config.api.admin_socket}"
+                     + ("" if demo else f" (viiworkctl models --socket {config.api.admin_socket})"))
+    if demo:
+        lines += [f"state dir: {config.node.state_dir}",
+                  f"engine logs: {config.supervisor.log_dir or config.node.state_dir / 'logs'} "
+                  f"({ctl} logs {chat[0] if chat else 'MODEL'})",
+                  f"config: {config.node.state_dir / DEMO_CONFIG_FILE} (written by the demo; "
+                  f"{ctl} config check {config.node.state_dir / DEMO_CONFIG_FILE})"]
     return "\n".join(lines)
 
 
@@ -144,6 +163,11 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
 
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(state_lock.release)  # last out: held while anything else runs
+        if source == DEMO_SOURCE and text is not None:
+            # The demo's config as a file, for viiworkctl (agent/cli/target.py) and the operator.
+            demo_file = config.node.state_dir / DEMO_CONFIG_FILE
+            await asyncio.to_thread(demo_file.write_text, text, encoding="utf-8")
+            stack.callback(lambda: demo_file.unlink(missing_ok=True))
         probe_http = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True)))
         upstream = await stack.enter_async_context(Upstream(
@@ -260,7 +284,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
         stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         if ready_banner:
-            print(_banner(host, port, config), flush=True)
+            print(_banner(host, port, config, demo=source == DEMO_SOURCE), flush=True)
         notifier.ready(status_line(supervisor.models))
         stack.push_async_callback(_cancel, asyncio.create_task(notifier.run_watchdog(), name="watchdog"))
         stack.push_async_callback(_cancel, asyncio.create_task(
@@ -334,14 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     raise_open_file_limit()  # each client connection holds a descriptor: agent/serving/api_listener.py
     try:
         if args.demo:
-            from viiwork.agent.config.demo import DemoUnavailable, demo_config
+            from viiwork.agent.config.demo import DemoUnavailable, demo_config_text
 
             try:
-                config = demo_config()
+                text = demo_config_text()
             except DemoUnavailable as exc:
                 print(f"viiwork-agent --demo: {exc}", file=sys.stderr)
                 return 1
-            source, text = DEMO_SOURCE, None
+            config = parse_config(text, DEMO_SOURCE)
+            source = DEMO_SOURCE
         else:
             path = args.config or DEFAULT_CONFIG_PATH
             config = load_config(path)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from viiwork import __version__
+from viiwork.agent.cli.target import TargetAmbiguous
 
 COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.status",
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except TargetAmbiguous as exc:
+        print(f"viiworkctl {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

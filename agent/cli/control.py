@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.cli.target import load_target_config
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError
 from viiwork.agent.config.schema import ApiConfig
 from viiwork.agent.control import COMMANDS, ControlCommand
 
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if command.takes_model:
             parser.add_argument("model", metavar="MODEL")
         parser.add_argument("--socket", type=Path, help="admin socket (default: api.admin_socket of the config)")
-        parser.add_argument("--config", type=Path, help=f"agent config (default {DEFAULT_CONFIG_PATH})")
+        parser.add_argument("--config", type=Path, help=f"agent config (default {DEFAULT_CONFIG_PATH}, or a running demo's)")
         parser.add_argument("--json", action="store_true", help="print the agent's JSON answer")
         parser.add_argument("--timeout", type=float, default=120.0,
                             help="seconds to wait (drain and down wait for requests in flight; default 120)")
@@ -46,14 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def socket_path(args: argparse.Namespace) -> Path:
+    """``--socket``, else the target agent's api.admin_socket (agent/cli/target.py), else the
+    default. Raises ConfigError for an unreadable ``--config``, TargetAmbiguous."""
     if args.socket:
         return args.socket
-    try:
-        return load_config(args.config or DEFAULT_CONFIG_PATH).api.admin_socket
-    except ConfigError:
-        if args.config:
-            raise
-        return ApiConfig().admin_socket
+    config = load_target_config(args)
+    return config.api.admin_socket if config is not None else ApiConfig().admin_socket
 
 
 def call(path: Path, command: ControlCommand, model: str | None, timeout: float) -> tuple[int, dict[str, Any]]:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config.load import DEFAULT_CONFIG_PATH
+from viiwork.agent.cli.target import config_path as target_config_path
 from viiwork.agent.host.doctor import DoctorReport, Verdict, run_checks
 from viiwork.agent.host.facts import gather_facts
 
@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    config_path = args.config or DEFAULT_CONFIG_PATH
+    config_path = target_config_path(args)
     url = agent_url(args)
     facts = gather_facts(config_path, url=url)
     context = {"config": str(config_path), "url": url,

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from viiwork.agent.cli.status import fetch_json
-from viiwork.agent.cli.target import add_target_args, agent_url
-from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from viiwork.agent.cli.target import add_target_args, agent_url, config_path
+from viiwork.agent.config.load import ConfigError, load_config
 from viiwork.agent.supervision.launch import backend_log_path
 
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         argv = [journalctl, "-u", unit, "-n", str(args.lines), "--no-pager"] + (["-f"] if args.follow else [])
         os.execv(journalctl, argv)
     try:
-        config = load_config(args.config or DEFAULT_CONFIG_PATH)
+        config = load_config(config_path(args))
     except ConfigError as exc:
         print(f"viiworkctl logs: {'the agent is not reachable and ' if not answered else ''}"
               f"the config cannot be read to find the log file:\n{exc}", file=sys.stderr)

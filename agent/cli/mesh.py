@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from viiwork.agent.cli.status import fetch_json
+from viiwork.agent.cli.status import AgentAnswered, fetch_json
 from viiwork.agent.cli.target import add_target_args, agent_url
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from viiwork.agent.config.schema import Config
@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Sub-commands manage the mesh CA and this node's certificate.")
     add_target_args(mesh)
     mesh.add_argument("--json", action="store_true", help="print the agent's /v1/mesh document")
+    mesh.add_argument("--wide", action="store_true", help="every column: node id, summed slots, trust")
     mesh.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
     mesh.set_defaults(func=run_show)
     sub = mesh.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND")
@@ -249,13 +250,21 @@ def run_show(args: argparse.Namespace) -> int:
     url = agent_url(args) + "/v1/mesh"
     try:
         doc = fetch_json(url, args.timeout)
+    except AgentAnswered as exc:
+        if exc.status == 404 and "standalone" in exc.message:  # agent/serving/api.py, handle_mesh
+            if args.json:
+                print(json.dumps({"mesh": None}))
+            else:
+                print(exc.message or "this node is standalone: its config has no [mesh] section")
+            return 0
+        return _fail(str(exc))
     except ConnectionError as exc:
         return _fail(str(exc))
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
     # Piped output keeps whole rows (rich would wrap at 80 columns).
-    render(doc, Console(width=None if sys.stdout.isatty() else 240))
+    render(doc, Console(width=None if sys.stdout.isatty() else 240), wide=args.wide)
     return 0
 
 
@@ -292,8 +301,9 @@ def gpus_cell(gpus: list[dict[str, Any]]) -> str:
 _LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim", "conflict": "bold red"}
 
 
-def render(doc: dict[str, Any], console: Console) -> None:
-    """Print the /v1/mesh document as a header line and a table of peers."""
+def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None:
+    """Print the /v1/mesh document as a header line and a table of peers (``wide``: every
+    column)."""
     me = doc.get("self") or {}
     if me:
         models, load = _models_cell(me.get("models") or [])
@@ -308,18 +318,26 @@ def render(doc: dict[str, Any], console: Console) -> None:
             console.print(f"[bold red]identity conflict[/bold red]: this node id is also run by the agent at "
                           f"{clone.get('other_address', '?')}; "
                           f"{'this agent' if clone.get('this_boot_leaves') else 'that agent'} stops (docs/mesh.md)")
+    # The default columns fit 100 (and mostly 80) columns; --wide adds the node id, the summed
+    # slots and the trust mode. Cells wrap (overflow="fold") rather than end in "…".
     table = Table()
-    for col in ("name", "id", "address", "liveness", "state", "age", "models (busy/slots)", "slots busy/total",
-                "GPUs", "trust"):
-        table.add_column(col)
+    cols = ["name", "address", "liveness", "state", "age", "models (busy/slots)", "GPUs"]
+    if wide:
+        cols[1:1] = ["id"]
+        cols[-1:-1] = ["slots busy/total"]
+        cols.append("trust")
+    for col in cols:
+        table.add_column(col, overflow="fold")
     for node in doc.get("nodes", []):
         models, load = _models_cell(node.get("models") or [])
         liveness = node.get("liveness", "?")
         style = _LIVENESS_STYLE.get(liveness, "")
-        table.add_row(node.get("name", "?"), str(node.get("id", "?")), node.get("api") or node.get("mesh") or "-",
-                      f"[{style}]{liveness}[/{style}]" if style else liveness, node.get("state", "?"),
-                      _age(node.get("age_ms")), models, load, gpus_cell(node.get("gpus") or []),
-                      node.get("trust", "?"))
+        cells = {"name": node.get("name", "?"), "id": str(node.get("id", "?")),
+                 "address": node.get("api") or node.get("mesh") or "-",
+                 "liveness": f"[{style}]{liveness}[/{style}]" if style else liveness,
+                 "state": node.get("state", "?"), "age": _age(node.get("age_ms")), "models (busy/slots)": models,
+                 "slots busy/total": load, "GPUs": gpus_cell(node.get("gpus") or []), "trust": node.get("trust", "?")}
+        table.add_row(*(cells[c] for c in cols))
     console.print(table)
     conflicts = doc.get("conflicts") or []
     for c in conflicts:

@@ -22,17 +22,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Show an agent's models and backends: state, phase/progress while loading, slots busy/total.")
     add_target_args(parser)
     parser.add_argument("--json", action="store_true", help="print the agent's /v1/status document")
+    parser.add_argument("--wide", action="store_true", help="every column: engine, ctx/slot, pid, port")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
     parser.set_defaults(func=run)
 
 
+class AgentAnswered(ConnectionError):
+    """The agent answered with an HTTP error: ``status``, and from its error document
+    (docs/api.md) ``code`` and ``message`` ("" when the body is not one)."""
+
+    def __init__(self, url: str, status: int, body: bytes) -> None:
+        self.status, self.code, self.message = status, "", ""
+        try:
+            error = json.loads(body).get("error") or {}
+            self.code, self.message = str(error.get("code", "")), str(error.get("message", ""))
+        except (ValueError, AttributeError):
+            pass
+        shown = self.message or body[:200].decode("utf-8", "replace").strip() or "(empty body)"
+        super().__init__(f"{url} answered {status}: {shown}")
+
+
 def fetch_json(url: str, timeout: float) -> Any:
-    """GET ``url`` and decode JSON; raises ConnectionError with a readable message."""
+    """GET ``url`` and decode JSON. Raises AgentAnswered for an HTTP error status, and
+    ConnectionError with a readable message when the agent cannot be reached or the body
+    is not JSON."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http to the agent)
             return json.load(resp)
     except urllib.error.HTTPError as exc:
-        raise ConnectionError(f"{url} answered {exc.code}: {exc.read()[:200]!r}") from None
+        raise AgentAnswered(url, exc.code, exc.read()) from None
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ConnectionError(f"cannot reach the agent at {url}: {reason} "
@@ -74,33 +92,40 @@ def outlier_lines(section: Any) -> list[str]:
     return lines
 
 
-def render(doc: dict[str, Any], console: Console) -> None:
+def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None:
+    """Print /v1/status: a node line, a table of models and backends (slots busy/total),
+    then outlier lines. ``wide``: every column."""
     node = doc.get("node", {})
     console.print(f"node [bold]{node.get('name', '?')}[/bold]  version {node.get('version', '?')}  "
                   f"uptime {node.get('uptime_s', '?')} s")
+    # The default columns fit 100 (and mostly 80) columns; --wide adds engine, ctx/slot, pid and
+    # port. Cells wrap (overflow="fold") rather than end in "…".
     table = Table(show_lines=False)
-    for col in ("model", "engine", "state", "backend", "backend state", "slots busy/total", "waiting",
-                "ctx/slot", "pid", "port", "respawns"):
-        table.add_column(col)
+    cols = ["model", "state", "backend", "backend state", "slots", "waiting", "respawns"]
+    if wide:
+        cols[1:1] = ["engine"]
+        cols[-1:-1] = ["ctx/slot", "pid", "port"]
+    for col in cols:
+        table.add_column(col, overflow="fold")
     for model in doc.get("models", []):
         waiting = model.get("waiting")
         first = True
         backends = model.get("backends") or [{}]
         for b in backends:
-            load = f"{b.get('busy', '-')}/{b.get('slots', '-')}" if b else ""
-            table.add_row(
-                model.get("name", "?") if first else "",
-                model.get("engine", "") if first else "",
-                model.get("state", "") if first else "",
-                str(b.get("id", "")),
-                _state_cell(b) if b else "",
-                load,
-                ("unknown" if waiting is None else str(waiting)) if first else "",
-                str(model.get("ctx_per_slot", "")) if first else "",
-                str(b.get("pid") or "-"),
-                str(b.get("port") or ("socket" if b.get("socket") else "-")),
-                str(b.get("respawns", "")),
-            )
+            cells = {
+                "model": model.get("name", "?") if first else "",
+                "engine": model.get("engine", "") if first else "",
+                "state": model.get("state", "") if first else "",
+                "backend": str(b.get("id", "")),
+                "backend state": _state_cell(b) if b else "",
+                "slots": f"{b.get('busy', '-')}/{b.get('slots', '-')}" if b else "",
+                "waiting": ("unknown" if waiting is None else str(waiting)) if first else "",
+                "ctx/slot": str(model.get("ctx_per_slot", "")) if first else "",
+                "pid": str(b.get("pid") or "-"),
+                "port": str(b.get("port") or ("socket" if b.get("socket") else "-")),
+                "respawns": str(b.get("respawns", "")),
+            }
+            table.add_row(*(cells[c] for c in cols))
             first = False
     console.print(table)
     for line in outlier_lines(doc.get("outliers")):
@@ -117,5 +142,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        render(doc, Console())
+        render(doc, Console(), wide=args.wide)
     return 0

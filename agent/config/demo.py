@@ -18,6 +18,9 @@ from viiwork.agent.config.schema import Config
 
 DEMO_MODEL = "smollm2"
 DEMO_LISTEN = "127.0.0.1:8086"
+# The running demo writes its config here (in its state dir), so that viiworkctl finds the
+# demo's API, admin socket and log files without flags (agent/cli/target.py).
+DEMO_CONFIG_FILE = "demo-config.toml"
 
 
 class DemoUnavailable(Exception):
@@ -61,22 +64,34 @@ def find_demo_model() -> str:
 
 
 def demo_state_dir() -> Path:
+    """``$XDG_STATE_HOME/viiwork-demo``, else ``~/.local/state/viiwork-demo``."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "viiwork-demo"
 
 
+def demo_admin_socket() -> Path:
+    """The demo's admin socket: ``demo_state_dir()/admin.sock``."""
+    return demo_state_dir() / "admin.sock"
+
+
 def demo_config() -> Config:
     """The embedded default config, validated by the same loader as any file."""
+    return parse_config(demo_config_text(), "<embedded demo config>")
+
+
+def demo_config_text() -> str:
+    """The embedded default config as TOML text. Raises DemoUnavailable when the engine or
+    the model is not installed."""
     binary = find_demo_binary()
     model = find_demo_model()
-    text = f"""
+    return f"""
 [node]
 name = "demo"
 state_dir = {json.dumps(str(demo_state_dir()))}
 
 [api]
 listen = "{DEMO_LISTEN}"
-admin_socket = {json.dumps(str(demo_state_dir() / "admin.sock"))}
+admin_socket = {json.dumps(str(demo_admin_socket()))}
 
 [supervisor]
 runner = "process"
@@ -93,7 +108,6 @@ startup_timeout_s = 120
 [models.llamacpp]
 binary = {json.dumps(binary)}
 """
-    return parse_config(text, "<embedded demo config>")
 
 
 def check_engine(binary: str, model: str, timeout_s: float = 60.0) -> tuple[bool, str]:

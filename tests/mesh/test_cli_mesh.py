@@ -87,7 +87,9 @@ async def test_enroll_then_a_ca_mesh_forms_and_mesh_lists_it(tmp_path, capsys):
         assert doc["nodes"][0]["trust"] == "ca" and doc["nodes"][0]["models"][0]["busy"] == 2
         assert await asyncio.to_thread(main, ["mesh", "--url", url]) == 0
         table = capsys.readouterr().out
-        assert "qwen 2/4" in table and "alive" in table and b.node_id in table
+        assert "qwen 2/4" in table and "alive" in table and b.node_id not in table  # the id: --wide only
+        assert await asyncio.to_thread(main, ["mesh", "--wide", "--url", url]) == 0
+        assert b.node_id in capsys.readouterr().out
     finally:
         await runner.cleanup()
         await b.stop(leave=False)

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import viiwork
 from viiwork.agent.host.doctor.registry import CheckResult, Skip, Verdict, check, config_or_skip, plural, result_for
 from viiwork.agent.host.facts import HostFacts
 from viiwork.agent.host.gpus.inventory import GpuInventory
 from viiwork.agent.host.gpus.validate import gpu_config_issues
+
+# The commented example config: in a source checkout, and where the .deb puts a copy
+# (debian/viiwork.examples; the package also installs it as /etc/viiwork/viiwork.toml).
+EXAMPLE_CONFIGS = (Path(viiwork.__file__).resolve().parent.parent / "packaging" / "viiwork.toml",
+                   Path("/usr/share/doc/viiwork/examples/viiwork.toml"))
+
+
+def example_config() -> str:
+    """The path of the example config on this box, or where to find it when none is here."""
+    for path in EXAMPLE_CONFIGS:
+        if path.is_file():
+            return str(path)
+    return "packaging/viiwork.toml of the source tree"
 
 
 @check("config", "Configuration file")
@@ -21,7 +37,8 @@ def check_config(facts: HostFacts) -> CheckResult:
     if cf.config is None:
         if not cf.exists:
             return r(Verdict.FAIL, f"{cf.path} does not exist", "the agent cannot start without a config",
-                     f"create {cf.path} from the example config, or pass --config FILE")
+                     f"create {cf.path} from the example config ({example_config()}), or pass --config FILE; "
+                     "`viiwork-agent --demo` runs without one")
         errors = "; ".join(str(i) for i in cf.issues[:5])
         more = f" (and {len(cf.issues) - 5} more)" if len(cf.issues) > 5 else ""
         return r(Verdict.FAIL, f"{cf.path}: {errors}{more}", "the agent refuses to start with this config",

@@ -1,0 +1,117 @@
+"""viiworkctl without flags against a running demo-like agent, `mesh` on a standalone node,
+and tables that fit 80 and 100 columns.
+
+The agent is a real process with fake llama-servers; its config file is put where a running
+demo writes its own ($XDG_STATE_HOME/viiwork-demo/demo-config.toml), so viiworkctl finds it
+the way it finds `viiwork-agent --demo` (agent/cli/target.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from support.agent import Agent, run_agent
+from support.engines import fake_engine_binary
+from viiwork.agent.cli import mesh as mesh_cli
+from viiwork.agent.cli import status as status_cli
+from viiwork.agent.config.demo import DEMO_CONFIG_FILE
+
+MODEL = "smollm2-with-a-long-model-name"
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[tuple[Agent, dict[str, str]]]:
+    if Path("/etc/viiwork/viiwork.toml").exists():
+        pytest.skip("a system config exists here: viiworkctl would see two candidates")
+    binary = fake_engine_binary(tmp_path / "bin")
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    models = [{"name": MODEL, "engine": "llamacpp", "path": "/dev/null", "parallel": 2, "backends": 2,
+               "startup_timeout_s": 30, "llamacpp": {"binary": str(binary)}, "env": {"FAKE_LOAD_S": "0.1"}}]
+    with run_agent(xdg, models, name="viiwork-demo") as agent:
+        agent.wait_healthy(MODEL)
+        shutil.copy(xdg / "viiwork-demo.toml", xdg / "viiwork-demo" / DEMO_CONFIG_FILE)
+        env = {k: v for k, v in os.environ.items() if k != "VIIWORK_URL"}
+        env.update(XDG_STATE_HOME=str(xdg), COLUMNS="100")
+        yield agent, env
+
+
+def ctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "viiwork.agent.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_ctl_finds_the_demo_without_flags(demo: tuple[Agent, dict[str, str]]) -> None:
+    agent, env = demo
+    status = ctl(env, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["node"]["name"] == "viiwork-demo"
+    models = ctl(env, "models")  # over the admin socket
+    assert models.returncode == 0, models.stderr
+    assert MODEL in models.stdout
+
+
+def test_mesh_on_a_standalone_node(demo: tuple[Agent, dict[str, str]]) -> None:
+    _, env = demo
+    plain = ctl(env, "mesh")
+    assert plain.returncode == 0, plain.stderr
+    assert "standalone" in plain.stdout and len(plain.stdout.strip().splitlines()) == 1
+    assert "b'" not in plain.stdout + plain.stderr
+    as_json = ctl(env, "mesh", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == {"mesh": None}
+
+
+def _text(render, doc: dict, width: int, wide: bool = False) -> str:
+    out = io.StringIO()
+    render(doc, Console(file=out, width=width, color_system=None), wide=wide)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_status_table_fits(demo: tuple[Agent, dict[str, str]], width: int) -> None:
+    agent, _ = demo
+    doc = agent.status()
+    text = _text(status_cli.render, doc, width)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert text.count("healthy") >= 2  # each backend's state whole, not "hea…"
+
+
+def test_status_wide_shows_every_column(demo: tuple[Agent, dict[str, str]]) -> None:
+    agent, _ = demo
+    text = _text(status_cli.render, agent.status(), 200, wide=True)
+    for col in ("engine", "ctx/slot", "pid", "port", "respawns", "slots"):
+        assert col in text
+    assert "pid" not in _text(status_cli.render, agent.status(), 200)
+
+
+MESH_DOC = {
+    "self": {"name": "gpu-node-a", "id": "n-aaaa", "mesh_id": "m-1", "trust": "ca", "state": "serving",
+             "models": [], "gpus": []},
+    "nodes": [{"name": f"gpu-node-{i}.rack-7.example.internal", "id": f"node-{i:032x}",
+               "api": f"http://10.20.30.{i}:8086", "liveness": "alive", "state": "serving", "age_ms": 1200,
+               "trust": "ca", "models": [{"name": "smollm2-135m-instruct", "busy": 1, "slots": 4, "waiting": 0}],
+               "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_mib": 143771, "memory_free_mib": 1024}]}
+              for i in range(3)],
+    "conflicts": [],
+}
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_mesh_table_fits(width: int) -> None:
+    text = _text(mesh_cli.render, MESH_DOC, width)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    wide = _text(mesh_cli.render, MESH_DOC, 240, wide=True)
+    assert "node-" + "0" * 32 in wide and "trust" in wide
