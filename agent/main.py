@@ -344,8 +344,13 @@ def _vendor_lookup(inventory: GpuInventory) -> Callable[[str], str]:
     return vendor_of
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="viiwork-agent", description="The viiwork host agent.")
+def build_parser() -> argparse.ArgumentParser:
+    """viiwork-agent's command line (also the source of its man page: agent/cli/manpage.py)."""
+    parser = argparse.ArgumentParser(
+        prog="viiwork-agent",
+        description="The viiwork host agent: runs the models of its config as engine backends, serves an "
+                    "OpenAI-compatible API and joins its mesh. Stops on SIGTERM or SIGINT; SIGHUP or "
+                    "`viiworkctl reload` re-reads the config.")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--config", type=Path, help=f"config file (default {DEFAULT_CONFIG_PATH})")
     group.add_argument("--demo", action="store_true",
@@ -353,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("VIIWORK_LOG_LEVEL", "info"),
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"viiwork-agent {__version__}")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     raise_open_file_limit()  # each client connection holds a descriptor: agent/serving/api_listener.py
     try:

@@ -57,7 +57,19 @@ def install_run(tmp_path_factory) -> dict[str, str]:
     assert run.returncode == 0, f"install-test failed:\n{run.stdout[-8000:]}\n{run.stderr[-6000:]}"
     figures = dict(line.split("=", 1) for line in report.read_text().splitlines() if "=" in line)
     figures["stdout"] = run.stdout
+    figures["deb"] = str(deb)
+    figures["build_stderr"] = build.stderr
     return figures
+
+
+def test_deb_ships_man_pages_and_lintian_finds_none_missing(install_run):
+    listing = subprocess.run(["dpkg-deb", "--contents", install_run["deb"]], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    for page in ("./usr/share/man/man1/viiworkctl.1.gz", "./usr/share/man/man1/viiwork-agent.1.gz"):
+        assert page in listing, f"{page} is not in the .deb"
+    # build-deb prints lintian's report on stderr; no override may hide the tag either.
+    assert "no-manual-page" not in install_run["build_stderr"]
+    assert "no-manual-page" not in (REPO / "debian" / "viiwork.lintian-overrides").read_text()
 
 
 def test_clean_install_restart_upgrade_remove_purge(install_run):
