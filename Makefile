@@ -10,6 +10,7 @@
 #                   tested there)
 #   make test-fast  unit and engine tiers only, for iteration
 #   make bench      the benchmarks under tests/bench/
+#   make screenshot docs/dashboard.png from the dashboard's browser test (Debian chromium)
 #   make mutants    apply each tests/mutants/*.patch to a scratch copy and check that the tests
 #                   it names fail (not part of `make test`; MUTANTS=name,... for some of them)
 #   make clean      build outputs and caches;  make distclean  also removes .venv
@@ -39,7 +40,7 @@ PYTEST := $(BIN)/pytest
 PYTEST_ARGS ?=
 PYTEST_FLAGS := -q -ra --no-header $(PYTEST_ARGS)
 
-.PHONY: help venv demo lint test test-fast bench mutants clean distclean
+.PHONY: help venv demo lint test test-fast bench mutants screenshot clean distclean
 
 help:
 	@sed -n '3,16s/^# \{0,1\}//p' Makefile
@@ -131,6 +132,11 @@ lint: venv
 	@ln -sfn ../../../viiwork/__init__.py $(TYPECHECK_ROOT)/viiwork/__init__.py
 	@for d in agent mesh engines; do ln -sfn ../../../$$d $(TYPECHECK_ROOT)/viiwork/$$d; done
 	$(BIN)/mypy | sed 's#^$(TYPECHECK_ROOT)/viiwork/##'
+
+# docs/dashboard.png: the dashboard's browser test (three agents, headless chromium) saves the
+# page it checked. The test run itself writes nothing into the tree.
+screenshot: venv
+	VIIWORK_SCREENSHOT=$(CURDIR)/docs/dashboard.png $(PYTEST) tests/mesh/test_dashboard_browser.py $(PYTEST_FLAGS)
 
 mutants: venv
 	$(BIN)/python tests/mutants/run.py $(if $(MUTANTS),--only $(MUTANTS))

@@ -1,7 +1,8 @@
 """The client API: OpenAI-compatible endpoints in front of this node's backends (docs/routing.md).
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
-``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``. Every error is OpenAI-shaped
+``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``, and the dashboard under ``/ui``
+(agent/serving/dashboard.py). Every error is OpenAI-shaped
 (``agent/serving/errors.py``): 400 malformed JSON, missing model or the wrong endpoint for the model's
 kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
 429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
@@ -17,6 +18,7 @@ The request body is forwarded as received (re-serialised only to change ``stream
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import logging
@@ -33,11 +35,13 @@ from viiwork import __version__
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
+from viiwork.agent.serving.dashboard import Dashboard, RequestStats
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode, error_response
+from viiwork.agent.serving.observe import Observers
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
-from viiwork.agent.serving.proxy import REFUSED_HEADER, Upstream
+from viiwork.agent.serving.proxy import BROKE, FIRST_CHUNK_AT, REFUSED_HEADER, Upstream
 from viiwork.agent.serving.router import Refuse
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.backends import ModelRuntime
@@ -102,6 +106,9 @@ class ClientApi:
         self.extra_status = {"outliers": self._outliers_status, **(extra_status or {})}
         self.started = time.monotonic()
         self.responses: Counter[tuple[str, int]] = Counter()
+        # Each answered inference request, told to the dashboard's ring (and any observer added).
+        self.request_stats = RequestStats()
+        self.observers = Observers(self.request_stats)
         # Request ids for requests without X-Request-Id: 32 hex digits, a random per-process
         # prefix and a counter (unique for the process' life; uuid4 per request costs a syscall).
         self._id_prefix = os.urandom(8).hex()
@@ -147,6 +154,7 @@ class ClientApi:
             resource = app.router.add_resource(path)
             resource.add_route("GET", handler)
             resource.add_route("*", self._method_not_allowed("GET"))
+        Dashboard(status=self.status_doc, mesh=self.mesh_doc, stats=self.request_stats).add_routes(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_not_found)
         app.on_startup.append(_freeze_heap)
         self.in_flight.attach(app)
@@ -167,6 +175,8 @@ class ClientApi:
     # -- inference: parse and validate, run the pipeline (agent/serving/pipeline.py), render -------
 
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
         try:
             body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s,
@@ -182,11 +192,16 @@ class ClientApi:
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
         outcome = await self.pipeline.run(call)
+        response = _render(outcome)
         # A model no node serves is counted as "-": a client cannot grow /metrics at will
         # (a refusal before routing, such as a drain's 503, names a model nobody checked).
         known = model in self.runtimes or not isinstance(outcome, Refuse) or (
             outcome.status != 404 and self.pipeline.peers.kind_of(model) is not None)
-        return self._count(model if known else "-", _render(outcome))
+        label = model if known else "-"
+        end = loop.time()
+        self.observers.observe(label, response.status, call.queued_s, response.get(FIRST_CHUNK_AT, end) - started,
+                               end - started, _failure(outcome, response))
+        return self._count(label, response)
 
     async def handle_forwarded(self, request: web.Request) -> web.StreamResponse:
         """A request forwarded by a peer, on the mesh listener (mutual TLS): it enters the
@@ -231,9 +246,16 @@ class ClientApi:
 
     async def handle_mesh(self, request: web.Request) -> web.Response:
         """GET /v1/mesh: every node this node knows, with liveness, age and models."""
-        if self.mesh is None:
+        doc = self.mesh_doc()
+        if doc is None:
             return error_response(404, f"node {self.node_name!r} is standalone: its config has no [mesh] section",
                                   code=ErrorCode.NOT_FOUND)
+        return web.json_response(doc)
+
+    def mesh_doc(self) -> dict[str, Any] | None:
+        """The /v1/mesh document (``MeshNode.view`` with outlier ejection), None when standalone."""
+        if self.mesh is None:
+            return None
         doc = self.mesh.node.view()
         # Outlier ejection in this node's view: per peer's model "ejected" (ejected or half-open
         # here), per own model "ejected_backends" (docs/routing.md, "Outlier ejection").
@@ -243,7 +265,7 @@ class ClientApi:
         for m in (doc.get("self") or {}).get("models", []):
             runtime = self.runtimes.get(m.get("name"))
             m["ejected_backends"] = [b.id for b in runtime.backends if b.ejected] if runtime is not None else []
-        return web.json_response(doc)
+        return doc
 
     async def handle_health(self, request: web.Request) -> web.Response:
         """200 ``{"status": "ok"}``; 503 with ``Retry-After`` when no backend is healthy, or
@@ -264,6 +286,10 @@ class ClientApi:
         return {**self.ejections.status(), "retries": self.pipeline.retries}
 
     async def handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status_doc())
+
+    def status_doc(self) -> dict[str, Any]:
+        """The /v1/status document."""
         models = self.status_source()
         for entry in models:
             entry["queued"] = self._queued(entry.get("name"))
@@ -279,7 +305,7 @@ class ClientApi:
             except Exception as exc:  # a broken section must not break /v1/status
                 log.warning("status section %s failed: %s", key, exc)
                 doc[key] = {"error": str(exc)}
-        return web.json_response(doc)
+        return doc
 
     def _queued(self, model: Any) -> int:
         """Requests waiting for ``model`` in this node's origin queue."""
@@ -332,6 +358,19 @@ def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:
     headers = {REFUSED_HEADER: outcome.reason} if isinstance(outcome, PeerRefusal) else None
     return error_response(outcome.status, outcome.message, param=outcome.param, code=outcome.code,
                           retry_after_s=outcome.retry_after_s, headers=headers)
+
+
+def _failure(outcome: web.StreamResponse | Refuse, response: web.StreamResponse) -> str | None:
+    """The observers' ``error``: a refusal's message, a failure's status, a stream broken
+    after its first byte; None for an answer. Never the engine's own text (it can quote prompts)."""
+    if isinstance(outcome, Refuse):
+        return outcome.message
+    if response.status >= 500:
+        return f"backend {response.headers.get('X-Viiwork-Backend') or response.headers.get('X-Viiwork-Node', '?')} " \
+               f"answered {response.status}"
+    if response.get(BROKE):
+        return "the stream broke after its first byte"
+    return None
 
 
 async def _freeze_heap(app: web.Application) -> None:

@@ -65,6 +65,7 @@ class Call:
     request_id: str
     host: str | None = None  # ?host= / X-Viiwork-Host
     affinity: str | None = None  # X-Session-Id / X-Session-Affinity
+    queued_s: float | None = None  # loop time from the pipeline's start to the last dispatch (None: never)
 
 
 class Peers(Protocol):
@@ -460,8 +461,9 @@ class Pipeline:
 
     def _headers(self, call: Call, started: float, node: str, backend_id: str | None) -> dict[str, str]:
         """The answer's ``X-Viiwork-*`` headers (a peer's answer replaces Node and Backend)."""
+        call.queued_s = queued = asyncio.get_running_loop().time() - started
         headers = {"X-Viiwork-Node": node,
-                   "X-Viiwork-Queued-Ms": f"{(asyncio.get_running_loop().time() - started) * 1000:.1f}",
+                   "X-Viiwork-Queued-Ms": f"{queued * 1000:.1f}",
                    "X-Request-Id": call.request_id}
         if self.peers.in_mesh:
             headers["X-Viiwork-Origin"] = self.node_name

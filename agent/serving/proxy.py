@@ -138,6 +138,9 @@ class Failed:
 #: Set (True) on a streamed response whose upstream failed after the first byte (an SSE
 #: error event ended it): the request counts as a failure of its target.
 BROKE = web.ResponseKey("viiwork_upstream_broke", bool)
+#: The loop time (s) the first chunk of a streamed response was written to the client: its
+#: time to first token, for the request observers (agent/serving/observe.py).
+FIRST_CHUNK_AT = web.ResponseKey("viiwork_first_chunk_at", float)
 
 
 class Upstream:
@@ -410,6 +413,7 @@ class Upstream:
         # The engine's own error event, relayed as is: a failure unless the client's fault.
         watch = ErrorEventWatch()
         find_error = watch.feed
+        first = True
         try:
             while True:
                 chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
@@ -427,6 +431,9 @@ class Upstream:
                         await write(chunk)
                 except ConnectionError as exc:
                     raise _ClientGone from exc
+                if first:
+                    first = False
+                    response[FIRST_CHUNK_AT] = asyncio.get_running_loop().time()
         except _ClientStalled:
             self.client_stalls += 1
             log.warning("client of a stream from %s read nothing for %g s (api.client_stall_timeout_s); "

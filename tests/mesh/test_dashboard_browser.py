@@ -1,0 +1,122 @@
+"""The dashboard (/ui) in a real browser: headless Debian chromium through Selenium, against
+three real agents on loopback forming a mesh over fake llama-servers (issue 20).
+
+The page on node-a lists the three nodes; node-c's backend killed (its fake engine process,
+with respawns held off) shows as down within 10 s; a request sent to node-a appears in its
+chart's data. ``VIIWORK_SCREENSHOT=FILE`` (``make screenshot``) also saves the page as a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from support.agent import Agent, run_agent
+from support.browser import chromium, missing
+from support.engines import fake_engine_binary
+
+SNAPSHOT = """
+const rows = [...document.querySelectorAll('#nodes tbody tr')];
+const models = {};
+for (const el of document.querySelectorAll('#nodes [data-model]')) {
+  models[el.closest('tr').dataset.node + '/' + el.dataset.model] = {state: el.dataset.state, text: el.textContent};
+}
+const links = {};
+for (const a of document.querySelectorAll('[data-peer-link]')) links[a.dataset.peerLink] = a.href;
+return {nodes: rows.map(r => r.dataset.node), models, links,
+        chart_requests: document.getElementById('chart-rate').dataset.requests || null,
+        canvases: document.querySelectorAll('.chart canvas').length};
+"""
+
+
+def mesh_section(seeds: list[str]) -> dict:
+    return {"trust": "open", "mesh_id": "dashboard-mesh", "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
+            "discovery": ["seeds"], "seeds": seeds, "gossip_interval_ms": 100,
+            "suspect_after_ms": 1000, "dead_after_ms": 3000}
+
+
+@pytest.fixture
+def mesh3(tmp_path: Path) -> Iterator[dict[str, Agent]]:
+    binary = fake_engine_binary(tmp_path / "bin")
+    agents: dict[str, Agent] = {}
+    seeds: list[str] = []
+    with ExitStack() as stack:
+        for name in "abc":
+            model = {"name": f"model-{name}", "engine": "llamacpp", "path": "/dev/null", "parallel": 2,
+                     "backends": 1, "llamacpp": {"binary": str(binary)}, "env": {"FAKE_LOAD_S": "0.1"}}
+            # node-c's engine, once killed, stays down (no respawn within the test).
+            health = {"respawn_backoff_s": 600} if name == "c" else {}
+            agents[name] = stack.enter_context(run_agent(
+                tmp_path, [model], name=f"node-{name}", extra={"mesh": mesh_section(seeds), "health": health}))
+            if not seeds:
+                seeds = [agents[name].wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30,
+                                               "mesh address")["mesh"]["self"]["mesh"]]
+        for agent in agents.values():
+            agent.wait_for(lambda d: all(b["state"] == "healthy" for m in d["models"] for b in m["backends"])
+                           and d["mesh"]["peers"].get("alive", 0) == 2, 30, "healthy, two alive peers")
+        yield agents
+
+
+def test_dashboard_lists_nodes_shows_a_dead_backend_and_charts_a_request(mesh3: dict[str, Agent]) -> None:
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    a, c = mesh3["a"], mesh3["c"]
+    with chromium() as driver:
+        driver.get(f"{a.url}/ui")
+
+        def page(_: object = None) -> dict:
+            """What the page shows now, read in one script (it rebuilds its rows on each poll)."""
+            return driver.execute_script(SNAPSHOT)
+
+        def until(predicate, timeout_s: float, what: str) -> dict:
+            last: dict = {}
+
+            def ok(_: object) -> bool:
+                nonlocal last
+                last = page()
+                return bool(predicate(last))
+            try:
+                WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(ok)
+            except Exception as exc:
+                raise AssertionError(f"{what}: the page showed {json.dumps(last)}") from exc
+            return last
+
+        shown = until(lambda p: set(p["nodes"]) == {"node-a", "node-b", "node-c"}, 15, "three nodes")
+        assert shown["models"]["node-c/model-c"]["state"] == "up"
+        assert shown["links"]["node-b"] == f"{mesh3['b'].url}/ui"
+
+        # A request on node-a (served by node-b): in the chart's data within a poll or two.
+        body = json.dumps({"model": "model-b", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(f"{a.url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        shown = until(lambda p: p["chart_requests"] == "1", 10, "the request charted")
+        assert shown["canvases"] >= 3, "uPlot drew no charts"
+
+        # node-c's engine killed: its model shows as down on node-a's page within 10 s.
+        pid = c.model("model-c")["backends"][0]["pid"]
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        shown = until(lambda p: p["models"]["node-c/model-c"]["state"] == "down", 10, "node-c's model down")
+        assert time.monotonic() - killed < 10
+        assert "backends 0/1" in shown["models"]["node-c/model-c"]["text"]
+        assert shown["models"]["node-a/model-a"]["state"] == "up"
+        # No CSP violation, no script error (the browser's own favicon.ico probe 404s: not the page's).
+        logs = [e for e in driver.get_log("browser")
+                if e.get("level") == "SEVERE" and "/favicon.ico" not in e.get("message", "")]
+        assert not logs, logs
+        shot = os.environ.get("VIIWORK_SCREENSHOT")
+        if shot:
+            driver.save_screenshot(shot)
