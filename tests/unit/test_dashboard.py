@@ -5,12 +5,17 @@ Its page in a real browser: tests/mesh/test_dashboard_browser.py.
 
 from __future__ import annotations
 
+import json
 import re
+import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
 
+from support.agent import run_agent
 from support.api_app import agent_api
+from support.engines import fake_engine_binary
 from viiwork.agent.serving.dashboard import BUCKET_S, WINDOW_S, RequestStats
 
 UI = Path(__file__).resolve().parents[2] / "agent" / "serving" / "ui"
@@ -90,3 +95,27 @@ def test_ring_keeps_fifteen_minutes_of_ten_second_buckets() -> None:
     assert sum(b["requests"] for b in stats.buckets()) == 0
     stats.observe("m", 200, 0.0, 0.001, 0.001)
     assert stats.buckets()[-1]["requests"] == 1
+
+
+def test_a_stream_is_charted_with_its_first_chunk_and_its_queue_time(tmp_path: Path) -> None:
+    # 10 tokens 0.2 s apart: the first chunk leaves at least 1.8 s before the stream ends.
+    model = {"name": "m", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
+             "llamacpp": {"binary": str(fake_engine_binary(tmp_path / "bin"))},
+             "env": {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "10", "FAKE_TOKEN_DELAY_S": "0.2"}}
+    with run_agent(tmp_path, [model]) as agent:
+        agent.wait_healthy("m", timeout_s=30)
+        body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(f"{agent.url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        began = time.monotonic()
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            r.read()
+        whole_ms = (time.monotonic() - began) * 1000
+        with urllib.request.urlopen(f"{agent.url}/ui/api/state", timeout=5) as r:
+            state = json.load(r)
+    [bucket] = [b for b in state["buckets"] if b["requests"]]
+    assert bucket["requests"] == 1 and bucket["errors"] == 0
+    assert bucket["queued_ms_avg"] is not None and 0 <= bucket["queued_ms_avg"] <= bucket["ttft_ms_max"]
+    # The first chunk, not the end of the stream: nine token gaps (1.8 s) come after it.
+    assert bucket["ttft_ms_max"] < whole_ms - 1500, (bucket, whole_ms)
