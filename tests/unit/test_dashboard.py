@@ -119,3 +119,16 @@ def test_a_stream_is_charted_with_its_first_chunk_and_its_queue_time(tmp_path: P
     assert bucket["queued_ms_avg"] is not None and 0 <= bucket["queued_ms_avg"] <= bucket["ttft_ms_max"]
     # The first chunk, not the end of the stream: nine token gaps (1.8 s) come after it.
     assert bucket["ttft_ms_max"] < whole_ms - 1500, (bucket, whole_ms)
+
+
+def test_every_ui_file_is_package_data() -> None:
+    """The wheel (and so the .deb's venv) carries each file the page loads."""
+    import fnmatch
+    import tomllib
+
+    pyproject = tomllib.loads((UI.parents[2] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["viiwork.agent.serving"]
+    for path in UI.rglob("*"):
+        if path.is_file():
+            rel = str(path.relative_to(UI.parent))
+            assert any(fnmatch.fnmatch(rel, g) and rel.count("/") == g.count("/") for g in globs), rel
