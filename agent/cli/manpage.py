@@ -56,8 +56,9 @@ def _option_items(parser: argparse.ArgumentParser) -> Iterator[str]:
         if action.option_strings:
             metavar = ""
             if action.nargs != 0:
-                metavar = " " + (action.metavar or (action.dest.upper() if not action.choices
-                                                    else "{" + ",".join(map(str, action.choices)) + "}"))
+                shown = action.metavar or (action.dest.upper() if not action.choices
+                                           else "{" + ",".join(map(str, action.choices)) + "}")
+                metavar = " " + (shown if isinstance(shown, str) else " ".join(shown))
             head = ", ".join(f"\\fB{roff_text(o)}\\fR" for o in action.option_strings)
             if metavar:
                 head += f"\\fI{roff_text(metavar)}\\fR"
