@@ -272,7 +272,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             return 1
         log.info("API listening on %s:%d", host, port)
         assert site.guard is not None
-        api.metric_sources += [site.guard.metrics_lines, protocol_log.install().metrics_lines]
+        api.metric_sources += [site.guard.metric_families, protocol_log.install().metric_families]
         api.extra_status["api"] = site.guard.status
         # Only now, with every listener (mesh, admin socket, API) known to be ours, do the
         # engines start or get adopted: an agent that fails to bind never touches, nor on its

@@ -39,6 +39,7 @@ from viiwork.agent.serving.dashboard import Dashboard, RequestStats
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode, error_response
+from viiwork.agent.serving.metrics import MetricSource, build_registry, exposition
 from viiwork.agent.serving.observe import Observers
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
 from viiwork.agent.serving.proxy import BROKE, FIRST_CHUNK_AT, REFUSED_HEADER, Upstream
@@ -88,8 +89,9 @@ class ClientApi:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
         self.body_timeout_s = body_timeout_s
-        # More /metrics lines (the listener's connection counters, malformed requests).
-        self.metric_sources: list[Callable[[], list[str]]] = []
+        # More /metrics families (the listener's connection counters, malformed requests),
+        # and the subscribers to each answered request (agent/serving/observe.py).
+        self.metric_sources: list[MetricSource] = []
         self.mesh = mesh
         self.runtimes = runtimes
         self.upstream = upstream
@@ -120,6 +122,9 @@ class ClientApi:
         self.in_flight = InFlight()
         if mesh is not None:  # forwards from peers enter the pipeline at "run locally"
             mesh.accept_forwards(self.handle_forwarded, _KIND_OF_PATH, self.in_flight)
+        # /metrics: a registry of this API's own, read at scrape time (agent/serving/metrics.py);
+        # its request histograms join ``observers``.
+        self.registry = build_registry(self)
 
     @property
     def draining(self) -> bool:
@@ -312,43 +317,9 @@ class ClientApi:
         return self.queues.queued(model) if isinstance(model, str) else 0
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        lines = [
-            "# HELP viiwork_responses_total Client API responses by model and status code.",
-            "# TYPE viiwork_responses_total counter",
-        ]
-        for (model, status), n in sorted(self.responses.items()):
-            lines.append(f'viiwork_responses_total{{model="{_esc(model)}",code="{status}"}} {n}')
-        lines += ["# HELP viiwork_model_slots Slots of healthy backends.", "# TYPE viiwork_model_slots gauge"]
-        lines += [f'viiwork_model_slots{{model="{_esc(n)}"}} {rt.capacity().slots}'
-                  for n, rt in sorted(self.runtimes.items())]
-        lines += ["# HELP viiwork_model_in_flight Requests running on this node's backends.",
-                  "# TYPE viiwork_model_in_flight gauge"]
-        lines += [f'viiwork_model_in_flight{{model="{_esc(n)}"}} {rt.capacity().in_flight}'
-                  for n, rt in sorted(self.runtimes.items())]
-        lines += ["# HELP viiwork_model_queued Requests waiting in this node's queue.",
-                  "# TYPE viiwork_model_queued gauge"]
-        lines += [f'viiwork_model_queued{{model="{_esc(n)}"}} {self._queued(n)}' for n in sorted(self.runtimes)]
-        lines += ["# HELP viiwork_backend_respawns_total Respawns per backend.",
-                  "# TYPE viiwork_backend_respawns_total counter"]
-        for rt in self.runtimes.values():
-            for b in rt.backends:
-                lines.append(f'viiwork_backend_respawns_total{{model="{_esc(rt.name)}",backend="{_esc(b.id)}"}} '
-                             f'{b.respawns}')
-        if self.mesh is not None:
-            lines += ["# HELP viiwork_mesh_offers_total Slot offer events by kind (docs/routing.md, Slot offers).",
-                      "# TYPE viiwork_mesh_offers_total counter"]
-            lines += [f'viiwork_mesh_offers_total{{event="{_esc(event)}"}} {n}'
-                      for event, n in sorted(self.mesh.offer_counters.items())]
-            lines += ["# HELP viiwork_mesh_slots_held Local slots kept for an offer now.",
-                      "# TYPE viiwork_mesh_slots_held gauge", f"viiwork_mesh_slots_held {len(self.mesh.holds)}"]
-        lines += self.ejections.metrics_lines()
-        lines += ["# HELP viiwork_retries_total Requests run again on another backend after a failure before the "
-                  "first byte.", "# TYPE viiwork_retries_total counter",
-                  f"viiwork_retries_total {self.pipeline.retries}"]
-        for source in self.metric_sources:
-            lines += source()
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
+        """GET /metrics: Prometheus text (OpenMetrics when ``Accept`` asks), docs/metrics.md."""
+        body, content_type = exposition(self.registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
 def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:
     """The pipeline's outcome as the client's answer: a refusal as an OpenAI-shaped error
@@ -380,6 +351,3 @@ async def _freeze_heap(app: web.Application) -> None:
     gc.collect()
     gc.freeze()
 
-
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -39,6 +39,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_runner import BaseRunner, BaseSite
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from viiwork.agent.serving.errors import ErrorCode, error_body
 from viiwork.mesh.places import AddressPlaces
@@ -156,22 +157,18 @@ class ConnectionGuard:
                 f"Content-Length: {len(body)}\r\nRetry-After: {limits.retry_after_s}\r\nConnection: close\r\n\r\n")
         return head.encode() + body
 
-    def metrics_lines(self) -> list[str]:
-        """Prometheus text lines for /metrics."""
+    def metric_families(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        """The guard's families for /metrics (read now)."""
         c = self.counters
+        refused = CounterMetricFamily("viiwork_api_connections_refused", "Client API connections refused at accept "
+                                      "with 503, by the cap reached.", labels=["cap"])
+        refused.add_metric(["max_connections"], c["refused_max_connections"])
+        refused.add_metric(["max_connections_per_address"], c["refused_per_address"])
         return [
-            "# HELP viiwork_api_connections_open Client API connections open now.",
-            "# TYPE viiwork_api_connections_open gauge",
-            f"viiwork_api_connections_open {self.open}",
-            "# HELP viiwork_api_connections_refused_total Client API connections refused at accept with 503, "
-            "by the cap reached.",
-            "# TYPE viiwork_api_connections_refused_total counter",
-            f'viiwork_api_connections_refused_total{{cap="max_connections"}} {c["refused_max_connections"]}',
-            f'viiwork_api_connections_refused_total{{cap="max_connections_per_address"}} {c["refused_per_address"]}',
-            "# HELP viiwork_api_head_timeouts_total Client API connections closed (408) because no whole "
-            "request head arrived within api.head_timeout_s.",
-            "# TYPE viiwork_api_head_timeouts_total counter",
-            f"viiwork_api_head_timeouts_total {c['head_timeouts']}",
+            GaugeMetricFamily("viiwork_api_connections_open", "Client API connections open now.", value=self.open),
+            refused,
+            CounterMetricFamily("viiwork_api_head_timeouts", "Client API connections closed (408) because no whole "
+                                "request head arrived within api.head_timeout_s.", value=c["head_timeouts"]),
         ]
 
     def status(self) -> dict[str, Any]:

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from viiwork.agent.config.schema import OutliersConfig
 from viiwork.agent.serving.outliers import HALF_OPEN, OK, Ejected, OutlierDetector, OutlierSettings, Restored
 from viiwork.agent.supervision.backends import Backend, BackendId, ModelRuntime
@@ -222,21 +224,21 @@ class Ejections:
         """"ok", "ejected" or "half-open": peer ``node_id`` for ``model`` in this node's view."""
         return self.detector.state((NodeId(node_id), model), self.clock()) if self.enabled else OK
 
-    def metrics_lines(self) -> list[str]:
+    def metric_families(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
         """/metrics: the detector's counters and the targets out of routing now, by kind."""
-        lines = []
-        for name, value in self.counters().items():
-            metric = f"viiwork_outlier_{name}"
-            lines += [f"# HELP {metric} {_HELP[name]}", f"# TYPE {metric} counter", f"{metric} {value}"]
+        families: list[CounterMetricFamily | GaugeMetricFamily] = [
+            CounterMetricFamily(f"viiwork_outlier_{name}", _HELP[name], value=value)
+            for name, value in self.counters().items()]
         out_now = {"backend": 0, "peer": 0}
         for row in self.rows():
             if row["state"] != OK:
                 out_now[row["kind"]] += 1
-        lines += ["# HELP viiwork_outlier_ejected Targets ejected or half-open now, by kind (backend: this "
-                  "node's; peer: a peer for one model, in this node's view).",
-                  "# TYPE viiwork_outlier_ejected gauge"]
-        lines += [f'viiwork_outlier_ejected{{kind="{kind}"}} {n}' for kind, n in out_now.items()]
-        return lines
+        ejected = GaugeMetricFamily("viiwork_outlier_ejected", "Targets ejected or half-open now, by kind (backend: "
+                                    "this node's; peer: a peer for one model, in this node's view).", labels=["kind"])
+        for kind, n in out_now.items():
+            ejected.add_metric([kind], n)
+        families.append(ejected)
+        return families
 
 
 _HELP = {

@@ -65,7 +65,9 @@ class Call:
     request_id: str
     host: str | None = None  # ?host= / X-Viiwork-Host
     affinity: str | None = None  # X-Session-Id / X-Session-Affinity
-    queued_s: float | None = None  # loop time from the pipeline's start to the last dispatch (None: never)
+    # Seconds from admission to its last dispatch to a backend or peer (X-Viiwork-Queued-Ms);
+    # None while it has not been dispatched (refused, or timed out in the queue).
+    queued_s: float | None = None
 
 
 class Peers(Protocol):

@@ -31,6 +31,7 @@ from types import TracebackType
 
 from aiohttp.http import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from prometheus_client.core import CounterMetricFamily
 
 SERVER_LOGGER = "aiohttp.server"
 WARN_INTERVAL_S = 60.0  # one WARNING per source address per minute
@@ -85,12 +86,10 @@ class ProtocolErrorLog(logging.Filter):
         self._warned_at[remote] = now
         return True
 
-    def metrics_lines(self) -> list[str]:
-        """Prometheus text lines for /metrics."""
-        return ["# HELP viiwork_http_malformed_requests_total Requests the HTTP parser refused (400) "
-                "on any listener of the agent.",
-                "# TYPE viiwork_http_malformed_requests_total counter",
-                f"viiwork_http_malformed_requests_total {self.count}"]
+    def metric_families(self) -> list[CounterMetricFamily]:
+        """The refusals' counter for /metrics (read now)."""
+        return [CounterMetricFamily("viiwork_http_malformed_requests", "Requests the HTTP parser refused (400) "
+                                    "on any listener of the agent.", value=self.count)]
 
 
 def _protocol_error(exc: BaseException | None) -> HttpProcessingError | RequestPayloadError | None:

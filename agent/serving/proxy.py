@@ -419,6 +419,9 @@ class Upstream:
                 chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
                 if not chunk:
                     break
+                if first:  # time to first token, as the client sees it (agent/serving/observe.py)
+                    first = False
+                    response[FIRST_CHUNK_AT] = asyncio.get_running_loop().time()
                 find_error(chunk)
                 try:
                     if protocol.writing_paused or buffered() + len(chunk) > low_water:

@@ -158,7 +158,7 @@ async def test_entering_at_the_failing_node_no_client_sees_a_failure(mesh_a_fail
     # One WARNING line per ejection; the counters on /metrics.
     assert a.log_text().count(f"backend {backend['id']} ejected for ") == ejections
     text = metrics(a)
-    assert f"viiwork_outlier_ejections_total {ejections}" in text
+    assert f"viiwork_outlier_ejections_total {ejections}.0" in text
     assert 'viiwork_outlier_ejected{kind="backend"}' in text and "viiwork_retries_total" in text
     # Ejected, its slots leave the summary a publishes (peers stop forwarding to it); a stays a member.
     assert {0, 2} <= published, published

@@ -432,9 +432,9 @@ async def test_forward_claims_only_its_own_offer(one_agent: Agent, tmp_path: Pat
             assert offers(b.status())["claims"] == 1  # (and claims_unknown 4)
             async with aiohttp.ClientSession() as http, http.get(f"{b.url}/metrics") as r:
                 metrics = (await r.text()).splitlines()
-            assert 'viiwork_mesh_offers_total{event="claims"} 1' in metrics
-            assert 'viiwork_mesh_offers_total{event="claims_unknown"} 4' in metrics
-            assert "viiwork_mesh_slots_held 0" in metrics
+            assert 'viiwork_mesh_offers_total{event="claims"} 1.0' in metrics
+            assert 'viiwork_mesh_offers_total{event="claims_unknown"} 4.0' in metrics
+            assert "viiwork_mesh_slots_held 0.0" in metrics
     finally:
         await probe.stop(leave=False)
     assert intruder_id != probe.node_id
@@ -669,5 +669,5 @@ async def test_queued_requests_are_reported_where_they_wait(tmp_path: Path) -> N
             for task in longs + queued:
                 assert await task == 200
             assert [m["queued"] for m in models if m["name"] == "shared"] == [2], models
-            assert 'viiwork_model_queued{model="shared"} 2' in metrics
+            assert 'viiwork_model_queued{model="shared"} 2.0' in metrics
             assert seen.get("shared", 0) >= 1, f"A has 2 requests queued; B's waiting_elsewhere: {seen}"

@@ -231,7 +231,7 @@ async def test_views(engine_port: int) -> None:
             status = await r.json()
     assert [m["id"] for m in models["data"]] == ["e", "m"]
     assert all(m["context_length"] == m["max_model_len"] == 4096 for m in models["data"])
-    assert 'viiwork_model_slots{model="m"} 4' in text
+    assert 'viiwork_model_slots{model="m"} 4.0' in text
     assert status["node"]["name"] == "test-node"
     assert {m["name"] for m in status["models"]} == {"e", "m"}
     for b in runtimes["m"].backends:

@@ -116,7 +116,7 @@ async def test_floods_keep_memory_bounded_and_other_clients_answered(tmp_path: P
             status, _, metrics = await http_get(aport, "/metrics")
             assert status == 200
             assert re.search(rb'^viiwork_api_connections_refused_total\{cap="max_connections_per_address"\} '
-                             rb'(\d{4,})$', metrics, re.M), metrics[-800:]
+                             rb'(\d{4,})\.0$', metrics, re.M), metrics[-800:]
         finally:
             close_all(held)
 
@@ -170,7 +170,7 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
             await asyncio.sleep(0.2)
             status, _, body = await http_get(port, "/metrics")
             assert status == 200
-            assert re.search(rb"^viiwork_api_head_timeouts_total (\d+)$", body, re.M).group(1) >= b"35"
+            assert re.search(rb"^viiwork_api_head_timeouts_total (\d+)\.0$", body, re.M).group(1) >= b"35"
             # A body that stalls: 408 body_read_timeout.
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
@@ -185,7 +185,7 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
                 assert (await asyncio.wait_for(r.read(), 5)).split(b" ")[1] == b"400"
                 w.close()
             status, _, body = await http_get(port, "/metrics")
-            assert re.search(rb"^viiwork_http_malformed_requests_total 3$", body, re.M), body[-600:]
+            assert re.search(rb"^viiwork_http_malformed_requests_total 3\.0$", body, re.M), body[-600:]
             log = agent.log_text()
             warnings = [line for line in log.splitlines() if "WARNING aiohttp.server" in line and "127.0.0.5" in line]
             assert len(warnings) == 1, warnings

@@ -295,8 +295,8 @@ async def test_the_metrics_and_status_sections(good_port: int) -> None:
                 text = await r.text()
             async with http.get(f"{url}/v1/status") as r:
                 doc = await r.json()
-    assert "viiwork_outlier_ejections_total 1" in text
-    assert 'viiwork_outlier_ejected{kind="backend"} 1' in text and "viiwork_retries_total 0" in text
+    assert "viiwork_outlier_ejections_total 1.0" in text
+    assert 'viiwork_outlier_ejected{kind="backend"} 1.0' in text and "viiwork_retries_total 0.0" in text
     assert doc["outliers"]["enabled"] is True and doc["outliers"]["targets"][0]["backend"] == "m-0"
 
 
