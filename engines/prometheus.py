@@ -1,40 +1,60 @@
-"""Read gauge samples from Prometheus text exposition (the format engines publish on /metrics)."""
+"""Read samples from Prometheus text exposition (the format engines publish on /metrics),
+through prometheus-client's own parser, labels kept."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from viiwork.engines.contract import LoadUnknown
 
 
-def parse_gauges(text: str) -> dict[str, float]:
-    """Map each unlabelled sample name to its value; a labelled sample is keyed by its bare
-    name and summed over label sets (vLLM labels gauges by model name).
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sample line: metric name (as written, ``_total``/``_bucket`` included), its labels
+    (values unescaped), its value."""
 
-    Comment lines and malformed lines are skipped; NaN values are skipped (absent, not zero).
+    name: str
+    value: float
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition, in order, with its labels.
+
+    Comments are skipped, and so are NaN values (absent, not zero). A text the parser refuses
+    is read again line by line, so one malformed line (an engine's bug) costs only itself.
     """
-    out: dict[str, float] = {}
+    try:
+        return _samples(text)
+    except ValueError:
+        pass
+    out: list[Sample] = []
     for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            _, _, rest = rest.rpartition("}")
-        else:
-            name, _, rest = line.partition(" ")
-        parts = rest.split()
-        if not name or not parts:
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:
-            value = float(parts[0])
+            out += _samples(line + "\n")
         except ValueError:
             continue
-        if math.isnan(value):
-            continue
-        out[name.strip()] = out.get(name.strip(), 0.0) + value
     return out
 
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """Map each sample name to its value, summed over label sets (vLLM labels gauges by
+    model name and data-parallel engine). Errors and NaN as :func:`parse_samples`."""
+    out: dict[str, float] = {}
+    for sample in parse_samples(text):
+        out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _samples(text: str) -> list[Sample]:
+    """The samples of ``text``; ValueError when prometheus-client's parser refuses it."""
+    return [Sample(s.name, s.value, dict(s.labels))
+            for family in text_string_to_metric_families(text) for s in family.samples if not math.isnan(s.value)]
 
 def request_count(value: float, name: str) -> int:
     """A gauge ``name`` read as a number of requests: ``value`` as an int.
