@@ -43,15 +43,21 @@ def make_runtime(name: str, port: int, parallel: int) -> ModelRuntime:
     return rt
 
 
+def promtool_cache() -> Path:
+    """Where Debian's `prometheus` package is unpacked for promtool (docs/metrics.md): a user
+    cache, so copies of the tree (tests/mutants/run.py) find it too."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "viiwork" / "prometheus"
+
+
 def find_promtool() -> Path | None:
-    """$VIIWORK_PROMTOOL, else build/tools/prometheus/usr/bin/promtool (extracted from Debian's
-    `prometheus` package, docs/metrics.md), else promtool on PATH; None when none exists."""
+    """$VIIWORK_PROMTOOL, else promtool in :func:`promtool_cache`, else promtool on PATH;
+    None when none exists."""
     env = os.environ.get("VIIWORK_PROMTOOL")
     if env:
         return Path(env) if Path(env).exists() else None
-    extracted = REPO / "build" / "tools" / "prometheus" / "usr" / "bin" / "promtool"
-    if extracted.exists():
-        return extracted
+    cached = promtool_cache() / "usr" / "bin" / "promtool"
+    if cached.exists():
+        return cached
     found = shutil.which("promtool")
     return Path(found) if found else None
 
@@ -131,7 +137,7 @@ async def test_openmetrics_when_asked(slow_engine_port: int) -> None:
 async def test_promtool_accepts_our_metrics(slow_engine_port: int) -> None:
     promtool = find_promtool()
     require(promtool is not None, "promtool missing: `apt-get download prometheus` and `dpkg -x` it into "
-                                  "build/tools/prometheus (docs/metrics.md)")
+                                  f"{promtool_cache()} (docs/metrics.md)")
     text, _ = await scrape_after_traffic(slow_engine_port)
     done = subprocess.run([str(promtool), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (done.stdout, done.stderr)
