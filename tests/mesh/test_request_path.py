@@ -18,9 +18,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from conftest import require
 
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
+from support.promtool import check_metrics, find_promtool
 
 # ~6 s per answer: longer than the queue timeout below, short enough to keep the tests fast.
 SLOW = {"FAKE_LOAD_S": "0.1", "FAKE_TOKENS": "60", "FAKE_TOKEN_DELAY_S": "0.1"}
@@ -220,5 +222,11 @@ async def test_unknown_models_sent_to_a_draining_node_do_not_grow_metrics(mesh2:
         assert "nobody-" not in text
         assert 'viiwork_responses_total{code="503",model="-"} 20.0' in text
         assert 'viiwork_responses_total{code="503",model="shared"}' in text
+        # A real mesh node's /metrics (offers, holds, listener counters) passes Prometheus' linter.
+        promtool = find_promtool()
+        require(promtool is not None, "promtool missing (docs/metrics.md)")
+        assert promtool is not None
+        done = check_metrics(promtool, text)
+        assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), (done.stdout, done.stderr)
     finally:
         subprocess.run([str(ctl), "undrain", "--socket", sock], check=True, capture_output=True, timeout=30)

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -19,6 +15,7 @@ from conftest import REPO, require
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.procs import fake_engine
+from support.promtool import check_metrics, find_promtool, promtool_cache
 from support.replay import read_capture
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.serving.api import ClientApi
@@ -41,25 +38,6 @@ def make_runtime(name: str, port: int, parallel: int) -> ModelRuntime:
     rt.backends.append(Backend(id=BackendId(f"{name}#0"), model=name, index=0, state=BackendState.HEALTHY, port=port,
                                parallel=parallel))
     return rt
-
-
-def promtool_cache() -> Path:
-    """Where Debian's `prometheus` package is unpacked for promtool (docs/metrics.md): a user
-    cache, so copies of the tree (tests/mutants/run.py) find it too."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "viiwork" / "prometheus"
-
-
-def find_promtool() -> Path | None:
-    """$VIIWORK_PROMTOOL, else promtool in :func:`promtool_cache`, else promtool on PATH;
-    None when none exists."""
-    env = os.environ.get("VIIWORK_PROMTOOL")
-    if env:
-        return Path(env) if Path(env).exists() else None
-    cached = promtool_cache() / "usr" / "bin" / "promtool"
-    if cached.exists():
-        return cached
-    found = shutil.which("promtool")
-    return Path(found) if found else None
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +117,7 @@ async def test_promtool_accepts_our_metrics(slow_engine_port: int) -> None:
     require(promtool is not None, "promtool missing: `apt-get download prometheus` and `dpkg -x` it into "
                                   f"{promtool_cache()} (docs/metrics.md)")
     text, _ = await scrape_after_traffic(slow_engine_port)
-    done = subprocess.run([str(promtool), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    done = check_metrics(promtool, text)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (done.stdout, done.stderr)
 
 
@@ -148,7 +126,7 @@ async def test_promtool_refuses_a_counter_without_total() -> None:
     promtool = find_promtool()
     require(promtool is not None, "promtool missing (see test_promtool_accepts_our_metrics)")
     bad = "# HELP viiwork_things Things.\n# TYPE viiwork_things counter\nviiwork_things 1\n"
-    done = subprocess.run([str(promtool), "check", "metrics"], input=bad, capture_output=True, text=True, timeout=60)
+    done = check_metrics(promtool, bad)
     assert done.returncode != 0 and "_total" in done.stdout + done.stderr
 
 
