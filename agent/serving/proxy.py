@@ -419,9 +419,6 @@ class Upstream:
                 chunk = await read()  # TimeoutError after `idle` s of silence (sock_read)
                 if not chunk:
                     break
-                if first:  # time to first token, as the client sees it (agent/serving/observe.py)
-                    first = False
-                    response[FIRST_CHUNK_AT] = asyncio.get_running_loop().time()
                 find_error(chunk)
                 try:
                     if protocol.writing_paused or buffered() + len(chunk) > low_water:
@@ -434,7 +431,7 @@ class Upstream:
                         await write(chunk)
                 except ConnectionError as exc:
                     raise _ClientGone from exc
-                if first:
+                if first:  # written: time to first token, as the client sees it (agent/serving/observe.py)
                     first = False
                     response[FIRST_CHUNK_AT] = asyncio.get_running_loop().time()
         except _ClientStalled:
