@@ -266,14 +266,7 @@ def _init(args: argparse.Namespace) -> int:
 def read_gpus() -> GpuInventory:
     """This host's GPUs (NVML and amdgpu sysfs), as ``viiworkctl doctor`` reads them."""
     from viiwork.agent.host.gpus.amd import AmdSysfsReader
-    from viiwork.agent.host.gpus.inventory import GpuSource, read_inventory
+    from viiwork.agent.host.gpus.inventory import read_inventory_once
     from viiwork.agent.host.gpus.nvml import NvmlReader
 
-    sources: list[GpuSource] = [NvmlReader(), AmdSysfsReader("/")]
-    try:
-        return read_inventory(sources)
-    finally:
-        for s in sources:
-            close = getattr(s, "close", None)
-            if close is not None:
-                close()
+    return read_inventory_once([NvmlReader(), AmdSysfsReader("/")])

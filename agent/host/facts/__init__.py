@@ -50,7 +50,7 @@ from viiwork.agent.host.facts.mesh import (
     read_mesh_facts,
 )
 from viiwork.agent.host.gpus.amd import AmdSysfsReader
-from viiwork.agent.host.gpus.inventory import GpuInventory, GpuSource, read_inventory
+from viiwork.agent.host.gpus.inventory import GpuInventory, GpuSource, read_inventory_once
 from viiwork.agent.host.gpus.nvml import NvmlReader
 from viiwork.agent.host.gpus.udev import PciGpu, enumerate_pci_gpus
 
@@ -154,13 +154,7 @@ def gather_facts(
 
     def gpus() -> GpuInventory:
         sources: list[GpuSource] = list(gpu_sources) if gpu_sources is not None else [NvmlReader(), AmdSysfsReader("/")]
-        try:
-            return read_inventory(sources)
-        finally:
-            for s in sources:
-                close = getattr(s, "close", None)
-                if close is not None:
-                    close()
+        return read_inventory_once(sources)
 
     section("gpus", gpus)
     section("pci_gpus", pci_gpus)

@@ -250,6 +250,18 @@ def read_inventory(sources: Iterable[GpuSource]) -> GpuInventory:
     return GpuInventory(tuple(gpus), tuple(statuses))
 
 
+def read_inventory_once(sources: list[GpuSource]) -> GpuInventory:
+    """``read_inventory`` for a one-off look (doctor, ``viiworkctl init``): each source's
+    ``close()``, where it has one, is called afterwards (NVML's shutdown), even on error."""
+    try:
+        return read_inventory(sources)
+    finally:
+        for source in sources:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+
 async def async_read_inventory(sources: Iterable[GpuSource]) -> GpuInventory:
     """``read_inventory`` in a worker thread: NVML and sysfs reads block."""
     return await asyncio.to_thread(read_inventory, list(sources))
