@@ -58,6 +58,12 @@ class _Bucket:
     ttft_sum_s: float = 0.0
     ttft_max_s: float = 0.0
 
+    def reset(self, index: int) -> None:
+        """Reuse this bucket for ``index``, empty (in place: no allocation as the ring turns)."""
+        self.index = index
+        self.requests = self.errors = self.queued = 0
+        self.queued_sum_s = self.queued_max_s = self.ttft_sum_s = self.ttft_max_s = 0.0
+
 
 class RequestStats:
     """This node's answered requests over the last :data:`WINDOW_S` seconds, in buckets of
@@ -75,7 +81,7 @@ class RequestStats:
         index = int(now // BUCKET_S)
         bucket = self._ring[index % len(self._ring)]
         if bucket.index != index:
-            bucket.__init__(index)  # type: ignore[misc]  # reset in place: no allocation per bucket
+            bucket.reset(index)
         bucket.requests += 1
         if queued_s is not None:
             bucket.queued += 1
