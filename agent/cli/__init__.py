@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.mesh",
     "viiwork.agent.cli.control",
     "viiwork.agent.cli.logs",
+    "viiwork.agent.cli.keys",
 )
 
 
