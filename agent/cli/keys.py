@@ -210,6 +210,8 @@ def _cell(value: Any) -> str:
 
 @_guard
 def _run_list(args: argparse.Namespace) -> int:
+    if not args.issuer_key.is_file():
+        raise KeysFailure(f"{args.issuer_key} does not exist: the issued keys are recorded beside the issuer key")
     records = read_records(args.issuer_key.parent)
     if args.json:
         print(json.dumps(records, indent=2, sort_keys=True))
