@@ -123,7 +123,7 @@ def claims_from_payload(payload: Mapping[str, Any]) -> KeyClaims:
             raise _bad(f"claim 'models' must be 1..{MAX_MODELS} model names (absent means every model)")
         models = tuple(models)
     priority = payload.get("priority", Priority.NORMAL.value)
-    if priority not in {p.value for p in Priority}:
+    if not isinstance(priority, str) or priority not in {p.value for p in Priority}:
         raise _bad("claim 'priority' must be one of high, normal, low")
     scope_text = payload.get("scope", Scope.INFERENCE.value)
     words = scope_text.split(" ") if isinstance(scope_text, str) else None

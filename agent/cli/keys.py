@@ -146,6 +146,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     revoke.add_argument("--id", required=True, metavar="JTI", help="the key id (jti) to revoke")
     revoke.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the new list")
     revoke.add_argument("--current", type=Path, metavar="FILE", help="the list to extend (default beside the key)")
+    revoke.add_argument("--audience", action="append", default=[], metavar="AUD",
+                        help="address the list to AUD too (it goes to every audience of the issued keys and of "
+                             "the current list already)")
     revoke.set_defaults(func=_run_revoke)
 
 
@@ -303,7 +306,7 @@ def _run_revoke(args: argparse.Namespace) -> int:
     if args.id not in known:
         print(f"viiworkctl keys revoke: warning: {args.id} is not in this issuer's record; revoking it anyway",
               file=sys.stderr)
-    audiences: set[str] = set(current.aud)
+    audiences: set[str] = set(current.aud) | set(args.audience)
     for record in records:
         aud = record["claims"].get("aud")
         audiences.update([aud] if isinstance(aud, str) else [a for a in aud or [] if isinstance(a, str)])

@@ -309,4 +309,31 @@ def test_arbitrary_token_strings_raise_only_invalid_api_key(token: str) -> None:
         v.verify(token)
 
 
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+                                      st.floats(allow_nan=False), st.text(max_size=70)),
+                           lambda inner: st.one_of(st.lists(inner, max_size=70), st.dictionaries(st.text(max_size=4),
+                                                                                                 inner, max_size=3)),
+                           max_leaves=80)
+CLAIM_NAMES = ["iss", "aud", "jti", "exp", "tenant", "nbf", "iat", "models", "rpm", "tpm", "concurrency", "priority",
+               "scope"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(CLAIM_NAMES), json_values, max_size=13))
+def test_signed_arbitrary_claims_give_claims_or_bad_claims(changes: dict[str, Any]) -> None:
+    # A valid signature over junk claims: the claim checks, not the signature, must stop it.
+    payload = claims().to_payload() | changes
+    # PyJWS, not PyJWT's encode, which itself refuses some of these claims.
+    token = jwt.PyJWS().encode(json.dumps(payload).encode(), _FUZZ_ISSUER.key, algorithm="EdDSA",
+                               headers={"kid": _FUZZ_ISSUER.kid})
+    v = Verifier(KeySet.of([_FUZZ_ISSUER.key.public_key()]), issuer=ISSUER, audiences=[MESH], clock=lambda: NOW)
+    try:
+        got = v.verify(token)
+    except InvalidApiKey as exc:
+        assert exc.reason in (Reason.BAD_CLAIMS, Reason.WRONG_ISSUER, Reason.WRONG_AUDIENCE, Reason.EXPIRED,
+                              Reason.NOT_YET_VALID)
+    else:
+        assert got.iss == ISSUER and MESH in got.aud and got.exp >= NOW - 60
+
+
 _FUZZ_ISSUER = make_issuer()

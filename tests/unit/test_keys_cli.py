@@ -80,9 +80,16 @@ def test_revoke_twice_gives_version_2_with_both(issuer_dir: Path) -> None:
     revocations = read_revocations(out.read_text().strip(), KeySet.from_path(issuer_dir / "issuer.pub"),
                                    issuer="acme-issuer", audiences=["mesh-a"])
     assert (revocations.ver, revocations.revoked) == (2, {first, second})
+    assert (issuer_dir / "revocations.jwt").read_text() == out.read_text()
+    third = ctl("revoke", "--issuer-key", str(issuer_dir / "issuer.key"), "--id", "k-from-elsewhere", "--out",
+                str(out), "--audience", "node-9", cwd=issuer_dir)
+    assert third.returncode == 0 and "not in this issuer's record" in third.stderr
+    later = read_revocations(out.read_text().strip(), KeySet.from_path(issuer_dir / "issuer.pub"),
+                             issuer="acme-issuer", audiences=["node-9"])
+    assert later.ver == 3 and later.revoked == {first, second, "k-from-elsewhere"} and "mesh-a" in later.aud
     again = ctl("revoke", "--issuer-key", str(issuer_dir / "issuer.key"), "--id", first, "--out", str(out),
                 cwd=issuer_dir)
-    assert again.returncode == 1 and "already revoked in version 2" in again.stderr
+    assert again.returncode == 1 and "already revoked in version 3" in again.stderr
 
 
 def test_list_never_prints_a_token(issuer_dir: Path) -> None:
