@@ -26,7 +26,7 @@ from aiohttp import web
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
-from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
 from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
@@ -378,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             source = DEMO_SOURCE
         else:
             path = args.config or DEFAULT_CONFIG_PATH
-            config = load_config(path)
-            source, text = str(path), path.read_text(encoding="utf-8")
+            source, text = str(path), read_config_text(path)  # a regular file, at most 1 MiB
+            config = parse_config(text, source)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 1

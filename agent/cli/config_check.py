@@ -14,8 +14,18 @@ import sys
 import tomllib
 from pathlib import Path
 
+from viiwork.agent.cli.quoting import quote_path
 from viiwork.agent.config.effective import effective, render_toml, sources
-from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, ConfigIssue, load_config
+from viiwork.agent.config.load import (
+    DEFAULT_CONFIG_PATH,
+    MAX_CONFIG_BYTES,
+    ConfigError,
+    ConfigIssue,
+    parse_config,
+    read_config_text,
+)
+from viiwork.agent.config.schema import Config
+from viiwork.agent.host.doctor.registry import plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "ports are free (or held by this config's own running agent, found through its admin "
             "socket). Errors name the field path and line; every one is reported. "
             "--offline checks the file only (a config meant for another machine). "
+            f"FILE must be a regular file of at most {MAX_CONFIG_BYTES // 2**20} MiB. "
             "A valid file with no [[models]] (an empty file too) gets a warning and exit 2: "
             "the agent accepts it but serves nothing."
         ),
@@ -58,37 +69,37 @@ NO_MODELS = "no [[models]] configured: the agent starts but serves nothing"
 
 
 def _errors(file: Path, issues: list[ConfigIssue], as_json: bool) -> int:
+    error = ConfigError(quote_path(file), issues)  # its issues in the file's line order
     if as_json:
         print(json.dumps({"ok": False, "file": str(file), "errors": [
-            {"path": i.dotted, "line": i.line, "message": i.message} for i in issues]}))
+            {"path": i.dotted, "line": i.line, "message": i.message} for i in error.issues]}))
     else:
-        print(str(ConfigError(str(file), issues)), file=sys.stderr)
+        print(str(error), file=sys.stderr)
     return 1
 
 
-def _text(file: Path) -> str | None:
-    try:
-        return file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
+def _load(file: Path) -> tuple[Config, str]:
+    """The config and its text, read once (ConfigError as load_config gives it)."""
+    text = read_config_text(file)
+    return parse_config(text, str(file)), text
 
 
 def run_check(args: argparse.Namespace) -> int:
     """Exit 0: valid, with models; 1: errors (each on stderr); 2: valid but no models."""
     try:
-        cfg = load_config(args.file)
+        cfg, text = _load(args.file)
     except ConfigError as exc:
         return _errors(args.file, exc.issues, args.json)
     if not args.offline:
         from viiwork.agent.host.config_host import host_issues
 
-        issues = host_issues(args.file, cfg, _text(args.file))
+        issues = host_issues(args.file, cfg, text)
         if issues:
             return _errors(args.file, issues, args.json)
     backends = sum(m.backend_count for m in cfg.models)
     summary = (
-        f"{args.file}: ok{' (file only)' if args.offline else ''}: node {cfg.node.name!r}, "
-        f"{len(cfg.models)} model(s), {backends} backend(s), "
+        f"{quote_path(args.file)}: ok{' (file only)' if args.offline else ''}: node {cfg.node.name!r}, "
+        f"{plural(len(cfg.models), 'model')}, {plural(backends, 'backend')}, "
         f"api {cfg.api.listen}, {'mesh ' + cfg.mesh.trust if cfg.mesh else 'standalone'}"
     )
     warnings = [] if cfg.models else [NO_MODELS]
@@ -99,22 +110,22 @@ def run_check(args: argparse.Namespace) -> int:
     else:
         print(summary)
         for warning in warnings:
-            print(f"{args.file}: warning: {warning}", file=sys.stderr)
+            print(f"{quote_path(args.file)}: warning: {warning}", file=sys.stderr)
     return 2 if warnings else 0
 
 
 def run_show(args: argparse.Namespace) -> int:
     """Exit 0 with the effective config on stdout; 1 with the file's errors on stderr."""
     try:
-        cfg = load_config(args.config)
+        cfg, text = _load(args.config)
     except ConfigError as exc:
         return _errors(args.config, exc.issues, args.json)
-    raw = tomllib.loads(_text(args.config) or "")
+    raw = tomllib.loads(text)
     data = effective(cfg)
     marks = sources(data, raw)
     if args.json:
         print(json.dumps({"file": str(args.config), "config": data, "sources": marks}, indent=2))
     else:
-        print(f"# effective config of {args.config}: every key, defaults filled in")
+        print(f"# effective config of {quote_path(args.config)}: every key, defaults filled in")
         print(render_toml(data, marks), end="")
     return 0

@@ -4,9 +4,16 @@ It looks at the GPUs (viiwork.agent.host.gpus inventory), the GGUF files under e
 ``--models-dir`` (recursively; a file counts when it starts with the GGUF magic), the engine
 binaries installed (each engine's default ``binary`` on PATH, then next to this Python, where
 ``make venv`` puts llama-server), and the mesh trust asked for (``--mesh``; default
-standalone: no ``[mesh]``). It prints each choice and its reason, validates the result with
-the agent's own loader, and writes it through tomli-w; an existing FILE is kept unless
-``--force``. Every bad input is one ``viiworkctl init: ...`` line on stderr and exit 1.
+standalone: no ``[mesh]``). It prints each choice and its reason (paths quoted by
+viiwork.agent.cli.quoting: a file name cannot forge a line or send terminal escapes),
+validates the result with the agent's own loader, and writes it through tomli-w. Only
+regular files are probed (``stat`` decides; a FIFO named x.gguf is skipped, never opened
+for reading). Every bad input is one ``viiworkctl init: ...`` line on stderr and exit 1.
+
+FILE is written whole or not at all, by viiwork.agent.cli.out_file: without ``--force``
+an existing FILE (a dangling symlink too) is kept; with it, a regular FILE is replaced
+keeping its mode (a new FILE gets 0644) and a symlink is replaced by the new file, its
+target untouched. A FILE that is a FIFO, device, socket or directory is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import os
 import re
 import socket
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +30,9 @@ from typing import Any
 
 import tomli_w
 
-from viiwork.agent.config.load import ConfigError, parse_config
+from viiwork.agent.cli.out_file import OutFileError, check_out, write_whole
+from viiwork.agent.cli.quoting import quote_path
+from viiwork.agent.config.load import ConfigError, file_kind, parse_config
 from viiwork.agent.config.schema import parse_hostport
 from viiwork.agent.host.facts import BinaryState, resolve_binary
 from viiwork.agent.host.gpus.inventory import GpuInventory
@@ -47,13 +57,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Write a starter config to FILE from what this host has: its GPUs, the GGUF files "
             "under each --models-dir, the installed engine binaries, and the mesh trust asked "
             "for. Prints what it chose and why. The result passes `viiworkctl config check`. "
-            "An existing FILE is kept unless --force."
+            "An existing FILE is kept unless --force. FILE is written whole or not at all "
+            "(a temporary file in its directory, renamed onto it); --force keeps a replaced "
+            "file's mode and replaces a symlink itself, not its target."
         ),
     )
     parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the config")
     parser.add_argument("--models-dir", type=Path, action="append", default=[], metavar="DIR",
                         help="a directory searched (recursively) for .gguf files; repeatable")
-    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace FILE if it exists (a symlink at FILE is replaced, its target kept)")
     parser.add_argument("--mesh", choices=("standalone", "open", "ca"), default="standalone",
                         help="standalone (default: no [mesh]), open (labs: --mesh-id) or ca (--ca-certificate)")
     parser.add_argument("--mesh-id", metavar="NAME", help="the mesh's name, for --mesh open")
@@ -79,16 +92,17 @@ def find_ggufs(directory: Path, notes: list[str]) -> list[GgufFile]:
     cannot be read, projector files (mmproj) and later split parts are skipped, each with
     a line in ``notes``.
     """
+    shown = quote_path(directory)
     if not directory.exists():
-        raise InitError(f"--models-dir {directory}: does not exist")
+        raise InitError(f"--models-dir {shown}: does not exist")
     if not directory.is_dir():
-        raise InitError(f"--models-dir {directory}: not a directory")
+        raise InitError(f"--models-dir {shown}: not a directory")
     if not os.access(directory, os.R_OK | os.X_OK):
-        raise InitError(f"--models-dir {directory}: cannot be read (permission denied)")
+        raise InitError(f"--models-dir {shown}: cannot be read (permission denied)")
     found = []
 
     def unreadable(exc: OSError) -> None:
-        notes.append(f"skipped {exc.filename}: {exc.strerror}")
+        notes.append(f"skipped {quote_path(exc.filename)}: {exc.strerror}")
 
     for root, dirs, files in os.walk(directory, onerror=unreadable):
         dirs.sort()
@@ -98,22 +112,44 @@ def find_ggufs(directory: Path, notes: list[str]) -> list[GgufFile]:
             path = Path(root, name).absolute()
             split = _SPLIT.search(path.stem)
             if name.lower().startswith("mmproj"):
-                notes.append(f"skipped {path}: a multimodal projector, not a model")
+                notes.append(f"skipped {quote_path(path)}: a multimodal projector, not a model")
                 continue
             if split and int(split.group(1)) != 1:
                 continue  # llama.cpp is given the first part and finds the others
             try:
-                with path.open("rb") as f:
-                    magic = f.read(4)
-                size = path.stat().st_size
+                os.fsencode(path).decode("utf-8")
+            except UnicodeDecodeError:
+                notes.append(f"skipped {quote_path(path)}: its name is not UTF-8, which a TOML config cannot hold")
+                continue
+            try:
+                magic, size = _probe(path)
             except OSError as exc:
-                notes.append(f"skipped {path}: {exc.strerror}")
+                notes.append(f"skipped {quote_path(path)}: {exc.strerror or exc}")
+                continue
+            if magic is None:
+                notes.append(f"skipped {quote_path(path)}: not a regular file but {file_kind(size)}")
                 continue
             if magic != GGUF_MAGIC:
-                notes.append(f"skipped {path}: not a GGUF file (no GGUF magic)")
+                notes.append(f"skipped {quote_path(path)}: not a GGUF file (no GGUF magic)")
                 continue
             found.append(GgufFile(path, size))
     return found
+
+
+def _probe(path: Path) -> tuple[bytes | None, int]:
+    """(the first 4 bytes, the size) of a regular file (a symlink to one counts); (None,
+    st_mode) for anything else, which is never opened: opening a FIFO for reading waits for
+    a writer, a device may never end. OSError when it cannot be read."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return None, st.st_mode
+    # O_NONBLOCK: should a FIFO replace the file after the stat, the open does not wait.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None, st.st_mode
+        return f.read(4), st.st_size
 
 
 def model_name(path: Path, taken: set[str]) -> str:
@@ -137,12 +173,13 @@ def find_engine_binary(engine_name: str) -> tuple[str | None, str]:
         return None, f"{engine.display_name}: no binary to look for"
     state, resolved, _ = resolve_binary(default)
     if state is BinaryState.OK:
-        return None, f"{engine.display_name}: {default} found on PATH at {resolved}"
+        return None, f"{engine.display_name}: {default} found on PATH at {quote_path(str(resolved))}"
     beside = Path(sys.executable).parent / default
     state, resolved, _ = resolve_binary(str(beside))
     if state is BinaryState.OK:
-        return str(beside), f"{engine.display_name}: {default} is not on PATH; found next to this Python at {beside}"
-    raise InitError(f"{engine.display_name}'s {default} is not on PATH nor next to {sys.executable}: "
+        return str(beside), (f"{engine.display_name}: {default} is not on PATH; found next to this Python "
+                             f"at {quote_path(beside)}")
+    raise InitError(f"{engine.display_name}'s {default} is not on PATH nor next to {quote_path(sys.executable)}: "
                     f"install it, or edit models[].{engine_name}.binary after init")
 
 
@@ -168,9 +205,9 @@ def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args:
         if args.ca_certificate is None:
             raise InitError("--mesh ca needs --ca-certificate FILE (create a CA with `viiworkctl mesh ca init --out DIR`)")
         if not args.ca_certificate.is_file():
-            raise InitError(f"--ca-certificate {args.ca_certificate}: not a file")
+            raise InitError(f"--ca-certificate {quote_path(args.ca_certificate)}: not a file")
         doc["mesh"] = {"trust": "ca", "ca_certificate": str(args.ca_certificate.absolute())}
-        say.append(f"mesh: trust ca with {args.ca_certificate.absolute()} (--mesh ca)")
+        say.append(f"mesh: trust ca with {quote_path(args.ca_certificate.absolute())} (--mesh ca)")
     else:
         say.append("standalone: no [mesh] (--mesh open or ca to join a mesh)")
     models = []
@@ -193,7 +230,7 @@ def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args:
         if binary is not None:
             entry[GGUF_ENGINE] = {"binary": binary}
         models.append(entry)
-        say.append(f"model {name!r}: {f.path} ({'; '.join(why)})")
+        say.append(f"model {name!r}: {quote_path(f.path)} ({'; '.join(why)})")
     if models:
         doc["models"] = models
     return doc
@@ -210,12 +247,12 @@ def run_init(args: argparse.Namespace) -> int:
 
 def _init(args: argparse.Namespace) -> int:
     out: Path = args.out
-    if out.exists() and not args.force:
-        raise InitError(f"{out} exists; pass --force to overwrite it")
-    if out.is_dir():
-        raise InitError(f"{out} is a directory")
+    try:
+        check_out(out, args.force)
+    except OutFileError as exc:
+        raise InitError(str(exc)) from None
     if not out.parent.is_dir():
-        raise InitError(f"{out.parent} (the directory of --out) does not exist")
+        raise InitError(f"{quote_path(out.parent)} (the directory of --out) does not exist")
     if args.mesh_id is not None and args.mesh != "open":
         raise InitError("--mesh-id is for --mesh open")
     if args.ca_certificate is not None and args.mesh != "ca":
@@ -230,7 +267,7 @@ def _init(args: argparse.Namespace) -> int:
     if not args.models_dir:
         notes.append("no --models-dir given: no [[models]] written")
     elif not files:
-        notes.append(f"no GGUF file under {', '.join(map(str, args.models_dir))}: no [[models]] written")
+        notes.append(f"no GGUF file under {', '.join(map(quote_path, args.models_dir))}: no [[models]] written")
     binary = None
     if files:
         binary, why = find_engine_binary(GGUF_ENGINE)
@@ -241,25 +278,28 @@ def _init(args: argparse.Namespace) -> int:
         gpus = gpu_refs(inventory)
         say.append(f"GPUs: {inventory.describe()}")
     doc = plan(files, gpus, binary, args, say)
-    text = tomli_w.dumps(doc)
+    # quote_path: a newline in the host name or --out would end the comment and forge TOML.
+    header = (f"# Written by `viiworkctl init` on {quote_path(socket.gethostname())}. "
+              "Every key: docs/configuration.md;\n"
+              f"# the effective config: `viiworkctl config show --config {quote_path(out)}`.\n\n")
+    text = header + tomli_w.dumps(doc)
     try:
-        parse_config(text, str(out))
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InitError("an argument is not UTF-8 text, which a TOML config cannot hold") from None
+    try:
+        parse_config(text, str(out))  # the very text written
     except ConfigError as exc:
         raise InitError("the config would be invalid: " + "; ".join(str(i) for i in exc.issues)) from None
-    header = (f"# Written by `viiworkctl init` on {socket.gethostname()}. Every key: docs/configuration.md;\n"
-              f"# the effective config: `viiworkctl config show --config {out}`.\n\n")
     try:
-        with out.open("w" if args.force else "x", encoding="utf-8") as f:
-            f.write(header + text)
-    except FileExistsError:
-        raise InitError(f"{out} exists; pass --force to overwrite it") from None
-    except OSError as exc:
-        raise InitError(f"cannot write {out}: {exc.strerror or exc}") from None
+        write_whole(out, data, replace=args.force)
+    except OutFileError as exc:
+        raise InitError(str(exc)) from None
     for line in say:
         print(line)
     for line in notes:
         print(f"note: {line}")
-    print(f"wrote {out}; check it with `viiworkctl config check {out}`")
+    print(f"wrote {quote_path(out)}; check it with `viiworkctl config check {quote_path(out)}`")
     return 0
 
 

@@ -3,12 +3,18 @@
 Every problem is reported, not just the first: ``ConfigError.issues`` lists each one as a
 ``ConfigIssue`` naming its path, counting array indexes from 0 (``models[1].llamacpp.thread``),
 and the line where it can be found: ``models[1].llamacpp.thread: unknown key (line 23)``.
-``viiworkctl config check`` and the agent share ``load_config``.
+``viiworkctl config check``, ``config show``, the doctor and the agent (``--config`` and
+``reload``) share ``load_config``, which reads the file through ``read_config_text``: a
+regular file (a symlink to one is fine) of at most ``MAX_CONFIG_BYTES``; anything else (a
+FIFO, a device such as /dev/zero, a directory, a larger file) is one ConfigError issue,
+found without blocking on it or reading it whole.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +26,9 @@ from viiwork.agent.config.schema import BlockError, Config, PathError, short_rep
 from viiwork.agent.config.toml_lines import line_of
 
 DEFAULT_CONFIG_PATH = Path("/etc/viiwork/viiwork.toml")
+# The largest config file read, in bytes: a config with hundreds of models is tens of KiB, so
+# a larger file is a wrong path (a log, a model file, a device), refused before it is read.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,9 +54,12 @@ class ConfigError(Exception):
 
     def __init__(self, source: str, issues: list[ConfigIssue]) -> None:
         self.source = source
-        self.issues = issues
-        text = "\n".join(f"  {i}" for i in issues)
-        super().__init__(f"{source}: {len(issues)} error(s) in config\n{text}")
+        # In the file's line order (sorted is stable: issues on one line keep theirs); issues
+        # without a line (the whole file) come first.
+        self.issues = sorted(issues, key=lambda i: i.line or 0)
+        text = "\n".join(f"  {i}" for i in self.issues)
+        count = f"{len(issues)} error{'' if len(issues) == 1 else 's'}"
+        super().__init__(f"{source}: {count} in config\n{text}")
 
 
 def format_path(path: tuple[str | int, ...]) -> str:
@@ -165,13 +177,57 @@ def _toml_issue(exc: tomllib.TOMLDecodeError) -> ConfigIssue:
     return ConfigIssue((), f"not valid TOML: {text}", getattr(exc, "lineno", None))
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a config file; ConfigError (also for unreadable files)."""
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words: "a FIFO (named pipe)", "a directory"..."""
+    return next((words for test, words in _KINDS if test(mode)), "not a regular file")
+
+
+def read_config_text(path: str | Path) -> str:
+    """The text of the config file at ``path``, decoded as UTF-8.
+
+    Reads only a regular file (``stat`` decides, following symlinks; the opened descriptor is
+    checked again, so a file swapped in between is caught) of at most MAX_CONFIG_BYTES bytes.
+    Raises ConfigError with one issue (no line) when the file is missing or unreadable, is
+    not a regular file ("not a regular file: a FIFO (named pipe)"), is larger than the cap,
+    or is not UTF-8. Never blocks on a FIFO and never reads past the cap.
+    """
     p = Path(path)
+
+    def refuse(message: str) -> ConfigError:
+        return ConfigError(str(p), [ConfigIssue((), message)])
+
+    def check(st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse(f"cannot read config: not a regular file: {file_kind(st.st_mode)}")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise refuse(f"cannot read config: {st.st_size} bytes, more than the {MAX_CONFIG_BYTES} "
+                         "a config may have (MAX_CONFIG_BYTES): is this the config file?")
+
     try:
-        text = p.read_text(encoding="utf-8")
+        check(os.stat(p))
+        # O_NONBLOCK: a FIFO swapped in after the stat opens without waiting for a writer.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            check(os.fstat(f.fileno()))
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(str(p), [ConfigIssue((), f"cannot read config: {exc.strerror or exc}")]) from None
+        raise refuse(f"cannot read config: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:  # it grew after the fstat
+        raise refuse(f"cannot read config: more than the {MAX_CONFIG_BYTES} bytes a config may have "
+                     "(MAX_CONFIG_BYTES): is this the config file?")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(str(p), [ConfigIssue((), "config is not UTF-8 text")]) from None
-    return parse_config(text, str(p))
+        raise refuse("config is not UTF-8 text") from None
+    # Newlines as text-mode reading gives them (Path.read_text, which this replaces).
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def load_config(path: str | Path) -> Config:
+    """Read (``read_config_text``) and validate a config file; ConfigError listing every
+    problem, or the one that stopped the read."""
+    return parse_config(read_config_text(path), str(Path(path)))

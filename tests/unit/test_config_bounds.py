@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
 from annotated_types import Ge, Gt, Le, Lt
-from conftest import venv_bin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
@@ -425,9 +425,9 @@ def test_a_duration_is_accepted_iff_finite_positive_and_at_most_a_day(value: flo
 # --- no models: valid, but `config check` warns and exits 2 ------------------------------
 
 def viiworkctl(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = venv_bin("viiworkctl")
-    assert exe.exists(), f"{exe} missing: run `make venv` (pip install -e .)"
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=30)
+    # -m: the tree under test (the console script imports the venv's editable install).
+    return subprocess.run([sys.executable, "-m", "viiwork.agent.cli", *args], capture_output=True, text=True,
+                          timeout=30)
 
 
 SHIPPED = REPO / "packaging" / "viiwork.toml"
@@ -443,7 +443,7 @@ def test_config_check_warns_and_exits_2_without_models(tmp_path: Path, content: 
     # --offline: the file only (its listen port may be taken on this host).
     result = viiworkctl("config", "check", "--offline", str(path))
     assert result.returncode == 2, (result.stdout, result.stderr)
-    assert result.stdout.startswith(f"{path}: ok") and "0 model(s)" in result.stdout
+    assert result.stdout.startswith(f"{path}: ok") and "0 models" in result.stdout
     assert result.stderr == f"{path}: warning: no [[models]] configured: the agent starts but serves nothing\n"
     if content:
         return

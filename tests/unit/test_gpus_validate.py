@@ -86,7 +86,7 @@ def test_check_config_gpus_raises_config_error_naming_the_field(tmp_path):
         check_config_gpus(parse_config(text), nvidia_box(tmp_path), "/etc/viiwork/viiwork.toml", text)
     assert "models[1].gpus: GPU 7 does not exist on this host" in str(info.value)
     assert "(line 11)" in str(info.value)
-    assert str(info.value).startswith("/etc/viiwork/viiwork.toml: 1 error(s)")
+    assert str(info.value).startswith("/etc/viiwork/viiwork.toml: 1 error in")
 
 
 def test_check_config_gpus_passes_silently(tmp_path):

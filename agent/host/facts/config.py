@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from viiwork.agent.config.load import ConfigError, ConfigIssue, load_config
+from viiwork.agent.config.load import ConfigError, ConfigIssue, parse_config, read_config_text
 from viiwork.agent.config.schema import Config
 
 
@@ -25,14 +25,11 @@ def read_config_facts(path: str | Path) -> ConfigFacts:
     ``config=None`` and the issues (each naming its field and line)."""
     p = Path(path)
     try:
-        config = load_config(p)
+        text = read_config_text(p)  # the agent's own read: a regular file, at most 1 MiB
     except ConfigError as exc:
-        return ConfigFacts(str(p), p.exists(), None, tuple(exc.issues), _read_text(p))
-    return ConfigFacts(str(p), True, config, (), _read_text(p))
-
-
-def _read_text(path: Path) -> str | None:
+        return ConfigFacts(str(p), p.exists(), None, tuple(exc.issues), None)
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
+        config = parse_config(text, str(p))
+    except ConfigError as exc:
+        return ConfigFacts(str(p), True, None, tuple(exc.issues), text)
+    return ConfigFacts(str(p), True, config, (), text)
