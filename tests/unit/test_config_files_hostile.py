@@ -275,3 +275,9 @@ def test_config_check_lists_errors_in_line_order(tmp_path: Path) -> None:
     ]
     as_json = ctl("config", "check", "--offline", "--json", str(path))
     assert [e["line"] for e in json.loads(as_json.stdout)["errors"]] == [2, 7, 9]
+
+
+def test_the_size_cap_is_the_one_documented() -> None:
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "configuration.md").read_text().split())
+    assert MAX_CONFIG_BYTES == 2**20
+    assert "a regular file (a symlink to one is fine) of at most 1 MiB (`MAX_CONFIG_BYTES`" in docs

@@ -413,8 +413,10 @@ def test_mesh_identity_conflict_is_reported(tmp_path, conflict, verdict, words):
 @pytest.mark.parametrize(("pending", "verdict", "words"), [
     ([], OK, "every write into /s succeeded"),
     ([{"what": "name pins", "path": "/s/known_nodes.json", "error": "No space left on device", "errno": "ENOSPC",
-       "since": 1.0, "attempts": 3}], D, "1 write into /s pending: name pins: No space left on device (ENOSPC"),
-], ids=["none", "disk full"])
+       "since": 1.0, "attempts": 3}], D, "1 write into /s pending: name pins: No space left on device (ENOSPC, 3 attempts)"),
+    ([{"what": "name pins", "path": "/s/known_nodes.json", "error": "Read-only file system", "errno": "EROFS",
+       "since": 1.0, "attempts": 1}], D, "(EROFS, 1 attempt)"),
+], ids=["none", "disk full", "one attempt"])
 def test_pending_state_dir_writes_are_reported(tmp_path, pending, verdict, words):
     doc = status([]) | {"state_dir": {"path": "/s", "pending_writes": pending}}
     facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))

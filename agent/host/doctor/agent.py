@@ -138,7 +138,7 @@ def check_agent_state_dir(facts: HostFacts) -> CheckResult:
     path = section.get("path", "?")
     if not pending:
         return r(Verdict.OK, f"every write into {path} succeeded")
-    detail = "; ".join(f"{p.get('what')}: {p.get('error')} ({p.get('errno')}, {p.get('attempts')} attempt(s))"
+    detail = "; ".join(f"{p.get('what')}: {p.get('error')} ({p.get('errno')}, {_attempts(p.get('attempts'))})"
                        for p in pending)[:300]
     return r(Verdict.DEGRADED, f"{plural(len(pending), 'write')} into {path} pending: {detail}",
              "kept in memory and retried every 5 s; lost if the agent stops first",
@@ -173,7 +173,7 @@ def check_agent_gpus(facts: HostFacts) -> list[CheckResult]:
     if not results:
         gpus = section.get("gpus") or []
         verified = sum(1 for p in section.get("placements") or [] if p.get("verdict") == "ok")
-        results.append(r(Verdict.OK, f"{plural(len(gpus), 'GPU')}, {verified} backend placement(s) verified"))
+        results.append(r(Verdict.OK, f"{plural(len(gpus), 'GPU')}, {plural(verified, 'backend placement')} verified"))
     return results
 
 
@@ -248,3 +248,8 @@ def check_agent_mesh_seeds(facts: HostFacts) -> CheckResult:
                  remedy)
     return r(Verdict.FAIL, summary + "; no peer is alive",
              "this node finds no peers through its seeds: it serves alone and nobody forwards to it", remedy)
+
+
+def _attempts(count: object) -> str:
+    """``3 attempts``, ``1 attempt``; a count the agent did not give as an integer as it came."""
+    return plural(count, "attempt") if isinstance(count, int) else f"{count} attempts"
