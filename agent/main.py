@@ -43,6 +43,7 @@ from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.serving import protocol_log
 from viiwork.agent.serving.api import ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
+from viiwork.agent.serving.browser_guard import BrowserGuard, BrowserPolicy
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.proxy import Upstream
 from viiwork.agent.serving.waitqueue import Queues
@@ -194,6 +195,9 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
                             draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections)
+        # This machine's names for the Host check (getfqdn may wait for DNS: off the loop).
+        browser_policy = await asyncio.to_thread(BrowserPolicy.of_this_host, config.api.allowed_hosts,
+                                                 config.api.allowed_origins)
         api = ClientApi(
             node_name=config.node.name,
             runtimes=supervisor.models,
@@ -209,6 +213,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             queues=queues,
             mesh=mesh,
             ejections=ejections,
+            browser=BrowserGuard(browser_policy),
         )
         if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status

@@ -102,6 +102,66 @@ def _check_listen(value: str) -> str:
     return value
 
 
+# api.allowed_hosts / api.allowed_origins (agent/serving/browser_guard.py): short lists of names.
+MAX_ALLOWED_ENTRIES = 64
+MAX_ALLOWED_CHARS = 255
+_HOST_NAME_RE = re.compile(r"(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?")
+
+
+def _check_host_name(host: str) -> bool:
+    """A DNS name (letters, digits, '-', '_', dots) or an IP literal (IPv6 in brackets)."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    return bool(_HOST_NAME_RE.fullmatch(host))
+
+
+def _check_allowed(values: list[str], what: str, check: Any) -> list[str]:
+    """Bounds shared by api.allowed_hosts and api.allowed_origins; ``check(entry)`` -> error text or None."""
+    if len(values) > MAX_ALLOWED_ENTRIES:
+        raise ValueError(f"at most {MAX_ALLOWED_ENTRIES} entries, got {len(values)}")
+    for i, entry in enumerate(values):
+        if entry == "*":
+            continue
+        problem = f"longer than {MAX_ALLOWED_CHARS} characters" if len(entry) > MAX_ALLOWED_CHARS else check(entry)
+        if problem is not None:
+            raise PathError((i,), f"not {what}: {short_repr(entry)} ({problem}; \"*\" allows any)")
+    return values
+
+
+def _allowed_host_problem(entry: str) -> str | None:
+    if entry != entry.lower():
+        return "write it in lowercase"
+    host, port = entry, None
+    if entry.startswith("[") and "]" in entry:
+        end = entry.index("]") + 1
+        host, rest = entry[:end], entry[end:]
+        if rest:
+            if not rest.startswith(":"):
+                return "[IPv6] may only be followed by :port"
+            port = rest[1:]
+    elif ":" in entry:
+        host, _, port = entry.partition(":")
+    if port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return "the port must be 1..65535"
+    if not _check_host_name(host):
+        return "a host is a DNS name, an IPv4 address or [IPv6], optionally with :port"
+    return None
+
+
+def _allowed_origin_problem(entry: str) -> str | None:
+    if entry != entry.lower():
+        return "write it in lowercase"
+    scheme, sep, rest = entry.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        return "an origin is http:// or https:// followed by host[:port]"
+    if "/" in rest or "?" in rest or "#" in rest or "@" in rest:
+        return "an origin has no path, query or user part"
+    return _allowed_host_problem(rest)
+
+
 class NodeConfig(_Strict):
     """This node: ``name`` is a label (default: hostname), ``state_dir`` holds keys and state."""
 
@@ -133,8 +193,15 @@ class ApiConfig(_Strict):
     max_connections: int = Field(default=4096, ge=1, le=1_000_000)
     max_connections_per_address: int = Field(default=256, ge=0, le=1_000_000)  # 0: no per-address cap
     admin_socket: Path = Field(default=Path("/run/viiwork/admin.sock"), strict=False)
+    # Browser safety (agent/serving/browser_guard.py; docs/security.md, "Browsers").
+    allowed_hosts: list[str] = Field(default_factory=list)
+    allowed_origins: list[str] = Field(default_factory=list)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
+    _allowed_hosts = field_validator("allowed_hosts")(classmethod(
+        lambda cls, v: _check_allowed(v, "a host or host:port", _allowed_host_problem)))
+    _allowed_origins = field_validator("allowed_origins")(classmethod(
+        lambda cls, v: _check_allowed(v, "an origin", _allowed_origin_problem)))
     _admin_socket = field_validator("admin_socket")(classmethod(lambda cls, v: _absolute(v, "admin_socket")))
 
 

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
 ``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``, and the dashboard under ``/ui``
-(agent/serving/dashboard.py). Every error is OpenAI-shaped
+(agent/serving/dashboard.py), all behind the browser checks (agent/serving/browser_guard.py:
+403 a rebinding Host or a cross-site Origin, 415 a browser's form POST). Every error is OpenAI-shaped
 (``agent/serving/errors.py``): 400 malformed JSON, missing model or the wrong endpoint for the model's
 kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
 429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
@@ -35,6 +36,7 @@ from viiwork import __version__
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
+from viiwork.agent.serving.browser_guard import BrowserGuard
 from viiwork.agent.serving.dashboard import Dashboard, RequestStats
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
@@ -66,6 +68,8 @@ class ClientApi:
     top-level sections (gpus, mesh counters), each a callable returning JSON-able data.
     ejections: the node's outlier ejection (default: the mesh link's, else one with default
     settings); its ``outliers`` section of /v1/status and its /metrics lines are added here.
+    browser: the Host/Origin/content-type checks run on every route (agent/serving/browser_guard.py;
+    default: no api.allowed_hosts or api.allowed_origins); its ``browser`` section and counter too.
     """
 
     def __init__(
@@ -85,13 +89,15 @@ class ClientApi:
         queues: Queues | None = None,
         mesh: MeshLink | None = None,
         ejections: Ejections | None = None,
+        browser: BrowserGuard | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
         self.body_timeout_s = body_timeout_s
         # More /metrics families (the listener's connection counters, malformed requests),
         # and the subscribers to each answered request (agent/serving/observe.py).
-        self.metric_sources: list[MetricSource] = []
+        self.browser = browser or BrowserGuard()
+        self.metric_sources: list[MetricSource] = [self.browser.metric_families]
         self.mesh = mesh
         self.runtimes = runtimes
         self.upstream = upstream
@@ -105,7 +111,8 @@ class ClientApi:
                                  peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry,
                                  ejections=self.ejections)
         self.status_source = status_source
-        self.extra_status = {"outliers": self._outliers_status, **(extra_status or {})}
+        self.extra_status = {"outliers": self._outliers_status, "browser": self.browser.status,
+                             **(extra_status or {})}
         self.started = time.monotonic()
         self.responses: Counter[tuple[str, int]] = Counter()
         # Each answered inference request, told to the dashboard's ring (and any observer added).
@@ -144,7 +151,8 @@ class ClientApi:
 
     def build_app(self) -> web.Application:
         # Bodies are bounded by our own check (413 JSON); aiohttp's limit is a backstop.
-        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        # Every route, the dashboard's and the 404 included, is behind the browser checks.
+        app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=[self.browser.middleware()])
         for path in _KIND_OF_PATH:
             resource = app.router.add_resource(path)
             resource.add_route("POST", self.handle_inference)

@@ -8,14 +8,13 @@ page polls every 1.5 s). The state is a projection of ``/v1/status`` and ``/v1/m
 ``reason`` strings and engine logs are left out (they can hold prompt text).
 
 Every answer carries ``Content-Security-Policy: default-src 'self'; frame-ancestors 'none'``
-and ``X-Content-Type-Options: nosniff``. A request that arrived on a loopback address must
-name a loopback host (localhost, 127.0.0.1, [::1]) with the port it came in on, else 403:
-a DNS-rebinding page in the operator's browser cannot read the dashboard.
+and ``X-Content-Type-Options: nosniff``. The Host and Origin checks against DNS rebinding and
+cross-site requests are the whole client API's (agent/serving/browser_guard.py, a middleware):
+a rebinding page in the operator's browser cannot read the dashboard.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,17 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
+from viiwork.agent.serving.browser_guard import SECURITY_HEADERS
+
 BUCKET_S = 10
 WINDOW_S = 900
 ERRORS_KEPT = 50
 MESSAGE_MAX = 200
 
-SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
 
 #: URL name -> (file under ui/, content type).
 STATIC = {
@@ -134,21 +129,15 @@ class Dashboard:
             app.router.add_get(path, handler)
 
     async def handle_page(self, request: web.Request) -> web.Response:
-        return _guarded(request) or _answer(self.page, "text/html")
+        return _answer(self.page, "text/html")
 
     async def handle_static(self, request: web.Request) -> web.Response:
-        refused = _guarded(request)
-        if refused is not None:
-            return refused
         found = self.files.get(request.match_info["name"])
         if found is None:
             return _answer(b"no such file\n", "text/plain", status=404)
         return _answer(*found)
 
     async def handle_state(self, request: web.Request) -> web.Response:
-        refused = _guarded(request)
-        if refused is not None:
-            return refused
         response = web.json_response(self.state())
         response.headers.update(SECURITY_HEADERS)
         return response
@@ -198,26 +187,3 @@ def _answer(body: bytes, content_type: str, status: int = 200) -> web.Response:
                             charset="utf-8" if content_type.startswith("text/") else None)
     response.headers.update(SECURITY_HEADERS)
     return response
-
-
-def _guarded(request: web.Request) -> web.Response | None:
-    """403 when the request came in on a loopback address under a Host that is not a
-    loopback name with that port (DNS rebinding), else None."""
-    transport = request.transport
-    sockname = transport.get_extra_info("sockname") if transport is not None else None
-    if not isinstance(sockname, tuple) or len(sockname) < 2:
-        return None  # a Unix socket: no browser reaches it by a name
-    try:
-        loopback = ipaddress.ip_address(sockname[0].split("%")[0]).is_loopback
-    except ValueError:
-        return None
-    if not loopback:
-        return None
-    port = sockname[1]
-    allowed = {f"{name}:{port}" for name in ("localhost", "127.0.0.1", "[::1]")}
-    if port == 80:
-        allowed |= {"localhost", "127.0.0.1", "[::1]"}
-    if request.headers.get("Host", "").lower() in allowed:
-        return None
-    return _answer(b"forbidden: this API listens on loopback; open the dashboard as "
-                   b"http://localhost:PORT/ui or http://127.0.0.1:PORT/ui\n", "text/plain", status=403)

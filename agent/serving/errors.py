@@ -30,6 +30,7 @@ _TYPES = {
     408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -51,6 +52,9 @@ class ErrorCode(StrEnum):
     BODY_TOO_LARGE = "body_too_large"              # 413: over api.max_body_bytes (or a message limit)
     BODY_READ_TIMEOUT = "body_read_timeout"        # 408: api.body_read_timeout_s / api.body_timeout_s
     TOO_MANY_CONNECTIONS = "too_many_connections"  # 503: api.max_connections (or per address) reached
+    HOST_NOT_ALLOWED = "host_not_allowed"          # 403: Host not a name of this API (DNS rebinding)
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"      # 403: Origin another site (api.allowed_origins)
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: a browser's text/plain or form POST
     MISSING_MODEL = "missing_model"                # 400: no "model" string
     WRONG_MODEL_KIND = "wrong_model_kind"          # 400: chat endpoint, embedding model (or the reverse)
     MODEL_NOT_FOUND = "model_not_found"            # 404: no node serves the model

@@ -47,11 +47,12 @@ async def test_pages_carry_the_security_headers_and_loopback_host_is_checked() -
                 assert r.content_type == ctype
                 assert r.headers["Content-Security-Policy"] == CSP
                 assert r.headers["X-Content-Type-Options"] == "nosniff"
-            for host in (f"localhost:{port}", f"[::1]:{port}"):
+            # A loopback name with any port or none: a tunnel (ssh -L 9000:localhost:PORT) keeps its own port.
+            for host in (f"localhost:{port}", f"[::1]:{port}", "127.0.0.1", "localhost:1"):
                 async with http.get(url + path, headers={"Host": host}) as r:
                     assert r.status == 200, (path, host)
             # DNS rebinding: a page of evil.example resolved to 127.0.0.1 sends its own name.
-            for host in (f"evil.example:{port}", "evil.example", "127.0.0.1", "localhost:1"):
+            for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}"):
                 async with http.get(url + path, headers={"Host": host}) as r:
                     assert r.status == 403, (path, host)
                     assert r.headers["Content-Security-Policy"] == CSP

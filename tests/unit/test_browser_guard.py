@@ -1,0 +1,246 @@
+"""Browser safety of the client API (agent/serving/browser_guard.py): DNS rebinding, cross-site
+requests and preflight-free POSTs, over a real ClientApi app on loopback and a real HTTP client;
+the decision functions for a non-loopback listener (no test may talk off loopback) with
+hypothesis; the config keys' bounds through the real loader; and a whole agent's wiring.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from support.agent import run_agent
+from support.api_app import agent_api
+from viiwork.agent.config.load import ConfigError, parse_config
+from viiwork.agent.serving.browser_guard import (
+    BrowserGuard,
+    BrowserPolicy,
+    content_type_refused,
+    host_allowed,
+    origin_allowed,
+)
+
+CHAT = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+# One request per route family: (method, path, body).
+ROUTES = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"model": "nope", "prompt": "x"}),
+          ("POST", "/v1/embeddings", {"model": "nope", "input": "x"}), ("GET", "/v1/models", None),
+          ("GET", "/v1/status", None), ("GET", "/metrics", None), ("GET", "/health", None), ("GET", "/v1/mesh", None),
+          ("GET", "/ui", None), ("GET", "/ui/api/state", None), ("GET", "/no/such/path", None)]
+
+
+async def _call(http: aiohttp.ClientSession, method: str, url: str, body: Any = None,
+                **headers: str) -> tuple[int, dict[str, Any] | None]:
+    data = json.dumps(body).encode() if body is not None else None
+    hdrs = {k.replace("_", "-"): v for k, v in headers.items()}
+    if data is not None:
+        hdrs.setdefault("Content-Type", "application/json")
+    async with http.request(method, url, data=data, headers=hdrs) as r:
+        doc = await r.json() if r.content_type == "application/json" else None
+        return r.status, doc
+
+
+def _code(doc: dict[str, Any] | None) -> str | None:
+    return ((doc or {}).get("error") or {}).get("code")
+
+
+async def test_a_rebinding_host_is_refused_on_every_route_family() -> None:
+    async with agent_api({}) as (url, api), aiohttp.ClientSession() as http:
+        port = url.rsplit(":", 1)[1]
+        for method, path, body in ROUTES:
+            status, doc = await _call(http, method, url + path, body, Host=f"evil.example:{port}")
+            assert (status, _code(doc)) == (403, "host_not_allowed"), (method, path)
+            assert "api.allowed_hosts" in doc["error"]["message"] and "\n" not in doc["error"]["message"]
+            for host in (f"localhost:{port}", "localhost:9000", "127.0.0.1", f"[::1]:{port}", "app.localhost:1"):
+                status, doc = await _call(http, method, url + path, body, Host=host)
+                assert status != 403, (method, path, host, doc)
+        status, doc = await _call(http, "GET", url + "/v1/status")
+    assert doc is not None and doc["browser"]["refused_host"] == len(ROUTES)
+    assert api.browser.refused["host"] == len(ROUTES)
+
+
+async def test_allowed_hosts_let_a_name_in_by_port_or_any_port_and_star_turns_the_check_off() -> None:
+    guard = BrowserGuard(BrowserPolicy(allowed_hosts=frozenset({"box.example", "proxy.example:8443"})))
+    async with agent_api({}, browser=guard) as (url, _api), aiohttp.ClientSession() as http:
+        for host, expected in (("box.example", 200), ("BOX.example:1234", 200), ("proxy.example:8443", 200),
+                               ("proxy.example:8444", 403), ("proxy.example", 403), ("evil.example", 403)):
+            status, _doc = await _call(http, "GET", url + "/v1/status", Host=host)
+            assert status == expected, host
+    async with agent_api({}, browser=BrowserGuard(BrowserPolicy(allowed_hosts=frozenset({"*"})))) as (url, _), \
+            aiohttp.ClientSession() as http:
+        status, _doc = await _call(http, "GET", url + "/v1/models", Host="evil.example")
+        assert status == 200
+
+
+async def test_a_cross_site_origin_is_refused_and_same_origin_or_none_passes() -> None:
+    grafana = "https://grafana.example:3000"
+    guard = BrowserGuard(BrowserPolicy(allowed_origins=frozenset({grafana})))
+    async with agent_api({}, browser=guard) as (url, api), aiohttp.ClientSession() as http:
+        port = url.rsplit(":", 1)[1]
+        for method, path, body in ROUTES:
+            for origin in ("http://evil.example", f"http://evil.example:{port}", f"http://127.0.0.1:{int(port) + 1}",
+                           f"http://localhost:{port}", "null", "file://"):
+                status, doc = await _call(http, method, url + path, body, Origin=origin)
+                assert (status, _code(doc)) == (403, "origin_not_allowed"), (path, origin)
+                assert "api.allowed_origins" in doc["error"]["message"]
+        for origin, host in ((url, None), (f"http://localhost:{port}", f"localhost:{port}"), (grafana, None)):
+            extra = {"Host": host} if host else {}
+            status, _doc = await _call(http, "GET", url + "/v1/status", Origin=origin, **extra)
+            assert status == 200, origin
+            status, doc = await _call(http, "POST", url + "/v1/chat/completions", CHAT, Origin=origin, **extra)
+            assert (status, _code(doc)) == (404, "model_not_found"), origin
+        status, _doc = await _call(http, "GET", url + "/v1/status")
+        assert status == 200
+    assert api.browser.refused["origin"] == len(ROUTES) * 6
+
+
+async def test_a_browsers_form_post_is_refused_and_curls_passes() -> None:
+    async with agent_api({}) as (url, api), aiohttp.ClientSession() as http:
+        chat = url + "/v1/chat/completions"
+        text = json.dumps(CHAT)
+        for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
+            for headers in ({"Origin": url}, {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}):
+                async with http.post(chat, data=text, headers={"Content-Type": ctype, **headers}) as r:
+                    doc = await r.json()
+                    assert (r.status, _code(doc)) == (415, "unsupported_media_type"), (ctype, headers)
+                    assert "application/json" in doc["error"]["message"]
+        # curl -d '{...}' URL: form-urlencoded, no Origin; the body is still read as JSON.
+        for headers in ({"Content-Type": "application/x-www-form-urlencoded", "User-Agent": "curl/8.14.1"},
+                        {"Content-Type": "text/plain", "Sec-Fetch-Site": "same-origin"},
+                        {"Content-Type": "application/json", "Origin": url}):
+            async with http.post(chat, data=text, headers=headers) as r:
+                assert (r.status, _code(await r.json())) == (404, "model_not_found"), headers
+        async with http.get(url + "/metrics") as r:
+            metrics = await r.text()
+    assert api.browser.refused["content_type"] == 9
+    assert 'viiwork_api_browser_refused_total{check="content_type"} 9.0' in metrics
+    assert 'viiwork_api_browser_refused_total{check="host"} 0.0' in metrics
+
+
+async def test_a_second_loopback_address_is_a_loopback_listener() -> None:
+    async with agent_api({}, host="127.0.0.2") as (url, _api), aiohttp.ClientSession() as http:
+        port = url.rsplit(":", 1)[1]
+        assert (await _call(http, "GET", url + "/v1/status"))[0] == 200  # Host 127.0.0.2:PORT
+        assert (await _call(http, "GET", url + "/v1/status", Host=f"localhost:{port}"))[0] == 200
+        assert (await _call(http, "GET", url + "/v1/status", Host="192.0.2.7"))[0] == 403
+
+
+# --- the pure decisions, for listeners a test may not open ---------------------------------
+
+OWN = BrowserPolicy(own_names=frozenset({"gpu-box", "gpu-box.local", "gpu-box.lab.example"}))
+LAN = "192.0.2.10"
+
+
+def test_on_a_non_loopback_address_ip_literals_and_this_machines_names_pass() -> None:
+    for host in ("192.0.2.10:8086", "198.51.100.1", "[2001:db8::1]:8086", "gpu-box", "GPU-BOX.local:8086",
+                 "gpu-box.lab.example.", "localhost:8086"):
+        assert host_allowed(host, LAN, OWN), host
+    for host in ("evil.example", "gpu-box.evil.example", "gpu-box.local.evil", "", ":8086", "a:b:c", "[::1",
+                 "gpu-box:0", "gpu-box:99999"):
+        assert not host_allowed(host, LAN, OWN), host
+    # The same names on a loopback address: loopback names only.
+    assert not host_allowed("gpu-box", "127.0.0.1", OWN) and not host_allowed("192.0.2.10", "::1", OWN)
+    assert host_allowed(None, LAN, OWN) and host_allowed(None, "127.0.0.1", OWN)  # no Host: no browser
+
+
+_label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,10}[a-z0-9])?", fullmatch=True)
+_name = st.lists(_label, min_size=1, max_size=4).map(".".join).filter(
+    lambda n: n != "localhost" and not n.endswith(".localhost") and not n.replace(".", "").isdigit())
+_port = st.one_of(st.none(), st.integers(1, 65535))
+
+
+def _with_port(host: str, port: int | None) -> str:
+    return host if port is None else f"{host}:{port}"
+
+
+@given(_name, _port, st.sampled_from(["127.0.0.1", "127.9.9.9", "::1", LAN, "2001:db8::5"]))
+def test_a_name_not_of_this_machine_nor_allowed_never_passes(name: str, port: int | None, local: str) -> None:
+    assert not host_allowed(_with_port(name, port), local, BrowserPolicy(own_names=frozenset({"other"})))
+    allowed = BrowserPolicy(allowed_hosts=frozenset({name}))
+    assert host_allowed(_with_port(name, port), local, allowed)
+
+
+@given(st.ip_addresses(), _port, st.sampled_from(["127.0.0.1", "::1", LAN]))
+def test_an_ip_literal_host_passes_off_loopback_and_a_loopback_one_everywhere(ip: Any, port: int | None,
+                                                                             local: str) -> None:
+    host = _with_port(f"[{ip}]" if ip.version == 6 else str(ip), port)
+    assert host_allowed(host, local, BrowserPolicy()) == (ip.is_loopback or local == LAN)
+
+
+@given(st.sampled_from(["localhost", "127.0.0.1", "[::1]", "x.localhost"]), _port)
+def test_a_loopback_name_passes_with_any_port_on_a_loopback_listener(host: str, port: int | None) -> None:
+    assert host_allowed(_with_port(host, port), "127.0.0.1", BrowserPolicy())
+
+
+@given(_name, st.integers(1, 65535), st.integers(1, 65535), st.sampled_from(["http", "https"]))
+def test_origin_is_same_only_with_the_same_host_and_port(name: str, port: int, other: int, scheme: str) -> None:
+    policy = BrowserPolicy()
+    assert origin_allowed(f"{scheme}://{name}:{port}", f"{name}:{port}", policy)
+    assert origin_allowed(f"{scheme}://{name}:{port}", f"{name}:{other}", policy) == (port == other)
+    assert not origin_allowed(f"{scheme}://{name}x:{port}", f"{name}:{port}", policy)
+
+
+def test_origin_default_ports_null_and_the_allowed_list() -> None:
+    policy = BrowserPolicy(allowed_origins=frozenset({"https://grafana.example:3000"}))
+    assert origin_allowed("https://api.example", "api.example", policy)  # a TLS proxy: 443 both
+    assert origin_allowed("http://api.example:80", "api.example", policy)
+    assert not origin_allowed("http://api.example:8080", "api.example", policy)
+    assert origin_allowed("https://GRAFANA.example:3000", "api.example", policy)
+    assert not origin_allowed("https://grafana.example", "api.example", policy)
+    assert not origin_allowed("null", "api.example", policy)
+    assert not origin_allowed("null", "x", BrowserPolicy(allowed_origins=frozenset({"*"})))
+    assert origin_allowed("https://anything.example", "x", BrowserPolicy(allowed_origins=frozenset({"*"})))
+    assert not origin_allowed("http://api.example/path", "api.example", policy)
+    assert not origin_allowed("http://api.example", None, policy)
+    assert origin_allowed(None, "evil.example", policy)
+
+
+def test_content_type_rule() -> None:
+    assert content_type_refused("POST", None, "http://x", None)  # no Content-Type: a browser's text/plain
+    assert not content_type_refused("POST", "application/json", "http://x", "cross-site")
+    assert not content_type_refused("GET", "text/plain", "http://x", "cross-site")
+    assert not content_type_refused("POST", "application/x-www-form-urlencoded", None, None)  # curl -d
+    assert not content_type_refused("POST", "text/plain", None, "none")  # typed in the address bar
+
+
+# --- config -----------------------------------------------------------------------------
+
+def _api_issues(key: str, value: list[str]) -> list[str]:
+    try:
+        parse_config(f"[api]\n{key} = {json.dumps(value)}\n", "browser.toml")
+    except ConfigError as exc:
+        return [str(i) for i in exc.issues]
+    return []
+
+
+def test_allowed_lists_are_bounded_and_checked_with_the_path() -> None:
+    assert _api_issues("allowed_hosts", ["box.example", "box.example:8443", "[::1]:9", "10.0.0.1", "*"]) == []
+    assert _api_issues("allowed_origins", ["https://grafana.example:3000", "http://[::1]:8", "*"]) == []
+    for key, bad, says in (("allowed_hosts", "Box.example", "lowercase"), ("allowed_hosts", "a b", "DNS name"),
+                           ("allowed_hosts", "box:99999", "1..65535"), ("allowed_hosts", "x" * 256, "255"),
+                           ("allowed_origins", "grafana.example", "http://"),
+                           ("allowed_origins", "https://g.example/", "no path"),
+                           ("allowed_origins", "ftp://g.example", "http://")):
+        [issue] = _api_issues(key, ["ok.example" if key == "allowed_hosts" else "https://ok.example", bad])
+        assert f"api.{key}[1]" in issue and says in issue, issue
+    [issue] = _api_issues("allowed_hosts", ["h.example"] * 65)
+    assert "api.allowed_hosts" in issue and "at most 64" in issue
+
+
+def test_a_whole_agent_reads_the_allowed_hosts(tmp_path: Path) -> None:
+    with run_agent(tmp_path, [], extra={"api": {"allowed_hosts": ["box.example"]}}) as agent:
+        for host, expected in (("box.example:8086", 200), ("evil.example", 403)):
+            req = urllib.request.Request(agent.url + "/v1/status", headers={"Host": host})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    status, doc = r.status, json.load(r)
+            except urllib.error.HTTPError as exc:
+                status, doc = exc.code, json.load(exc)
+            assert status == expected, (host, doc)
+    assert doc["error"]["code"] == "host_not_allowed"
