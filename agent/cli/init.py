@@ -19,6 +19,7 @@ target untouched. A FILE that is a FIFO, device, socket or directory is refused.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import socket
@@ -72,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mesh-id", metavar="NAME", help="the mesh's name, for --mesh open")
     parser.add_argument("--ca-certificate", type=Path, metavar="FILE", help="the mesh CA's certificate, for --mesh ca")
     parser.add_argument("--listen", default="0.0.0.0:8086", metavar="HOST:PORT",
-                        help="the client API's host:port (default 0.0.0.0:8086)")
+                        help="the client API's host:port (default 0.0.0.0:8086: every address of this host; "
+                             "127.0.0.1:8086 keeps it to this machine)")
     parser.add_argument("--no-gpus", action="store_true", help="put every model on the CPU")
     parser.set_defaults(func=run_init)
 
@@ -191,6 +193,16 @@ def gpu_refs(inventory: GpuInventory) -> list[int | str]:
     return [g.index for g in usable]
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether a listen host is this machine only (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args: argparse.Namespace,
          say: list[str]) -> dict[str, Any]:
     """The config as a TOML document (a dict), each choice explained in ``say``."""
@@ -258,11 +270,16 @@ def _init(args: argparse.Namespace) -> int:
     if args.ca_certificate is not None and args.mesh != "ca":
         raise InitError("--ca-certificate is for --mesh ca")
     try:
-        parse_hostport(args.listen, "--listen")
+        listen_host, listen_port = parse_hostport(args.listen, "--listen")
     except ValueError as exc:
         raise InitError(str(exc)) from None
     say: list[str] = []
     notes: list[str] = []
+    if not _is_loopback(listen_host):
+        notes.append(f"api.listen = {args.listen!r}: every machine that can reach this host on port {listen_port} "
+                     f"can use the API (it has no client keys yet); to keep it to this machine pass --listen "
+                     f"127.0.0.1:{listen_port}, and reach it from elsewhere through `ssh -L "
+                     f"{listen_port}:localhost:{listen_port} {socket.gethostname()}`")
     files = [f for d in args.models_dir for f in find_ggufs(d, notes)]
     if not args.models_dir:
         notes.append("no --models-dir given: no [[models]] written")

@@ -65,6 +65,18 @@ def test_init_refuses_to_overwrite_without_force(tmp_path: Path, models_dir: Pat
     code, said, err = run(capsys, "init", "--out", str(out), "--models-dir", str(models_dir), "--force")
     assert code == 0, err
     assert len(load_config(out).models) == 2
+    # The default listens on every address: init says who can use the API and how to narrow it.
+    [note] = [line for line in said.splitlines() if "0.0.0.0:8086" in line and line.startswith("note:")]
+    assert "every machine that can reach this host" in note and "--listen 127.0.0.1:8086" in note
+
+
+def test_init_on_loopback_does_not_warn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for i, listen in enumerate(("127.0.0.1:8086", "[::1]:8086", "localhost:8086")):
+        out = tmp_path / f"{i}.toml"
+        code, said, err = run(capsys, "init", "--out", str(out), "--listen", listen, "--no-gpus")
+        assert code == 0, err
+        assert "every machine" not in said, listen
+        assert load_config(out).api.listen == listen
 
 
 def test_init_writes_the_mesh_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
