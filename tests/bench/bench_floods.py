@@ -100,7 +100,7 @@ async def latencies(port: int, n: int) -> list[float]:
     for _ in range(n):
         started = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /v1/status HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        writer.write(b"GET /v1/status HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         raw = await reader.read()
         writer.close()
         assert raw.startswith(b"HTTP/1.1 200"), raw[:100]
@@ -123,7 +123,7 @@ async def agent_floods(args: argparse.Namespace, agent) -> list[str]:
         if mesh_n:
             held += await connect_many(mport, [f"127.0.1.{i}" for i in range(1, 81)], mesh_n // 80)
         if api_n:
-            held += await connect_many(aport, ["127.0.0.2"], api_n, first=b"GET /health HTTP/1.1\r\nHost: a\r\n")
+            held += await connect_many(aport, ["127.0.0.2"], api_n, first=b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
         lat = sorted(await latencies(aport, args.n))
         peak = proc_status_kb(pid, "VmHWM")
         close_all(held)

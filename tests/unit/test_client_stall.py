@@ -50,7 +50,7 @@ def test_stream_client_that_stops_reading_frees_the_slot(agent: Agent) -> None:
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
     try:
         client.connect((host, int(port)))
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         before = engine_stats(agent)["cancelled"]
         deadline = time.monotonic() + 20

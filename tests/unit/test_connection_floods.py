@@ -67,7 +67,7 @@ async def read_some(sock: socket.socket, timeout_s: float) -> bytes:
 async def http_get(port: int, path: str, source: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 GET with ``Connection: close``: (status, headers, body)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)), 5)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
     raw = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -97,7 +97,7 @@ async def test_floods_keep_memory_bounded_and_other_clients_answered(tmp_path: P
         try:
             held += await connect_many(mport, [f"127.0.1.{i}" for i in range(1, 81)], 100)
             assert len(held) == 8000
-            slow = await connect_many(aport, ["127.0.0.2"], 5000, first=b"GET /health HTTP/1.1\r\nHost: a\r\n")
+            slow = await connect_many(aport, ["127.0.0.2"], 5000, first=b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
             held += slow
             status, _, body = await http_get(aport, "/v1/status")
             assert status == 200
@@ -173,7 +173,7 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
             assert re.search(rb"^viiwork_api_head_timeouts_total (\d+)\.0$", body, re.M).group(1) >= b"35"
             # A body that stalls: 408 body_read_timeout.
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"model\":")
             raw = await asyncio.wait_for(reader.read(4096), 5)
             writer.close()
@@ -181,7 +181,7 @@ async def test_slow_heads_are_closed_and_the_connection_cap_refuses(tmp_path: Pa
             # Malformed requests: counted; one WARNING for the address, no traceback.
             for _ in range(3):
                 r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.5", 0))
-                w.write(b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n")
+                w.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nContent-Length: -1\r\n\r\n")
                 assert (await asyncio.wait_for(r.read(), 5)).split(b" ")[1] == b"400"
                 w.close()
             status, _, body = await http_get(port, "/metrics")
@@ -207,7 +207,7 @@ async def test_dribbled_bodies_from_a_few_addresses_leave_room_and_time_out(tmp_
             "max_connections_per_address": 30}}) as agent:
         port = api_port(agent)
         loop = asyncio.get_running_loop()
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 1000000\r\n\r\n{")
         held = await connect_many(port, [f"127.0.1.{i}" for i in range(1, 11)], 30, first=head)
         started = time.monotonic()
