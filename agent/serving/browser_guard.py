@@ -140,6 +140,8 @@ def host_allowed(host_header: str | None, local_address: str | None, policy: Bro
     if _loopback_name(host) or _listed(host, port, policy.allowed_hosts):
         return True
     local = _ip(local_address) if local_address is not None else None
+    if isinstance(local, ipaddress.IPv6Address) and local.ipv4_mapped is not None:
+        local = local.ipv4_mapped  # a dual-stack "::" listener sees 127.0.0.1 as ::ffff:127.0.0.1
     if local is None or local.is_loopback:
         return False  # a loopback address (or a socket with none): loopback names only
     return _ip(host) is not None or host in policy.own_names

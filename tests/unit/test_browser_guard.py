@@ -146,6 +146,8 @@ def test_on_a_non_loopback_address_ip_literals_and_this_machines_names_pass() ->
         assert not host_allowed(host, LAN, OWN), host
     # The same names on a loopback address: loopback names only.
     assert not host_allowed("gpu-box", "127.0.0.1", OWN) and not host_allowed("192.0.2.10", "::1", OWN)
+    assert not host_allowed("gpu-box", "::ffff:127.0.0.1", OWN)  # IPv4 loopback on a dual-stack listener
+    assert host_allowed("gpu-box", "::ffff:192.0.2.10", OWN)
     assert host_allowed(None, LAN, OWN) and host_allowed(None, "127.0.0.1", OWN)  # no Host: no browser
 
 
