@@ -1,23 +1,29 @@
 """Browser safety of the client API (agent/serving/browser_guard.py): DNS rebinding, cross-site
-requests and preflight-free POSTs, over a real ClientApi app on loopback and a real HTTP client;
-the decision functions for a non-loopback listener (no test may talk off loopback) with
+requests and preflight-free POSTs, over a real ClientApi app on loopback (and on a LAN address in
+a network namespace) and a real HTTP client; the decision functions for any address with
 hypothesis; the config keys' bounds through the real loader; and a whole agent's wiring.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
+from conftest import require
 from hypothesis import given
 from hypothesis import strategies as st
 
 from support.agent import run_agent
 from support.api_app import agent_api
+from support.netns import bridged_hosts, in_netns, netns_available
 from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.agent.serving.browser_guard import (
     BrowserGuard,
@@ -131,7 +137,30 @@ async def test_a_second_loopback_address_is_a_loopback_listener() -> None:
         assert (await _call(http, "GET", url + "/v1/status", Host="192.0.2.7"))[0] == 403
 
 
-# --- the pure decisions, for listeners a test may not open ---------------------------------
+@pytest.mark.netns
+def test_a_listener_on_a_lan_address_takes_ip_literals_and_its_own_names() -> None:
+    """A real non-loopback listener: 10.99.0.1 in a network namespace of its own (the machine's
+    network untouched), the client in the same namespace."""
+    ok, reason = netns_available()
+    require(ok, reason)
+    hostname = socket.gethostname().lower()
+
+    async def exchange(address: str) -> dict[str, int]:
+        guard = BrowserGuard(BrowserPolicy.of_this_host(allowed_hosts=["proxy.example"]))
+        async with agent_api({}, host=address, browser=guard) as (url, _api), aiohttp.ClientSession() as http:
+            port = url.rsplit(":", 1)[1]
+            return {host: (await _call(http, "GET", url + "/v1/status", Host=host))[0]
+                    for host in (f"{address}:{port}", "192.0.2.7", hostname, f"{hostname}.local:{port}",
+                                 "proxy.example", "localhost:9000", "evil.example", f"evil.example:{port}",
+                                 f"{hostname}.evil.example")}
+
+    with bridged_hosts(f"vwb{os.getpid() % 10000}", 1) as hosts:
+        found = in_netns(hosts.ns(1), lambda: asyncio.run(exchange(hosts.address(1))), 30)
+    assert [h for h, status in found.items() if status == 200] == list(found)[:6], found
+    assert {status for status in list(found.values())[6:]} == {403}, found
+
+
+# --- the pure decisions, for any local address -----------------------------------------------
 
 OWN = BrowserPolicy(own_names=frozenset({"gpu-box", "gpu-box.local", "gpu-box.lab.example"}))
 LAN = "192.0.2.10"
