@@ -12,7 +12,9 @@ in this order, on every request of the client API (:func:`middleware`):
   any port: a tunnel (``ssh -L 9000:localhost:8086``) keeps the client side's port. On any
   other address: an IP literal, this machine's hostname, its FQDN or ``<hostname>.local``,
   any port, or a loopback name. Plus ``api.allowed_hosts`` everywhere (``"*"``: no check). A
-  request without ``Host`` passes (no browser sends one without). Else 403 ``host_not_allowed``.
+  request without ``Host`` passes (no browser sends one without), and so does ``GET``/``HEAD
+  /health`` (a load balancer's probe by any alias; the answer is a state and a count). Else
+  403 ``host_not_allowed``.
 - **Origin** (:func:`origin_allowed`): a request with an ``Origin`` header passes only when
   its host and port equal the ``Host``'s (same origin: the dashboard's own fetches) or it is
   in ``api.allowed_origins`` (``"*"``: all). ``Origin: null`` (sandboxed frames, file pages)
@@ -212,7 +214,7 @@ class BrowserGuard:
         """The refusal for ``request`` (403 or 415, OpenAI-shaped, with :data:`SECURITY_HEADERS`), or None."""
         headers = request.headers
         host, origin = headers.get("Host"), headers.get("Origin")
-        if not host_allowed(host, _local_address(request), self.policy):
+        if not _health_probe(request) and not host_allowed(host, _local_address(request), self.policy):
             return self._refuse("host", 403, f"Host {host!r} is not a name of this API: a page that re-points its "
                                 "own DNS name here (DNS rebinding) is refused; add the name to api.allowed_hosts "
                                 "if a proxy or tunnel uses it", ErrorCode.HOST_NOT_ALLOWED)
@@ -254,6 +256,12 @@ class BrowserGuard:
         for c in CHECKS:
             family.add_metric([c], self.refused[c])
         return [family]
+
+
+def _health_probe(request: web.Request) -> bool:
+    """A load balancer's probe (``GET``/``HEAD /health``), exempt from the Host check: it may use
+    any DNS alias of the box, and the answer holds only a state and a backend count."""
+    return request.path == "/health" and request.method in ("GET", "HEAD")
 
 
 def _local_address(request: web.Request) -> str | None:

@@ -37,7 +37,7 @@ CHAT = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
 # One request per route family: (method, path, body).
 ROUTES = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", {"model": "nope", "prompt": "x"}),
           ("POST", "/v1/embeddings", {"model": "nope", "input": "x"}), ("GET", "/v1/models", None),
-          ("GET", "/v1/status", None), ("GET", "/metrics", None), ("GET", "/health", None), ("GET", "/v1/mesh", None),
+          ("GET", "/v1/status", None), ("GET", "/metrics", None), ("GET", "/v1/mesh", None),
           ("GET", "/ui", None), ("GET", "/ui/api/state", None), ("GET", "/no/such/path", None)]
 
 
@@ -275,3 +275,15 @@ def test_a_whole_agent_reads_the_allowed_hosts(tmp_path: Path) -> None:
                 status, doc = exc.code, json.load(exc)
             assert status == expected, (host, doc)
     assert doc["error"]["code"] == "host_not_allowed"
+
+
+async def test_a_health_probe_passes_under_any_host_and_nothing_else_does() -> None:
+    """A load balancer may probe /health by any alias of the box (docs/security.md); the same Host
+    on /v1/status, or a POST to /health, is still refused."""
+    async with agent_api({}) as (url, api), aiohttp.ClientSession() as http:
+        status, doc = await _call(http, "GET", f"{url}/health", Host="lb-alias.example:8086")
+        assert status in (200, 503) and doc is not None and "status" in doc
+        status, doc = await _call(http, "GET", f"{url}/v1/status", Host="lb-alias.example:8086")
+        assert (status, _code(doc)) == (403, "host_not_allowed")
+        status, doc = await _call(http, "POST", f"{url}/health", {}, Host="lb-alias.example:8086")
+        assert (status, _code(doc)) == (403, "host_not_allowed")
