@@ -177,18 +177,33 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenCounters:
+    """The engine's cumulative token counters since it started (never reset while it runs):
+    prompt tokens it processed (cached ones left out) and the seconds it spent on them,
+    generated tokens and the seconds it spent generating. Floats >= 0; the agent turns the
+    difference of two readings into speeds (agent/supervision/speeds.py)."""
+
+    prompt_tokens: float
+    prompt_seconds: float
+    decode_tokens: float
+    decode_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Load:
     """Occupancy of one backend.
 
     slots: sequences it will actually admit. busy: sequences running now.
     waiting: requests queued inside the engine, or None when the engine publishes no queue
     (unknown is never 0). ctx_per_slot: context per sequence it will actually serve.
+    tokens: the engine's token counters, or None when it publishes none (speed unknown).
     """
 
     slots: int
     busy: int
     waiting: int | None
     ctx_per_slot: int
+    tokens: TokenCounters | None = None
 
 
 @runtime_checkable

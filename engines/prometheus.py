@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from viiwork.engines.contract import LoadUnknown
+from viiwork.engines.contract import LoadUnknown, TokenCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +64,13 @@ def request_count(value: float, name: str) -> int:
     if value < 0 or value != int(value):
         raise LoadUnknown(f"{name} is {value!r}, not a request count")
     return int(value)
+
+
+def token_counters(gauges: dict[str, float], prompt_tokens: str, prompt_seconds: str, decode_tokens: str,
+                   decode_seconds: str) -> TokenCounters | None:
+    """The four cumulative counters named (as :func:`parse_gauges` maps them, summed over
+    label sets), or None when one is missing or negative (the engine's speed is then unknown)."""
+    values = [gauges.get(name) for name in (prompt_tokens, prompt_seconds, decode_tokens, decode_seconds)]
+    if any(v is None or v < 0 for v in values):
+        return None
+    return TokenCounters(*(float(v) for v in values if v is not None))

@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Sub-commands manage the mesh CA and this node's certificate.")
     add_target_args(mesh)
     mesh.add_argument("--json", action="store_true", help="print the agent's /v1/mesh document")
-    mesh.add_argument("--wide", action="store_true", help="every column: node id, summed slots, trust")
+    mesh.add_argument("--wide", action="store_true", help="every column: node id, summed slots, speeds (tokens/s), trust")
     mesh.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
     mesh.set_defaults(func=run_show)
     sub = mesh.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND")
@@ -298,6 +298,19 @@ def gpus_cell(gpus: list[dict[str, Any]]) -> str:
     return "\n".join(lines) or "-"
 
 
+def speeds_cell(models: list[dict[str, Any]]) -> str:
+    """One line per model: ``name prefill/decode`` (tokens/s, "—" when not measured)."""
+    def tps(value: Any) -> str:
+        return str(value) if isinstance(value, int) and value > 0 else "\u2014"
+    lines = []
+    for m in models:
+        speed = m.get("speed")
+        if not isinstance(speed, dict):
+            speed = {}
+        lines.append(f"{m.get('name', '?')} {tps(speed.get('prefill_tps'))}/{tps(speed.get('decode_tps'))}")
+    return "\n".join(lines) or "-"
+
+
 _LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim", "conflict": "bold red"}
 
 
@@ -319,12 +332,12 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
                           f"{clone.get('other_address', '?')}; "
                           f"{'this agent' if clone.get('this_boot_leaves') else 'that agent'} stops (docs/mesh.md)")
     # The default columns fit 100 (and mostly 80) columns; --wide adds the node id, the summed
-    # slots and the trust mode. Cells wrap (overflow="fold") rather than end in "…".
+    # slots, the measured speeds and the trust mode. Cells wrap (overflow="fold") rather than end in "…".
     table = Table()
     cols = ["name", "address", "liveness", "state", "age", "models (busy/slots)", "GPUs"]
     if wide:
         cols[1:1] = ["id"]
-        cols[-1:-1] = ["slots busy/total"]
+        cols[-1:-1] = ["slots busy/total", "tok/s prefill/decode"]
         cols.append("trust")
     for col in cols:
         table.add_column(col, overflow="fold")
@@ -336,7 +349,8 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
                  "address": node.get("api") or node.get("mesh") or "-",
                  "liveness": f"[{style}]{liveness}[/{style}]" if style else liveness,
                  "state": node.get("state", "?"), "age": _age(node.get("age_ms")), "models (busy/slots)": models,
-                 "slots busy/total": load, "GPUs": gpus_cell(node.get("gpus") or []), "trust": node.get("trust", "?")}
+                 "slots busy/total": load, "tok/s prefill/decode": speeds_cell(node.get("models") or []),
+                 "GPUs": gpus_cell(node.get("gpus") or []), "trust": node.get("trust", "?")}
         table.add_row(*(cells[c] for c in cols))
     console.print(table)
     conflicts = doc.get("conflicts") or []

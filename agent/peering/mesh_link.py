@@ -9,7 +9,9 @@ state and message formats (``viiwork.agent.peering.offers``); this is the I/O gl
 ``MeshLink`` wires ``viiwork.mesh.MeshNode`` (identity, trust, discovery, gossip) to the
 supervisor's models and to the pure router (``viiwork.agent.serving.router``):
 
-- the capacity summary is built from the local ``ModelRuntime``s on every gossip round;
+- the capacity summary is built from the local ``ModelRuntime``s on every gossip round, with
+  the ``speeds`` extension when a speed moved by more than its step
+  (``viiwork.agent.peering.speed_ext``);
 - ``route`` gives the router a fresh picture of local backends and peers;
 - forwarded requests travel over the mesh listener's mutual TLS (``session``), so the
   receiver knows the origin from its certificate, and every request names the peer it is for
@@ -49,6 +51,7 @@ from viiwork import __version__
 from viiwork.agent.config.schema import Config
 from viiwork.agent.host.gpus import GpuInventory
 from viiwork.agent.peering.offers import OFFER_HEADER, WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
+from viiwork.agent.peering.speed_ext import SpeedPublisher
 from viiwork.agent.serving.body import BodyError, parse_json, read_body
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
@@ -176,6 +179,7 @@ class MeshLink:
         self.router: Router | None = None
         self.session: aiohttp.ClientSession | None = None
         self._fingerprints: dict[str, str | None] = {}
+        self.speeds = SpeedPublisher()  # the ``speeds`` extension (agent/peering/speed_ext.py)
         self.forwards_out = 0
         self.forwards_in = 0
         self.refusals_in = 0
@@ -250,6 +254,9 @@ class MeshLink:
         return self._fingerprints[runtime.name]
 
     def _capacity(self) -> tuple[list[ModelCapacity], PublishedState, list[GpuCapacity] | None]:
+        ext = self.speeds.update(self.runtimes.values())
+        if ext is not None:  # a speed moved by more than the step: published with this round's capacity
+            self.node.set_local_extensions(ext)
         models = []
         for rt in self.runtimes.values():
             cap = rt.capacity()  # the one sum (agent/supervision/backends.py): stale readings left out

@@ -131,7 +131,7 @@ class ClientApi:
             mesh.accept_forwards(self.handle_forwarded, _KIND_OF_PATH, self.in_flight)
         # /metrics: a registry of this API's own, read at scrape time (agent/serving/metrics.py);
         # its request histograms join ``observers``.
-        self.registry = build_registry(self)
+        self.registry, self.histograms = build_registry(self)
 
     @property
     def draining(self) -> bool:
@@ -144,8 +144,13 @@ class ClientApi:
         self.pipeline.draining = value
 
     def sync_models(self) -> None:
-        """Follow ``runtimes`` after a reload (the queues watch new models' backends)."""
+        """Follow ``runtimes`` after a reload: the queues watch new models' backends, and a
+        model that left (served neither here nor, as far as this node knows, by a peer) loses
+        its request histogram series."""
         self.queues.sync()
+        for model in self.histograms.models():
+            if model != "-" and model not in self.runtimes and self.pipeline.peers.kind_of(model) is None:
+                self.histograms.remove(model)
 
     # -- app ---------------------------------------------------------------------------
 
@@ -156,7 +161,7 @@ class ClientApi:
         for path in _KIND_OF_PATH:
             resource = app.router.add_resource(path)
             resource.add_route("POST", self.handle_inference)
-            resource.add_route("*", self._method_not_allowed("POST"))
+            resource.add_route("*", self._inference_method_not_allowed)
         for path, handler in (
             ("/v1/models", self.handle_models),
             ("/v1/mesh", self.handle_mesh),
@@ -180,6 +185,13 @@ class ClientApi:
                                   code=ErrorCode.METHOD_NOT_ALLOWED, headers={"Allow": allowed})
         return handler
 
+    async def _inference_method_not_allowed(self, request: web.Request) -> web.StreamResponse:
+        """405 on an inference path (observed as model "-": an answer of the inference API)."""
+        started = asyncio.get_running_loop().time()
+        message = f"{request.method} is not allowed on {request.path}; use POST"
+        return self._refused_early(started, error_response(405, message, code=ErrorCode.METHOD_NOT_ALLOWED,
+                                                           headers={"Allow": "POST"}), message)
+
     async def handle_not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"no such endpoint: {request.method} {request.path}; see /v1/models, "
                               "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status",
@@ -196,11 +208,12 @@ class ClientApi:
                                    self.body_timeout_s)
             payload = parse_json_object(body)
         except BodyError as exc:
-            return self._count("-", error_response(exc.status, str(exc), code=exc.code))
+            return self._refused_early(started, error_response(exc.status, str(exc), code=exc.code), str(exc))
         model = payload.get("model")
         if not isinstance(model, str) or not model:
-            return self._count("-", error_response(400, "'model' is required and must be a string", param="model",
-                                                   code=ErrorCode.MISSING_MODEL))
+            message = "'model' is required and must be a string"
+            return self._refused_early(started, error_response(400, message, param="model",
+                                                               code=ErrorCode.MISSING_MODEL), message)
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
@@ -237,6 +250,14 @@ class ClientApi:
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id)
         return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
+
+    def _refused_early(self, started: float, response: web.StreamResponse, message: str) -> web.StreamResponse:
+        """An answer the agent gives before it knows a model (unreadable, oversized or
+        malformed body, no model; a wrong method on an inference path): observed and
+        counted as model "-", like every answer (docs/metrics.md)."""
+        end = asyncio.get_running_loop().time()
+        self.observers.observe("-", response.status, None, end - started, end - started, message)
+        return self._count("-", response)
 
     def _count(self, model: str, response: web.StreamResponse) -> web.StreamResponse:
         self.responses[(model, response.status)] += 1

@@ -50,13 +50,14 @@ class _Bucket:
     queued: int = 0  # requests with a queue time
     queued_sum_s: float = 0.0
     queued_max_s: float = 0.0
+    ttft: int = 0  # requests with a time to first token (answers below 400)
     ttft_sum_s: float = 0.0
     ttft_max_s: float = 0.0
 
     def reset(self, index: int) -> None:
         """Reuse this bucket for ``index``, empty (in place: no allocation as the ring turns)."""
         self.index = index
-        self.requests = self.errors = self.queued = 0
+        self.requests = self.errors = self.queued = self.ttft = 0
         self.queued_sum_s = self.queued_max_s = self.ttft_sum_s = self.ttft_max_s = 0.0
 
 
@@ -82,8 +83,10 @@ class RequestStats:
             bucket.queued += 1
             bucket.queued_sum_s += queued_s
             bucket.queued_max_s = max(bucket.queued_max_s, queued_s)
-        bucket.ttft_sum_s += ttft_s
-        bucket.ttft_max_s = max(bucket.ttft_max_s, ttft_s)
+        if status < 400:  # the same set as viiwork_time_to_first_token_seconds: an error carries no token
+            bucket.ttft += 1
+            bucket.ttft_sum_s += ttft_s
+            bucket.ttft_max_s = max(bucket.ttft_max_s, ttft_s)
         if error is not None or status >= 500:
             bucket.errors += 1
             self.errors.append({"time": now, "model": model, "status": status,
@@ -92,7 +95,8 @@ class RequestStats:
     def buckets(self) -> list[dict[str, Any]]:
         """The window's buckets, oldest first, each ``{"t": start (unix s), "requests",
         "errors", "rate_per_s", "queued_ms_avg", "queued_ms_max", "ttft_ms_avg", "ttft_ms_max"}``
-        (averages null without requests); empty buckets included, so the chart's axis is whole."""
+        (averages null without requests; the TTFT figures over answers below 400 only, as the
+        Prometheus histogram); empty buckets included, so the chart's axis is whole."""
         last = int(self.clock() // BUCKET_S)
         out = []
         for index in range(last - len(self._ring) + 1, last + 1):
@@ -104,7 +108,7 @@ class RequestStats:
                 "rate_per_s": b.requests / BUCKET_S,
                 "queued_ms_avg": round(b.queued_sum_s / b.queued * 1000, 1) if b.queued else None,
                 "queued_ms_max": round(b.queued_max_s * 1000, 1),
-                "ttft_ms_avg": round(b.ttft_sum_s / b.requests * 1000, 1) if b.requests else None,
+                "ttft_ms_avg": round(b.ttft_sum_s / b.ttft * 1000, 1) if b.ttft else None,
                 "ttft_ms_max": round(b.ttft_max_s * 1000, 1),
             })
         return out
@@ -146,7 +150,8 @@ class Dashboard:
         """``{"node": {name, version, draining, stopping, in_flight, uptime_s}, "standalone": bool,
         "nodes": [{"name", "self", "api", "liveness", "state", "version", "age_ms", "gpus": [{"index",
         "name", "memory_total_mib", "memory_free_mib"}], "models": [{"name", "kind", "engine", "slots",
-        "busy", "waiting", "healthy", "total", "queued"?, "backends"?: [{"id", "state", "phase", "slots",
+        "busy", "waiting", "healthy", "total", "speed": {"prefill_tps", "decode_tps"} (tokens/s, each null when
+        unknown) or null, "queued"?, "backends"?: [{"id", "state", "phase", "slots",
         "busy", "in_flight", "ejected", "respawns"}]}]}], "buckets": RequestStats.buckets(),
         "bucket_s", "errors": newest first}``."""
         status = self.status()
@@ -157,7 +162,7 @@ class Dashboard:
                                                 "respawns")} for b in m.get("backends", [])]
             own_models.append({
                 "name": m.get("name"), "kind": m.get("kind"), "engine": m.get("engine"), "slots": m.get("slots"),
-                "busy": m.get("busy"), "waiting": m.get("waiting"), "queued": m.get("queued"),
+                "busy": m.get("busy"), "waiting": m.get("waiting"), "queued": m.get("queued"), "speed": m.get("speed"),
                 "healthy": sum(b["state"] == "healthy" for b in backends), "total": len(backends),
                 "backends": backends,
             })
@@ -176,7 +181,7 @@ class Dashboard:
                 "state": p.get("state"), "version": p.get("version"), "age_ms": p.get("age_ms"),
                 "gpus": p.get("gpus", []),
                 "models": [{k: m.get(k) for k in ("name", "kind", "engine", "slots", "busy", "waiting", "healthy",
-                                                  "total")} for m in p.get("models", [])],
+                                                  "total", "speed")} for m in p.get("models", [])],
             })
         return {"node": node, "standalone": mesh is None, "nodes": nodes, "bucket_s": BUCKET_S,
                 "buckets": self.stats.buckets(), "errors": list(reversed(self.stats.errors))}

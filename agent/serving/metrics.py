@@ -62,8 +62,19 @@ class RequestHistograms:
         duration.observe(duration_s)
         if queued_s is not None:
             queue.observe(queued_s)
-        if status < 400:  # an error answer carries no token
+        if status < 400:  # an error answer carries no token (the dashboard's TTFT counts the same set)
             ttft.observe(ttft_s)
+
+    def models(self) -> list[str]:
+        """The model labels that have series now."""
+        return sorted(self._children)
+
+    def remove(self, model: str) -> None:
+        """Drop ``model``'s series from the three histograms (a model that left the config:
+        ``ClientApi.sync_models``); nothing when it has none."""
+        if self._children.pop(model, None) is not None:
+            for histogram in (self.queue, self.ttft, self.duration):
+                histogram.remove(model)
 
 
 class ApiCollector(Collector):
@@ -113,14 +124,15 @@ class ApiCollector(Collector):
             yield from source()
 
 
-def build_registry(api: ClientApi) -> CollectorRegistry:
+def build_registry(api: ClientApi) -> tuple[CollectorRegistry, RequestHistograms]:
     """A registry of its own for ``api`` (never prometheus-client's process-wide default):
-    the API's collector and its request histograms, which it returns subscribed to
+    the API's collector, and its request histograms, which it returns subscribed to
     ``api.observers``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ApiCollector(api))
-    api.observers.observers.append(RequestHistograms(registry))
-    return registry
+    histograms = RequestHistograms(registry)
+    api.observers.observers.append(histograms)
+    return registry, histograms
 
 
 def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

@@ -379,6 +379,7 @@ class BackendTask:
             self.http = aiohttp.ClientSession(connector=node.http.connector, connector_owner=False,
                                               timeout=node.http.timeout, headers=auth_headers(key))
         backend.load = None
+        backend.speed.reset()  # a new engine process: its counters start at 0
         backend.load_at = None
         backend.load_stale = False
         backend.last_success_at = None  # a success of the engine before counts for nothing now

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any, NewType
 
 from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.supervision.speeds import ModelSpeed, SpeedEstimate, model_speed
 from viiwork.engines.contract import Engine, Load
 
 BackendId = NewType("BackendId", str)
@@ -75,6 +76,8 @@ class Backend:
     # Outlier ejection (agent/serving/ejections.py): routing sends it no new request while
     # set (ejected, or its half-open probe in flight); the health ladder does not read it.
     ejected: bool = False
+    # Prefill/decode speed from the engine's token counters (agent/supervision/speeds.py).
+    speed: SpeedEstimate = field(default_factory=SpeedEstimate)
 
     @property
     def base_url(self) -> str:
@@ -251,9 +254,15 @@ class ModelRuntime:
             ejected=tuple((b.id, b.spare_slots) for b in self.backends if b.ejected and b.admitting),
         )
 
+    def speed(self) -> ModelSpeed | None:
+        """Prefill and decode speed (tokens/s): the mean over the healthy backends that have
+        measured one (agent/supervision/speeds.py); None when none has."""
+        return model_speed(b.speed for b in self.healthy_backends)
+
     def status_doc(self) -> dict[str, Any]:
         """This model in /v1/status. Keys: name, engine, kind, state, slots, busy and waiting
-        (``capacity()``), ctx_per_slot, backends (id, state, phase, progress (0..1 or -1),
+        (``capacity()``), ctx_per_slot, speed (``{"prefill_tps", "decode_tps"}``, integers or
+        null each, or null when unknown: :meth:`speed`), backends (id, state, phase, progress (0..1 or -1),
         reason, pid, port (None for a socket backend), socket (its Unix socket path, else
         None), unit, respawns, gpus, exit_result, exit_status, load_stale, slots, busy,
         in_flight: routing's own count of requests running there, ejected: routing sends it
@@ -268,6 +277,7 @@ class ModelRuntime:
             "busy": cap.busy,
             "waiting": cap.waiting,
             "ctx_per_slot": self.ctx_per_slot,
+            "speed": None if (speed := self.speed()) is None else speed.doc(),
             "backends": [
                 {
                     "id": b.id,

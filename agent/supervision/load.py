@@ -4,6 +4,7 @@ Load is read every ``supervisor.load_poll_interval_s`` (agent/supervision/backen
 under ``LOAD_READ_TIMEOUT_S``; a failed read keeps the last value until it is
 ``supervisor.load_stale_after_s`` old, then the backend is marked ``load_stale`` (slots fall
 back to ``parallel``, busy to routing's in-flight count: agent/supervision/backends.py).
+A reading's token counters feed the backend's speed estimate (agent/supervision/speeds.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def record_load(runtime: ModelRuntime, backend: Backend, got: Outcome[Load], sta
     if got.wake is Wake.DONE and got.error is None:
         backend.load = got.result
         backend.load_at = now
+        backend.speed.update(got.result.tokens if got.result is not None else None, now)
         backend.load_stale = False
     else:
         adapter_bug(runtime.config.engine, "read_load", got.error)

@@ -5,7 +5,12 @@ refuses connections before the port is bound, answers 503
 ``{"error":{"message":"Loading model",...}}`` while loading and 200 ``{"status":"ok"}`` once
 ready, also while busy. Load: ``/slots`` lists one entry per slot with ``n_ctx`` (the context
 per slot) and ``is_processing``; ``/metrics`` (with ``--metrics``) has
-``llamacpp:requests_deferred``, the requests waiting for a slot.
+``llamacpp:requests_deferred``, the requests waiting for a slot, and the token counters
+(``llamacpp:prompt_tokens_total``, ``prompt_seconds_total``, ``tokens_predicted_total``,
+``tokens_predicted_seconds_total``) that give its speeds. The gauges
+``llamacpp:prompt_tokens_seconds`` / ``predicted_tokens_seconds`` are not used: llama-server
+computes them over the tokens since the previous /metrics read (0 after an idle read), so
+they depend on who else scrapes.
 
 Pooling (docs/engines.md, "llama.cpp: pooling"): an embedding backend gets ``--pooling mean``
 when its GGUF declares no ``<arch>.pooling_type`` (llama-server then pools with "none" and
@@ -19,12 +24,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe, TokenCounters
 from viiwork.engines.http import fetch
 from viiwork.engines.llamacpp.errors import client_fault
 from viiwork.engines.llamacpp.gguf_metadata import read_pooling
 from viiwork.engines.llamacpp.options import LlamaCppOptions
-from viiwork.engines.prometheus import parse_gauges
+from viiwork.engines.prometheus import parse_gauges, token_counters
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -115,12 +120,13 @@ class LlamaCppEngine:
         return Probe(ready=False, reason=f"/health answered {answer.status}: {message or answer.body[:200]!r}")
 
     async def read_load(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> Load:
-        """Read occupancy from /slots, and waiting requests from /metrics.
+        """Read occupancy from /slots, and waiting requests and token counters from /metrics.
 
         Returns Load(slots=len(entries), busy=entries with is_processing,
         waiting=llamacpp:requests_deferred or None when /metrics is off or lacks the gauge,
-        ctx_per_slot=n_ctx of the first entry). Raises EngineUnavailable on a transport
-        failure and LoadUnknown when /slots is disabled (501) or undecodable.
+        ctx_per_slot=n_ctx of the first entry, tokens=the token counters or None when
+        /metrics is off or lacks one). Raises EngineUnavailable on a transport failure and
+        LoadUnknown when /slots is disabled (501) or undecodable.
         """
         answer = await fetch(http, base_url, "/slots")
         if answer.status != 200:
@@ -135,18 +141,24 @@ class LlamaCppEngine:
                 raise ValueError(f"n_ctx {ctx} < 1")
         except (ValueError, KeyError, TypeError) as exc:
             raise LoadUnknown(f"/slots undecodable: {exc}") from exc
-        waiting = None
+        waiting, tokens = None, None
         opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
         if opts.metrics:
-            waiting = await self._read_deferred(http, base_url)
-        return Load(slots=len(entries), busy=busy, waiting=waiting, ctx_per_slot=ctx)
+            waiting, tokens = await self._read_metrics(http, base_url)
+        return Load(slots=len(entries), busy=busy, waiting=waiting, ctx_per_slot=ctx, tokens=tokens)
 
-    async def _read_deferred(self, http: aiohttp.ClientSession, base_url: str) -> int | None:
+    async def _read_metrics(self, http: aiohttp.ClientSession, base_url: str) -> tuple[int | None, TokenCounters | None]:
         answer = await fetch(http, base_url, "/metrics")
         if answer.status != 200:
-            return None
-        value = parse_gauges(answer.text()).get("llamacpp:requests_deferred")
-        return None if value is None else int(value)
+            return None, None
+        gauges = parse_gauges(answer.text())
+        value = gauges.get("llamacpp:requests_deferred")
+        return None if value is None else int(value), token_counters(gauges, *TOKEN_COUNTERS)
+
+
+#: llama-server's cumulative counters: prompt tokens, prompt seconds, generated tokens, generation seconds.
+TOKEN_COUNTERS = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total", "llamacpp:tokens_predicted_total",
+                  "llamacpp:tokens_predicted_seconds_total")
 
 
 def bind_args(spec: BackendSpec) -> tuple[str, ...]:

