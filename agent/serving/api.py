@@ -146,11 +146,14 @@ class ClientApi:
     def sync_models(self) -> None:
         """Follow ``runtimes`` after a reload: the queues watch new models' backends, and a
         model that left (served neither here nor, as far as this node knows, by a peer) loses
-        its request histogram series."""
+        its series: the request histograms' and ``viiwork_responses_total``'s."""
         self.queues.sync()
-        for model in self.histograms.models():
+        labels = set(self.histograms.models()) | {model for model, _ in self.responses}
+        for model in labels:
             if model != "-" and model not in self.runtimes and self.pipeline.peers.kind_of(model) is None:
                 self.histograms.remove(model)
+                for key in [k for k in self.responses if k[0] == model]:
+                    del self.responses[key]
 
     # -- app ---------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ three real agents on loopback forming a mesh over fake llama-servers (issue 20).
 
 The page on node-a lists the three nodes; node-c's backend killed (its fake engine process,
 with respawns held off) shows as down within 10 s; a request sent to node-a appears in its
-chart's data. ``VIIWORK_SCREENSHOT=FILE`` (``make screenshot``) also saves the page as a PNG.
+chart's data, and node-b's measured speeds (its fake engine's token counters, published in
+node-b's summary's ``speeds`` extension) appear on node-a's page. ``VIIWORK_SCREENSHOT=FILE`` (``make screenshot``) also saves the page as a PNG.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ SNAPSHOT = """
 const rows = [...document.querySelectorAll('#nodes tbody tr')];
 const models = {};
 for (const el of document.querySelectorAll('#nodes [data-model]')) {
-  models[el.closest('tr').dataset.node + '/' + el.dataset.model] = {state: el.dataset.state, text: el.textContent};
+  const speed = el.querySelector('.speed');
+  models[el.closest('tr').dataset.node + '/' + el.dataset.model] = {state: el.dataset.state, text: el.textContent,
+    speed: speed ? speed.textContent : null, prefill: speed ? speed.dataset.prefill : null,
+    decode: speed ? speed.dataset.decode : null};
 }
 const links = {};
 for (const a of document.querySelectorAll('[data-peer-link]')) links[a.dataset.peerLink] = a.href;
@@ -104,6 +108,13 @@ def test_dashboard_lists_nodes_shows_a_dead_backend_and_charts_a_request(mesh3: 
             assert r.status == 200
         shown = until(lambda p: p["chart_requests"] == "1", 10, "the request charted")
         assert shown["canvases"] >= 3, "uPlot drew no charts"
+        # Node-c has served nothing: its speeds are unknown ("—"). Node-b's engine counted the
+        # request's tokens at 600/40 tokens/s (tests/support/fake_engine.py): node-b measures
+        # them from two load reads and publishes them; node-a's page shows them.
+        assert shown["models"]["node-c/model-c"]["speed"] == "prefill \u2014, decode \u2014"
+        shown = until(lambda p: p["models"]["node-b/model-b"]["prefill"] == "600", 10, "node-b's speeds")
+        assert shown["models"]["node-b/model-b"]["decode"] == "40"
+        assert shown["models"]["node-b/model-b"]["speed"] == "prefill 600 tok/s, decode 40 tok/s"
 
         # node-c's engine killed: its model shows as down on node-a's page within 10 s.
         pid = c.model("model-c")["backends"][0]["pid"]
