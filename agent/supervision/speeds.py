@@ -12,7 +12,12 @@ measured them, and they cover requests a peer forwarded here as well.
 Each backend keeps an exponentially weighted mean of those interval speeds, the weight of a
 new interval ``1 - exp(-Δt / WINDOW_S)`` (Δt the wall time between the readings, so a reading
 every second and one every ten weigh the same per minute): a change of speed shows fully
-after a few :data:`WINDOW_S`. A counter that goes back (the engine restarted) starts over.
+after a few :data:`WINDOW_S`. A counter that goes back (the engine restarted) starts over. An interval in which only the
+tokens or only the seconds moved goes on until both have (vLLM adds a request's prefill and
+decode seconds when the request ends, its tokens as they are made).
+
+The figures are per sequence (what one request sees): both engines sum the time each
+sequence spent, so two sequences decoding at once count twice the seconds.
 A model's speed is the mean over its healthy backends that have an estimate, per figure;
 None when none has.
 """
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from viiwork.engines.contract import TokenCounters
 
@@ -30,42 +35,62 @@ WINDOW_S = 60.0
 
 
 @dataclass(slots=True)
-class SpeedEstimate:
-    """One backend's speeds (tokens/s, None until measured) and its last counters."""
+class _Figure:
+    """One figure's mean (tokens/s, None until measured) and the reading its next interval
+    starts from: ``(tokens, seconds, at)``."""
 
-    prefill_tps: float | None = None
-    decode_tps: float | None = None
-    _last: TokenCounters | None = None
-    _last_at: float | None = None
+    mean: float | None = None
+    base: tuple[float, float, float] | None = None
+
+    def update(self, tokens: float, seconds: float, at: float) -> None:
+        base = self.base
+        if base is None or tokens < base[0] or seconds < base[1]:
+            self.base = (tokens, seconds, at)  # the first reading, or the engine restarted: a new baseline
+            return
+        d_tokens, d_seconds = tokens - base[0], seconds - base[1]
+        if d_tokens > 0 and d_seconds > 0:
+            speed = d_tokens / d_seconds
+            weight = 1.0 - math.exp(-max(0.0, at - base[2]) / WINDOW_S)
+            self.mean = speed if self.mean is None else self.mean + weight * (speed - self.mean)
+            self.base = (tokens, seconds, at)
+        elif d_tokens <= 0 and d_seconds <= 0:
+            self.base = (tokens, seconds, at)  # idle: nothing measured, nothing pending
+        # else only one of them moved (vLLM adds a request's seconds when it ends, its tokens
+        # as they are made): the interval goes on until both have.
+
+
+@dataclass(slots=True)
+class SpeedEstimate:
+    """One backend's speeds: ``prefill_tps`` and ``decode_tps`` (tokens/s, None until
+    measured), each from its own pair of counters."""
+
+    _prefill: _Figure = field(default_factory=_Figure)
+    _decode: _Figure = field(default_factory=_Figure)
+
+    @classmethod
+    def of(cls, prefill_tps: float | None, decode_tps: float | None) -> SpeedEstimate:
+        """An estimate holding these means (tests, and a node that knows them already)."""
+        return cls(_Figure(prefill_tps), _Figure(decode_tps))
+
+    @property
+    def prefill_tps(self) -> float | None:
+        return self._prefill.mean
+
+    @property
+    def decode_tps(self) -> float | None:
+        return self._decode.mean
 
     def update(self, tokens: TokenCounters | None, now: float) -> None:
         """Fold the reading ``tokens`` taken at ``now`` (monotonic s) into the means; None
         (the engine publishes none) keeps them as they are."""
         if tokens is None:
             return
-        last, last_at = self._last, self._last_at
-        self._last, self._last_at = tokens, now
-        if last is None or last_at is None:
-            return
-        if tokens.prompt_tokens < last.prompt_tokens or tokens.decode_tokens < last.decode_tokens:
-            return  # the engine restarted: this reading is the new baseline
-        weight = 1.0 - math.exp(-max(0.0, now - last_at) / WINDOW_S)
-        self.prefill_tps = _fold(self.prefill_tps, tokens.prompt_tokens - last.prompt_tokens,
-                                 tokens.prompt_seconds - last.prompt_seconds, weight)
-        self.decode_tps = _fold(self.decode_tps, tokens.decode_tokens - last.decode_tokens,
-                                tokens.decode_seconds - last.decode_seconds, weight)
+        self._prefill.update(tokens.prompt_tokens, tokens.prompt_seconds, now)
+        self._decode.update(tokens.decode_tokens, tokens.decode_seconds, now)
 
     def reset(self) -> None:
         """Forget everything (a new engine process)."""
-        self.prefill_tps = self.decode_tps = None
-        self._last = self._last_at = None
-
-
-def _fold(mean: float | None, tokens: float, seconds: float, weight: float) -> float | None:
-    if tokens <= 0 or seconds <= 0:
-        return mean  # nothing measured in this interval
-    speed = tokens / seconds
-    return speed if mean is None else mean + weight * (speed - mean)
+        self._prefill, self._decode = _Figure(), _Figure()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ three real agents on loopback forming a mesh over fake llama-servers (issue 20).
 The page on node-a lists the three nodes; node-c's backend killed (its fake engine process,
 with respawns held off) shows as down within 10 s; a request sent to node-a appears in its
 chart's data, and node-b's measured speeds (its fake engine's token counters, published in
-node-b's summary's ``speeds`` extension) appear on node-a's page. ``VIIWORK_SCREENSHOT=FILE`` (``make screenshot``) also saves the page as a PNG.
+node-b's summary's ``speeds`` extension) appear on node-a's page.
+``VIIWORK_SCREENSHOT=FILE`` (``make screenshot``) also saves the page as a PNG.
 """
 
 from __future__ import annotations

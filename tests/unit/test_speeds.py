@@ -96,8 +96,18 @@ def test_estimate_is_a_time_weighted_mean_of_interval_speeds() -> None:
     assert e.prefill_tps != before[0]  # measured again from the new baseline
 
 
+def test_an_interval_where_only_the_tokens_moved_goes_on_until_the_seconds_do() -> None:
+    """vLLM counts tokens as it makes them and adds a request's seconds when it ends."""
+    e = SpeedEstimate()
+    e.update(counters(0, 0, 0, 0), 0.0)
+    e.update(counters(76, 0, 23, 0), 1.0)  # in flight: tokens, no seconds yet
+    assert (e.prefill_tps, e.decode_tps) == (None, None)
+    e.update(counters(100, 0.5, 40, 2.0), 2.0)  # ended: the whole interval since the baseline
+    assert (e.prefill_tps, e.decode_tps) == (200, 20)
+
+
 def test_model_speed_is_the_mean_over_backends_that_measured() -> None:
-    a, b, c = SpeedEstimate(500.0, 20.0), SpeedEstimate(700.0, None), SpeedEstimate()
+    a, b, c = SpeedEstimate.of(500.0, 20.0), SpeedEstimate.of(700.0, None), SpeedEstimate()
     got = model_speed([a, b, c])
     assert got is not None and (got.prefill_tps, got.decode_tps) == (600, 20)
     assert model_speed([c]) is None
@@ -171,7 +181,7 @@ def test_speeds_reach_a_peer_through_a_signed_summary() -> None:
     ma, pa = core(a, ca, clock, settings=settings, protocol=4)
     mb, _ = core(b, ca, clock, settings=settings, protocol=4, seed=1)
     rt = runtime("llama", 1)
-    rt.backends[0].speed = SpeedEstimate(612.4, 0.2)  # decode rounds to 0: published as 1 (measured)
+    rt.backends[0].speed = SpeedEstimate.of(612.4, 0.2)  # decode rounds to 0: published as 1 (measured)
     publisher = SpeedPublisher()
     ext = publisher.update([rt])
     assert ext is not None
@@ -180,7 +190,7 @@ def test_speeds_reach_a_peer_through_a_signed_summary() -> None:
     exchange(ma, mb, "b:8087")
     view = next(p for p in mb.peers() if p.node_id == a.node_id)
     assert view.extensions.get(SPEEDS) == speeds(("llama", 612, 1))
-    rt.backends[0].speed = SpeedEstimate(640.0, 1.0)
+    rt.backends[0].speed = SpeedEstimate.of(640.0, 1.0)
     assert publisher.update([rt]) is None  # below the step: no new summary
 
 

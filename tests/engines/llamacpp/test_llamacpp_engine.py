@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from support.llamacpp_replays import capture, llamacpp_replays
 from viiwork.engines.conformance import HttpReplay, assert_conforms
-from viiwork.engines.contract import BackendSpec, EngineUnavailable, Kind, Load, LoadUnknown, Probe
+from viiwork.engines.contract import BackendSpec, EngineUnavailable, Kind, Load, LoadUnknown, Probe, TokenCounters
 from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions
 
 ENGINE = LlamaCppEngine()
@@ -274,14 +274,14 @@ async def test_non_http_answer_is_engine_unavailable_not_an_aiohttp_error(http: 
 async def test_idle_two_slots_reads_engine_figures(serve: Serve, http: aiohttp.ClientSession) -> None:
     base, _ = await serve(slots="smollm2-slots_idle", metrics="smollm2-metrics")
     assert await ENGINE.read_load(http, make_spec(ctx_per_slot=1024, parallel=2), base) == Load(
-        slots=2, busy=0, waiting=0, ctx_per_slot=1024
+        slots=2, busy=0, waiting=0, ctx_per_slot=1024, tokens=TokenCounters(66, 0.165827, 571, 5.68063)
     )
 
 
 async def test_one_of_two_slots_busy(serve: Serve, http: aiohttp.ClientSession) -> None:
     base, _ = await serve(slots="smollm2-slots_busy", metrics="smollm2-metrics_busy")
     assert await ENGINE.read_load(http, make_spec(ctx_per_slot=1024), base) == Load(
-        slots=2, busy=1, waiting=0, ctx_per_slot=1024
+        slots=2, busy=1, waiting=0, ctx_per_slot=1024, tokens=TokenCounters(66, 0.165827, 171, 1.50951)
     )
 
 

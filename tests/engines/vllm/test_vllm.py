@@ -20,6 +20,7 @@ from viiwork.engines.contract import (
     Load,
     LoadUnknown,
     RunsOnCPU,
+    TokenCounters,
     UsageReporting,
 )
 from viiwork.engines.registry import get_engine
@@ -201,14 +202,15 @@ async def test_load_fresh_idle(http) -> None:
     async with ReplayServer(routes("metrics_fresh")) as base:
         load = await ENGINE.read_load(http, spec(parallel=2, ctx_per_slot=1000), base)
     # max_model_len comes from /v1/models (2048), not the spec.
-    assert load == Load(slots=2, busy=0, waiting=0, ctx_per_slot=2048)
+    assert load == Load(slots=2, busy=0, waiting=0, ctx_per_slot=2048, tokens=TokenCounters(0, 0, 0, 0))
 
 
 async def test_load_busy(http) -> None:
     """Four requests against --max-num-seqs 2: two running, two waiting (captured)."""
     async with ReplayServer(routes("metrics_busy")) as base:
         load = await ENGINE.read_load(http, spec(), base)
-    assert load == Load(slots=2, busy=2, waiting=2, ctx_per_slot=2048)
+    # Tokens made so far, no seconds yet: vLLM adds a request's times when it ends.
+    assert load == Load(slots=2, busy=2, waiting=2, ctx_per_slot=2048, tokens=TokenCounters(76, 0, 23, 0))
 
 
 async def test_load_served_context_from_v1_models(http) -> None:
