@@ -1,7 +1,9 @@
 """What the client API tells observers about each inference request it answered.
 
-``ClientApi.handle_inference`` calls :meth:`Observers.observe` once per request, after the
-pipeline returned (the whole answer written, for a stream): the dashboard's ring of
+``ClientApi`` calls :meth:`Observers.observe` once per answer on the inference paths: after
+the pipeline returned (the whole answer written, for a stream), and for the agent's own
+answers before routing (unreadable, malformed or oversized body, no model, wrong method:
+model "-"): the dashboard's ring of
 10-second buckets (agent/serving/dashboard.py) is one observer; histograms can be another.
 It runs on the request path, so an observer must be cheap and must not block or raise.
 """

@@ -11,6 +11,7 @@ from aiohttp import web
 from support.mesh_crypto import chat_model
 from support.mesh_nodes import loopback_settings, wait_for
 from viiwork.agent.cli import main
+from viiwork.mesh.extensions import SPEEDS, Extensions, ModelSpeed, Speeds
 from viiwork.mesh.membership import Liveness
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.pins import PINS_FILE
@@ -66,6 +67,8 @@ async def test_enroll_then_a_ca_mesh_forms_and_mesh_lists_it(tmp_path, capsys):
     await a.start()
     b = MeshNode(loopback_settings(tmp_path / "b", "b", ca_dir=ca, seeds=(f"127.0.0.1:{a.listen_port}",)))
     b.set_local_summary([chat_model("qwen", busy=2)])
+    # The speeds extension, through b's signed summary over mutual TLS to a's /v1/mesh.
+    b.set_local_extensions(Extensions.of({SPEEDS: Speeds((ModelSpeed("qwen", 900, 45),))}))
     await b.start()
     async def mesh_view(request):
         return web.json_response(a.view())
@@ -85,11 +88,16 @@ async def test_enroll_then_a_ca_mesh_forms_and_mesh_lists_it(tmp_path, capsys):
         doc = json.loads(capsys.readouterr().out)
         assert doc["self"]["name"] == "a" and doc["nodes"][0]["name"] == "b"
         assert doc["nodes"][0]["trust"] == "ca" and doc["nodes"][0]["models"][0]["busy"] == 2
+        assert doc["nodes"][0]["models"][0]["speed"] == {"prefill_tps": 900, "decode_tps": 45}
+        assert doc["self"]["models"][0]["speed"] is None  # a published none
         assert await asyncio.to_thread(main, ["mesh", "--url", url]) == 0
         table = capsys.readouterr().out
         assert "qwen 2/4" in table and "alive" in table and b.node_id not in table  # the id: --wide only
+        assert "900/45" not in table and "tok/s" not in table  # speeds: --wide only
+        assert all(len(row) <= 100 for row in table.splitlines() if "│" in row)  # the default table fits 100
         assert await asyncio.to_thread(main, ["mesh", "--wide", "--url", url]) == 0
-        assert b.node_id in capsys.readouterr().out
+        wide = capsys.readouterr().out
+        assert b.node_id in wide and "qwen 900/45" in wide
     finally:
         await runner.cleanup()
         await b.stop(leave=False)
