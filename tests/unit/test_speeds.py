@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support.mesh_crypto import ManualClock, TestCA, core, exchange
 from support.procs import fake_engine
+from support.replay import read_capture
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.peering.speed_ext import SpeedPublisher, moved
 from viiwork.agent.serving.api import ClientApi
@@ -32,7 +33,8 @@ from viiwork.engines.registry import get_engine
 from viiwork.mesh.extensions import SPEEDS, ModelSpeed, Speeds
 from viiwork.mesh.membership import GossipSettings
 
-CAPTURES = REPO.parent / "shared" / "captures"
+LLAMACPP_CAPTURES = REPO / "tests" / "engines" / "llamacpp" / "captures"
+VLLM_CAPTURES = REPO / "tests" / "engines" / "vllm" / "captures"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "say hi to the speed test"}], "max_tokens": 8}
 
 
@@ -54,16 +56,14 @@ def counters(p: float, ps: float, d: float, ds: float) -> TokenCounters:
 
 
 def test_llamacpp_capture_gives_its_cumulative_counters() -> None:
-    text = (REPO / "tests/engines/llamacpp/captures/smollm2-metrics.txt")
-    text = text if text.exists() else CAPTURES / "llamacpp" / "smollm2-metrics.txt"
-    got = token_counters(parse_gauges(text.read_text()), *llamacpp.TOKEN_COUNTERS)
+    text = read_capture(LLAMACPP_CAPTURES / "7e4c0a9-smollm2-metrics.txt").body.decode()
+    got = token_counters(parse_gauges(text), *llamacpp.TOKEN_COUNTERS)
     assert got == TokenCounters(66, 0.165827, 571, 5.68063)
 
 
 def test_vllm_capture_gives_prefill_and_decode_time_sums() -> None:
-    path = REPO / "tests/engines/vllm/captures/metrics.txt"
-    path = path if path.exists() else CAPTURES / "vllm-cpu" / "metrics.txt"
-    got = token_counters(parse_gauges(path.read_text()), *vllm.TOKEN_COUNTERS)
+    text = read_capture(VLLM_CAPTURES / "vllm-0.32.0-cpu-metrics.txt").body.decode()
+    got = token_counters(parse_gauges(text), *vllm.TOKEN_COUNTERS)
     assert got is not None
     assert got.prompt_tokens == 110 and got.decode_tokens == 362
     assert math.isclose(got.prompt_seconds, 0.10932974400020612)
