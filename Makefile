@@ -10,6 +10,8 @@
 #                   tested there)
 #   make test-fast  unit and engine tiers only, for iteration
 #   make bench      the benchmarks under tests/bench/
+#   make man        the man pages, from the programs' own options, into build/man/
+#                   (read one from the clone: man -l build/man/viiworkctl.1)
 #   make screenshot docs/dashboard.png from the dashboard's browser test (Debian chromium)
 #   make mutants    apply each tests/mutants/*.patch to a scratch copy and check that the tests
 #                   it names fail (not part of `make test`; MUTANTS=name,... for some of them)
@@ -40,10 +42,10 @@ PYTEST := $(BIN)/pytest
 PYTEST_ARGS ?=
 PYTEST_FLAGS := -q -ra --no-header $(PYTEST_ARGS)
 
-.PHONY: help venv demo lint test test-fast bench mutants screenshot clean distclean
+.PHONY: help venv demo lint test test-fast bench man mutants screenshot clean distclean
 
 help:
-	@sed -n '3,16s/^# \{0,1\}//p' Makefile
+	@sed -n '3,18s/^# \{0,1\}//p' Makefile
 
 venv: $(STAMP)
 
@@ -137,6 +139,10 @@ lint: venv
 # page it checked. The test run itself writes nothing into the tree.
 screenshot: venv
 	VIIWORK_SCREENSHOT=$(CURDIR)/docs/dashboard.png $(PYTEST) tests/mesh/test_dashboard_browser.py $(PYTEST_FLAGS)
+
+man: venv
+	@$(BIN)/python -m viiwork.agent.cli.manpage --out build/man
+	@echo "read them with: man -l build/man/viiworkctl.1 (or build/man/viiwork-agent.1)"
 
 mutants: venv
 	$(BIN)/python tests/mutants/run.py $(if $(MUTANTS),--only $(MUTANTS))

@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--demo", action="store_true",
                        help="run the embedded demo config: SmolLM2-135M on the CPU as model 'smollm2' on 127.0.0.1:8086")
     parser.add_argument("--log-level", default=os.environ.get("VIIWORK_LOG_LEVEL", "info"),
-                        choices=["debug", "info", "warning", "error"])
+                        choices=["debug", "info", "warning", "error"],
+                        help="the agent's log level (default: $VIIWORK_LOG_LEVEL, else info)")
     parser.add_argument("--version", action="version", version=f"viiwork-agent {__version__}")
     return parser
 

@@ -14,6 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from viiwork.agent.cli.tables import table_console
 from viiwork.agent.cli.target import load_target_config
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError
 from viiwork.agent.config.schema import ApiConfig
@@ -41,9 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("--socket", type=Path, help="admin socket (default: api.admin_socket of the config)")
         parser.add_argument("--config", type=Path, help=f"agent config (default {DEFAULT_CONFIG_PATH}, or a running demo's)")
         parser.add_argument("--json", action="store_true", help="print the agent's JSON answer")
-        parser.add_argument("--timeout", type=float, default=120.0,
-                            help="seconds to wait (drain and down wait for requests in flight; default 120)")
+        parser.add_argument("--timeout", type=float, default=120.0, help=_timeout_help(command.name))
         parser.set_defaults(func=lambda args, c=command: run(c, args))
+
+
+def _timeout_help(name: str) -> str:
+    if name in ("drain", "down"):
+        return f"seconds to wait for the answer; {name} answers once the requests in flight are done (default 120)"
+    return "seconds to wait for the agent's answer (default 120)"
 
 
 def socket_path(args: argparse.Namespace) -> Path:
@@ -86,18 +96,31 @@ def run(command: ControlCommand, args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     elif status >= 400:
         print(f"viiworkctl {command.name}: {doc.get('error', {}).get('message', doc)}", file=sys.stderr)
+    elif command.name == "models":
+        print_models(doc, table_console())
     else:
         print(_summary(command.name, doc))
     return 0 if status < 400 else 1
 
 
+def print_models(doc: dict[str, Any], console: Console) -> None:
+    """The admin socket's models document as a table: model, engine, state, and each backend
+    with its state; "no models configured" when it lists none."""
+    models = doc.get("models") or []
+    if not models:
+        console.print("no models configured")
+        return
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for col in ("model", "engine", "state"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("backends", overflow="fold")
+    for m in models:
+        backends = ", ".join(f"{b.get('id', '?')} {b.get('state', '?')}" for b in m.get("backends") or []) or "-"
+        table.add_row(*(Text(str(v)) for v in (m.get("name", "?"), m.get("engine", ""), m.get("state", ""), backends)))
+    console.print(table)
+
+
 def _summary(name: str, doc: dict[str, Any]) -> str:
-    if name == "models":
-        lines = []
-        for m in doc.get("models", []):
-            states = ", ".join(f"{b['id']} {b['state']}" for b in m.get("backends", []))
-            lines.append(f"{m['name']:<24} {m.get('engine', ''):<10} {m.get('state', ''):<8} {states}")
-        return "\n".join(lines) or "no models configured"
     if name == "reload":
         parts = [f"{k}: {', '.join(doc.get(k) or []) or '-'}" for k in ("added", "changed", "removed", "unchanged")]
         return "reloaded; " + "; ".join(parts)

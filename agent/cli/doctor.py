@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from viiwork.agent.cli.tables import table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 from viiwork.agent.cli.target import config_path as target_config_path
 from viiwork.agent.host.doctor import DoctorReport, Verdict, run_checks
@@ -30,12 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_target_args(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable results")
+    parser.add_argument("--wide", action="store_true",
+                        help="the subject in a column of its own, and no wrapping to the terminal's width")
     parser.set_defaults(func=run_doctor)
 
 
 def run_doctor(args: argparse.Namespace) -> int:
     config_path = target_config_path(args)
-    url = agent_url(args)
+    url = agent_url(args, require_running=False)
     facts = gather_facts(config_path, url=url)
     context = {"config": str(config_path), "url": url,
                "gpus": facts.gpus.to_json() if facts.gpus is not None else None}
@@ -43,22 +45,27 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        console = Console(highlight=False)
-        if not console.is_terminal and "COLUMNS" not in os.environ:
-            console.width = 120  # a log or pipe: wider than the 80 columns rich assumes
-        print_report(report, console)
+        print_report(report, table_console(wide=args.wide, highlight=False), wide=args.wide)
     return report.exit_code
 
 
-def print_report(report: DoctorReport, console: Console) -> None:
-    """A table of every result, then the consequence and remedy of each one not ok."""
+def print_report(report: DoctorReport, console: Console, *, wide: bool = False) -> None:
+    """A table of every result, then the consequence and remedy of each one not ok.
+
+    The table has three columns (verdict, check, and "subject: summary"), whose last one wraps
+    at word boundaries to fit the console; ``wide``: the subject in a column of its own."""
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("verdict", no_wrap=True)
     table.add_column("check", no_wrap=True)
-    table.add_column("subject", overflow="fold")
-    table.add_column("summary", overflow="fold")
+    if wide:
+        table.add_column("subject", overflow="fold")
+    table.add_column("summary" if wide else "subject: summary", overflow="fold")
     for r in report.results:
-        table.add_row(Text(r.verdict.value, style=_STYLE[r.verdict]), r.check, Text(r.subject), Text(r.summary))
+        verdict = Text(r.verdict.value, style=_STYLE[r.verdict])
+        if wide:
+            table.add_row(verdict, r.check, Text(r.subject), Text(r.summary))
+        else:
+            table.add_row(verdict, r.check, Text(f"{r.subject}: {r.summary}" if r.subject else r.summary))
     console.print(table)
     problems = [r for r in report.results if r.verdict in (Verdict.FAIL, Verdict.DEGRADED)]
     if problems:

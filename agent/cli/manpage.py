@@ -68,9 +68,15 @@ def _option_items(parser: argparse.ArgumentParser) -> Iterator[str]:
         yield f".TP\n{head}\n{roff_text(help_text)}"
 
 
+USAGE_PREFIX = "usage: "
+
+
 def _usage(parser: argparse.ArgumentParser) -> str:
-    usage = parser.format_usage().strip()
-    return usage.removeprefix("usage: ")
+    """argparse's usage without its ``usage: `` prefix, the continuation lines moved left by
+    as much (argparse aligns them under the program name, after the prefix)."""
+    first, *rest = parser.format_usage().strip().splitlines()
+    indent = " " * len(USAGE_PREFIX)
+    return "\n".join([first.removeprefix(USAGE_PREFIX)] + [line.removeprefix(indent) for line in rest])
 
 
 def render_manpage(parser: argparse.ArgumentParser, *, summary: str, date: dt.date, see_also: list[str]) -> str:

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from viiwork.agent.cli.status import AgentAnswered, fetch_json
+from viiwork.agent.cli.tables import table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from viiwork.agent.config.schema import Config
@@ -54,7 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Sub-commands manage the mesh CA and this node's certificate.")
     add_target_args(mesh)
     mesh.add_argument("--json", action="store_true", help="print the agent's /v1/mesh document")
-    mesh.add_argument("--wide", action="store_true", help="every column: node id, summed slots, speeds (tokens/s), trust")
+    mesh.add_argument("--wide", action="store_true",
+                      help="every column: node id, summed slots, speeds (tokens/s), trust; no wrapping to the "
+                      "terminal's width")
     mesh.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
     mesh.set_defaults(func=run_show)
     sub = mesh.add_subparsers(dest="mesh_command", metavar="SUBCOMMAND")
@@ -263,8 +266,7 @@ def run_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    # Piped output keeps whole rows (rich would wrap at 80 columns).
-    render(doc, Console(width=None if sys.stdout.isatty() else 240), wide=args.wide)
+    render(doc, table_console(wide=args.wide), wide=args.wide)
     return 0
 
 

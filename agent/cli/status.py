@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from viiwork.agent.cli.tables import table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 
 
@@ -22,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Show an agent's models and backends: state, phase/progress while loading, slots busy/total.")
     add_target_args(parser)
     parser.add_argument("--json", action="store_true", help="print the agent's /v1/status document")
-    parser.add_argument("--wide", action="store_true", help="every column: engine, ctx/slot, pid, port")
+    parser.add_argument("--wide", action="store_true",
+                    help="every column: engine, ctx/slot, pid, port; no wrapping to the terminal's width")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
     parser.set_defaults(func=run)
 
@@ -142,5 +144,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        render(doc, Console(), wide=args.wide)
+        render(doc, table_console(wide=args.wide), wide=args.wide)
     return 0

@@ -55,3 +55,18 @@ def test_man_formats_the_pages_without_warnings(pages: dict[str, str], tmp_path:
                               env={"MANWIDTH": "80", "PATH": "/usr/bin:/bin", "MANPAGER": "cat"}, timeout=60)
         assert done.returncode == 0 and done.stderr == "", (name, done.stderr)
         assert name in done.stdout
+
+
+def test_synopsis_continuation_lines_align_under_the_options(pages: dict[str, str]) -> None:
+    page = pages["viiworkctl"]
+    block = page[page.index(".SS status\n.nf\n") + len(".SS status\n.nf\n"):]
+    first, second = block.splitlines()[:2]
+    assert first.startswith("viiworkctl status [")
+    # argparse indents by len("usage: viiworkctl status "); without the "usage: " prefix, by 7 less
+    assert len(second) - len(second.lstrip(" ")) == len("viiworkctl status ")
+
+
+def test_every_agent_option_has_help(pages: dict[str, str]) -> None:
+    for action in agent_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    assert "log level" in pages["viiwork-agent"]

@@ -1,0 +1,32 @@
+"""The console viiworkctl's tables print to: 100 columns unless told otherwise, or unbounded
+with ``--wide``.
+
+Without ``--wide`` a table fits the terminal's width (rich reads ``$COLUMNS``, else the
+terminal); into a pipe or a file, which has no width, 100 columns (rich would assume 80).
+Cells wrap at word boundaries; only a word longer than its column (a long path) is folded.
+With ``--wide`` every column is shown and nothing is wrapped to a width: each row is as wide
+as its cells, whatever the terminal (a wider row is the terminal's to wrap or scroll).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO
+
+from rich.console import Console
+
+PIPE_WIDTH = 100
+# rich wraps at the console's width; --wide asks for none, so a width no table reaches.
+UNBOUNDED_WIDTH = 10_000
+
+
+def table_console(*, wide: bool = False, highlight: bool = True, file: IO[str] | None = None) -> Console:
+    """A Console for a command's table and lines: ``wide`` False, the terminal's width (or
+    ``$COLUMNS``), else PIPE_WIDTH (100 columns) when the output is not a terminal; ``wide``
+    True, UNBOUNDED_WIDTH. ``file``: where to print (default stdout)."""
+    if wide:
+        return Console(width=UNBOUNDED_WIDTH, highlight=highlight, file=file)
+    console = Console(highlight=highlight, file=file)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPE_WIDTH
+    return console
