@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from viiwork import __version__
-from viiwork.agent.cli.target import TargetAmbiguous
+from viiwork.agent.cli.target import TargetError
 
 COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.status",
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except TargetAmbiguous as exc:
+    except TargetError as exc:
         print(f"viiworkctl {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

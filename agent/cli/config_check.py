@@ -1,4 +1,8 @@
-"""viiworkctl config check FILE | config show --config FILE: validate a config, show it whole.
+"""viiworkctl config check [FILE] | config show [FILE]: validate a config, show it whole.
+
+FILE may also be given as ``--config FILE``; without either, both take the config of the
+agent the other commands talk to (agent/cli/target.py: the one running local agent, found
+through its admin socket, else /etc/viiwork/viiwork.toml) and say on stderr which file that is.
 
 ``check`` runs the agent's own loader and, unless ``--offline``, asks this host what the
 agent will need of it (viiwork.agent.host.config_host: GPUs, model files, engine binaries,
@@ -15,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 from viiwork.agent.cli.quoting import quote_path
+from viiwork.agent.cli.target import candidates, find_config
 from viiwork.agent.config.effective import effective, render_toml, sources
 from viiwork.agent.config.load import (
     DEFAULT_CONFIG_PATH,
@@ -42,10 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--offline checks the file only (a config meant for another machine). "
             f"FILE must be a regular file of at most {MAX_CONFIG_BYTES // 2**20} MiB. "
             "A valid file with no [[models]] (an empty file too) gets a warning and exit 2: "
-            "the agent accepts it but serves nothing."
+            "the agent accepts it but serves nothing. "
+            f"Without FILE: the running local agent's config (as `viiworkctl status` finds it), else {DEFAULT_CONFIG_PATH}."
         ),
     )
-    check.add_argument("file", type=Path)
+    _file_args(check)
     check.add_argument("--offline", action="store_true", help="check the file only, not this host")
     check.add_argument("--json", action="store_true", help="machine-readable result")
     check.set_defaults(func=run_check)
@@ -55,14 +61,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Print the config the agent would run: every key, defaults filled in, as TOML with a "
             "'# from file' or '# default' comment on each key (an unset key as a comment line), "
-            "or with --json as {\"config\": ..., \"sources\": {\"api.listen\": \"file\", ...}}."
+            "or with --json as {\"config\": ..., \"sources\": {\"api.listen\": \"file\", ...}}. "
+            f"Without FILE: the running local agent's config (as `viiworkctl status` finds it), else {DEFAULT_CONFIG_PATH}."
         ),
     )
-    show.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
-                      help=f"agent config (default {DEFAULT_CONFIG_PATH})")
+    _file_args(show)
     show.add_argument("--json", action="store_true", help="JSON with a parallel sources map")
     show.set_defaults(func=run_show)
     config.set_defaults(func=lambda args: (config.print_help(), 2)[1])
+
+
+def _file_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, nargs="?", metavar="FILE",
+                        help="the config file (default: the running local agent's, else "
+                             f"{DEFAULT_CONFIG_PATH})")
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE", help="the same as FILE")
+
+
+def config_file(args: argparse.Namespace, command: str) -> Path | None:
+    """FILE or ``--config FILE``, else the target agent's config (agent/cli/target.py), named
+    on stderr with how it was found. None (after one error line) when FILE and --config name
+    different files. Raises TargetAmbiguous."""
+    if args.file and args.config and args.file != args.config:
+        print(f"viiworkctl config {command}: FILE {args.file} and --config {args.config} differ: give one",
+              file=sys.stderr)
+        return None
+    if args.file or args.config:
+        return Path(args.file or args.config)
+    path, how = find_config(args)
+    print(f"viiworkctl config {command}: using {path} ({how})", file=sys.stderr)
+    return path
 
 
 NO_MODELS = "no [[models]] configured: the agent starts but serves nothing"
@@ -85,7 +113,12 @@ def _load(file: Path) -> tuple[Config, str]:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Exit 0: valid, with models; 1: errors (each on stderr); 2: valid but no models."""
+    """Exit 0: valid, with models; 1: errors (each on stderr); 2: valid but no models, or
+    FILE and --config differ."""
+    file = config_file(args, "check")
+    if file is None:
+        return 2
+    args.file = file
     try:
         cfg, text = _load(args.file)
     except ConfigError as exc:
@@ -93,7 +126,8 @@ def run_check(args: argparse.Namespace) -> int:
     if not args.offline:
         from viiwork.agent.host.config_host import host_issues
 
-        issues = host_issues(args.file, cfg, text)
+        others = [(c.what, c.admin_socket) for c in candidates() if c.config.resolve() != args.file.resolve()]
+        issues = host_issues(args.file, cfg, text, other_agents=others)
         if issues:
             return _errors(args.file, issues, args.json)
     backends = sum(m.backend_count for m in cfg.models)
@@ -115,7 +149,12 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    """Exit 0 with the effective config on stdout; 1 with the file's errors on stderr."""
+    """Exit 0 with the effective config on stdout; 1 with the file's errors on stderr; 2 when
+    FILE and --config differ."""
+    file = config_file(args, "show")
+    if file is None:
+        return 2
+    args.config = file
     try:
         cfg, text = _load(args.config)
     except ConfigError as exc:

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _unit_from_agent(args: argparse.Namespace) -> tuple[str | None, bool]:
     """(unit name or None, whether the agent answered)."""
     try:
-        doc = fetch_json(agent_url(args) + "/v1/status", 3.0)
+        doc = fetch_json(agent_url(args, require_running=False) + "/v1/status", 3.0)
     except ConnectionError:
         return None, False
     for model in doc.get("models", []):

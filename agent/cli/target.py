@@ -12,6 +12,10 @@ A candidate runs when its admin socket accepts a connection (or refuses us for p
 someone listens there). One running candidate is the target; two are ambiguous, and the
 command stops with one line naming both and the flag to choose; none: the system config
 when it exists (its errors then say what is wrong), else the defaults (127.0.0.1:8086).
+
+``--config FILE`` names an agent, not only an address: a command that talks to the running
+agent (``agent_url(args)``) stops with one line when nothing answers on that config's admin
+socket, rather than show whichever agent holds its ``api.listen`` port.
 """
 
 from __future__ import annotations
@@ -29,8 +33,18 @@ from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
 DEFAULT_URL = "http://127.0.0.1:8086"
 
 
-class TargetAmbiguous(Exception):
+class TargetError(Exception):
+    """viiworkctl cannot tell which agent to talk to, or the one asked for does not run; the
+    message says why and which flag chooses."""
+
+
+class TargetAmbiguous(TargetError):
     """More than one local agent runs and no flag says which; the message lists them."""
+
+
+class TargetNotRunning(TargetError):
+    """``--config FILE`` was given, and no agent answers on that config's admin socket (or
+    the file cannot be read)."""
 
 
 @dataclass(frozen=True)
@@ -80,20 +94,28 @@ def candidates() -> list[Candidate]:
     return found
 
 
-def config_path(args: argparse.Namespace) -> Path:
-    """The config file of the agent to talk to: ``--config``, else the one running local agent
-    (see the module docstring), else DEFAULT_CONFIG_PATH. Raises TargetAmbiguous."""
+def find_config(args: argparse.Namespace) -> tuple[Path, str]:
+    """The config file of the agent to talk to, and how it was found, in words for a message:
+    ``--config``, else the one running local agent (see the module docstring), else
+    DEFAULT_CONFIG_PATH. Raises TargetAmbiguous."""
     explicit = getattr(args, "config", None)
     if explicit:
-        return Path(explicit)
+        return Path(explicit), "given with --config"
     known = candidates()
     running = [c for c in known if socket_answers(c.admin_socket)]
     if len(running) > 1:
         raise TargetAmbiguous("several agents run here: " + "; ".join(
             f"{c.what}, admin socket {c.admin_socket}" for c in running) + ": choose one with --config FILE")
     if running:
-        return running[0].config
-    return DEFAULT_CONFIG_PATH
+        name = running[0].what.partition(" (")[0].removeprefix("the ")
+        return running[0].config, f"the running {name}'s config, found through its admin socket " \
+            f"{running[0].admin_socket}"
+    return DEFAULT_CONFIG_PATH, "the default: no local agent runs"
+
+
+def config_path(args: argparse.Namespace) -> Path:
+    """``find_config(args)``'s path. Raises TargetAmbiguous."""
+    return find_config(args)[0]
 
 
 def load_target_config(args: argparse.Namespace) -> Config | None:
@@ -108,18 +130,28 @@ def load_target_config(args: argparse.Namespace) -> Config | None:
         return None
 
 
-def agent_url(args: argparse.Namespace) -> str:
-    """The agent's base URL, without a trailing slash. Raises TargetAmbiguous."""
+def agent_url(args: argparse.Namespace, *, require_running: bool = True) -> str:
+    """The agent's base URL, without a trailing slash. With ``--config FILE`` (and no
+    ``--url``/$VIIWORK_URL) and ``require_running``, the agent of FILE must answer on its
+    admin socket. Raises TargetAmbiguous; TargetNotRunning (FILE unreadable, or its agent not
+    running while ``require_running``)."""
     if getattr(args, "url", None):
         return args.url.rstrip("/")
     if os.environ.get("VIIWORK_URL"):
         return os.environ["VIIWORK_URL"].rstrip("/")
     try:
         config = load_target_config(args)
-    except ConfigError:
+    except ConfigError as exc:
+        if require_running:
+            raise TargetNotRunning(f"cannot use --config {args.config}: {exc}") from None
         return DEFAULT_URL
     if config is None:
         return DEFAULT_URL
+    if getattr(args, "config", None) and require_running and not socket_answers(config.api.admin_socket):
+        raise TargetNotRunning(
+            f"the agent of {args.config} does not run: nothing answers on its admin socket "
+            f"{config.api.admin_socket} (so whatever may answer on its api.listen {config.api.listen} is "
+            "another agent); start it, or choose another agent with --config or --url")
     host, port = parse_hostport(config.api.listen)
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,11 @@ HOST_CHECKS = ("config.gpus", "model.path", "engine.binary")
 _LINE_SUFFIX = re.compile(r" \(line \d+\)$")
 
 
-def host_issues(path: str | Path, config: Config, text: str | None = None) -> list[ConfigIssue]:
-    """Every problem of ``config`` (read from ``path``) on this host; empty when it can run here."""
+def host_issues(path: str | Path, config: Config, text: str | None = None, *,
+                other_agents: Sequence[tuple[str, Path]] = ()) -> list[ConfigIssue]:
+    """Every problem of ``config`` (read from ``path``) on this host; empty when it can run here.
+    ``other_agents``: (name in messages, admin socket) of other viiwork agents a port may be
+    held by (see ``port_issues``)."""
     facts = gather_facts(path, url=None, read_versions=False)
     report = run_checks(facts, [c for c in REGISTRY if c.id in HOST_CHECKS], agent=False)
     issues = []
@@ -48,7 +52,7 @@ def host_issues(path: str | Path, config: Config, text: str | None = None) -> li
         if result.subject and summary.startswith(f"{result.subject}: "):
             summary = _LINE_SUFFIX.sub("", summary[len(result.subject) + 2:])
         issues.append(ConfigIssue(where, f"{summary}; {result.consequence}", line))
-    issues.extend(port_issues(config, text))
+    issues.extend(port_issues(config, text, other_agents=other_agents))
     return issues
 
 
@@ -90,8 +94,11 @@ def listeners(config: Config) -> list[Listener]:
     return out
 
 
-def port_issues(config: Config, text: str | None = None, *, proc: str | Path = "/proc") -> list[ConfigIssue]:
-    """Each listen port of the config that another process holds, or that cannot be bound here."""
+def port_issues(config: Config, text: str | None = None, *, proc: str | Path = "/proc",
+                other_agents: Sequence[tuple[str, Path]] = ()) -> list[ConfigIssue]:
+    """Each listen port of the config that another process holds, or that cannot be bound here.
+    A port held by one of ``other_agents`` ((name, admin socket): a running viiwork agent, found
+    as this config's own is) is named with that agent's name, admin socket and pid."""
     owner = agent_pid(config.api.admin_socket)
     # None: the agent's open files cannot be read (another user): its ports cannot be told
     # from another process's, and are taken as its own.
@@ -104,7 +111,12 @@ def port_issues(config: Config, text: str | None = None, *, proc: str | Path = "
         if problem == "in use" and (held is None or held & port_inodes(listener.port, proc)):
             continue  # this config's own agent holds it
         address = f"{listener.host}:{listener.port}"
-        if problem == "in use":
+        holder = _agent_holding(listener.port, other_agents, proc) if problem == "in use" else None
+        if holder is not None:
+            name, sock, pid = holder
+            message = (f"port {listener.port} ({address}) is held by {name}, a running viiwork agent (admin socket "
+                       f"{sock}, pid {pid}): stop it or set {'.'.join(listener.path)} to another port")
+        elif problem == "in use":
             message = (f"port {listener.port} is in use on this host ({address}) by another process than "
                        "this config's agent (none answers on its admin socket "
                        f"{config.api.admin_socket})" if owner is None else
@@ -114,6 +126,17 @@ def port_issues(config: Config, text: str | None = None, *, proc: str | Path = "
             message = f"cannot listen on {address}: {problem}"
         issues.append(ConfigIssue(listener.path, message, line_of(text, listener.path) if text else None))
     return issues
+
+
+def _agent_holding(port: int, agents: Sequence[tuple[str, Path]],
+                   proc: str | Path) -> tuple[str, Path, int] | None:
+    """(name, admin socket, pid) of the first of ``agents`` that runs and listens on ``port``."""
+    for name, sock in agents:
+        pid = agent_pid(sock)
+        held = listening_inodes(pid, proc) if pid is not None else None
+        if pid is not None and held and held & port_inodes(port, proc):
+            return name, sock, pid
+    return None
 
 
 def bind_problem(host: str, port: int) -> str | None:

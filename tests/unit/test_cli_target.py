@@ -115,3 +115,75 @@ def test_mesh_table_fits(width: int) -> None:
     assert max(len(line) for line in text.splitlines()) <= width
     wide = _text(mesh_cli.render, MESH_DOC, 240, wide=True)
     assert "node-" + "0" * 32 in wide and "trust" in wide
+
+
+def test_status_wide_is_not_cut_by_the_terminal(demo: tuple[Agent, dict[str, str]]) -> None:
+    _, env = demo  # COLUMNS=100, the width that used to wrap --wide's headers
+    wide = ctl(env, "status", "--wide")
+    assert wide.returncode == 0, wide.stderr
+    header = next(line for line in wide.stdout.splitlines() if "model" in line and "respawns" in line)
+    for col in ("engine", "backend state", "ctx/slot", "pid", "port", "respawns"):
+        assert col in header
+    assert any(MODEL in line for line in wide.stdout.splitlines())  # the name whole, not folded
+    plain = ctl(env, "status")
+    assert max(len(line) for line in plain.stdout.splitlines()) <= 100
+
+
+def test_models_has_a_header_row(demo: tuple[Agent, dict[str, str]]) -> None:
+    _, env = demo
+    models = ctl(env, "models")
+    assert models.returncode == 0, models.stderr
+    lines = models.stdout.splitlines()
+    assert lines[0].split() == ["model", "engine", "state", "backends"]
+    assert lines[1].split()[:3] == [MODEL, "llamacpp", "running"]
+
+
+@pytest.mark.parametrize("command", ["check", "show"])
+def test_config_commands_find_the_running_demo(demo: tuple[Agent, dict[str, str]], command: str) -> None:
+    agent, env = demo
+    demo_file = Path(env["XDG_STATE_HOME"]) / "viiwork-demo" / DEMO_CONFIG_FILE
+    found = ctl(env, "config", command)
+    assert found.returncode == 0, found.stderr
+    assert f"using {demo_file} (the running demo's config, found through its admin socket" in found.stderr
+    assert str(demo_file) in found.stdout
+    for form in ([str(demo_file)], ["--config", str(demo_file)]):
+        given = ctl(env, "config", command, *form)
+        assert given.returncode == 0, given.stderr
+        assert "using" not in given.stderr and str(demo_file) in given.stdout
+    both = ctl(env, "config", command, str(demo_file), "--config", "/nonexistent.toml")
+    assert both.returncode == 2 and "differ" in both.stderr
+
+
+def _other_config(agent: Agent, tmp_path: Path) -> Path:
+    """A config on the demo's API port whose own agent does not run (its admin socket is elsewhere)."""
+    other = tmp_path / "other.toml"
+    other.write_text(f'[api]\nlisten = "{agent.url.removeprefix("http://")}"\n'
+                     f'admin_socket = "{tmp_path / "other-admin.sock"}"\n')
+    return other
+
+
+def test_status_with_config_talks_to_that_agent_only(demo: tuple[Agent, dict[str, str]], tmp_path: Path) -> None:
+    agent, env = demo
+    other = _other_config(agent, tmp_path)
+    status = ctl(env, "status", "--config", str(other))
+    assert status.returncode == 1
+    assert f"the agent of {other} does not run: nothing answers on its admin socket" in status.stderr
+    assert "viiwork-demo" not in status.stdout
+    missing = ctl(env, "status", "--config", str(tmp_path / "missing.toml"))
+    assert missing.returncode == 1 and "cannot use --config" in missing.stderr
+    demo_file = Path(env["XDG_STATE_HOME"]) / "viiwork-demo" / DEMO_CONFIG_FILE
+    mine = ctl(env, "status", "--config", str(demo_file), "--json")
+    assert mine.returncode == 0, mine.stderr
+    assert json.loads(mine.stdout)["node"]["name"] == "viiwork-demo"
+
+
+def test_port_held_by_the_demo_names_it(demo: tuple[Agent, dict[str, str]], tmp_path: Path) -> None:
+    agent, env = demo
+    other = _other_config(agent, tmp_path)
+    check = ctl(env, "config", "check", str(other))
+    assert check.returncode == 1
+    port = agent.url.rpartition(":")[2]
+    sock = Path(env["XDG_STATE_HOME"]) / "viiwork-demo" / "admin.sock"
+    assert f"port {port} (127.0.0.1:{port}) is held by the demo (" in check.stderr
+    assert f"a running viiwork agent (admin socket {sock}, pid {agent.proc.pid}): stop it or set api.listen" \
+        in check.stderr
