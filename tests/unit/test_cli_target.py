@@ -24,6 +24,7 @@ from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
 from viiwork.agent.cli import mesh as mesh_cli
 from viiwork.agent.cli import status as status_cli
+from viiwork.agent.cli.tables import UNBOUNDED_WIDTH
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 
 MODEL = "smollm2-with-a-long-model-name"
@@ -113,7 +114,7 @@ def test_mesh_table_fits(width: int) -> None:
     text = _text(mesh_cli.render, MESH_DOC, width)
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
-    wide = _text(mesh_cli.render, MESH_DOC, 240, wide=True)
+    wide = _text(mesh_cli.render, MESH_DOC, UNBOUNDED_WIDTH, wide=True)  # the width --wide prints at
     assert "node-" + "0" * 32 in wide and "trust" in wide
 
 
