@@ -25,9 +25,10 @@ from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
+from viiwork.agent.auth.gate import AuthGate, AuthStartError
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
-from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
+from viiwork.agent.config.schema import ApiConfig, Config, is_loopback, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
@@ -191,6 +192,12 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         # a local backend ejected again and again is reported to the supervisor, which respawns it.
         ejections = Ejections.from_config(supervisor.models, config.routing.outliers,
                                           report=supervisor.report_outlier)
+        try:
+            auth = _auth_gate(config, host)
+        except AuthStartError as exc:
+            log.error("client keys: %s", exc)
+            notifier.status(f"client keys: {exc}")
+            return 1
         mesh = None
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
@@ -214,6 +221,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             mesh=mesh,
             ejections=ejections,
             browser=BrowserGuard(browser_policy),
+            auth=auth,
         )
         if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status
@@ -302,6 +310,21 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         log.error("%s", refused[0])
         return EXIT_IDENTITY_CONFLICT
     return 0
+
+
+def _auth_gate(config: Config, api_host: str) -> AuthGate | None:
+    """The client-key gate of ``config`` (None: ``[auth] mode = "none"``), with the warnings
+    docs/security.md promises at start. Raises AuthStartError (agent/auth/gate.py)."""
+    if config.auth.mode == "none":
+        if not is_loopback(api_host):
+            log.warning("client keys are off ([auth] mode = \"none\") and the API listens on %s: anyone who "
+                        "reaches it can use every model; set [auth] mode = \"keys\" (docs/security.md, "
+                        "\"Client keys\")", config.api.listen)
+        return None
+    if config.mesh is not None and config.mesh.trust == "open":  # allowed only with allow_open_mesh
+        log.warning("client keys are on in an open mesh (auth.allow_open_mesh): any host that knows mesh id %r "
+                    "can join and receive forwarded keys; use trust = \"ca\" outside labs", config.mesh.mesh_id)
+    return AuthGate.from_config(config)
 
 
 async def _stop_serving(api: ClientApi, runner: Runner, notifier: Notifier, config: Config,

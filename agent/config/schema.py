@@ -366,6 +366,21 @@ class MeshConfig(_Strict):
         return self
 
 
+class AuthConfig(_Strict):
+    """Client keys (docs/security.md, "Client keys"). Absent section: ``mode = "none"``."""
+
+    mode: Literal["none", "keys"] = "none"
+    issuer_keys: Path = Field(default=Path("/etc/viiwork/issuer.pub"), strict=False)
+    issuer: str = Field(default="viiwork-issuer", min_length=1, max_length=253)
+    audience: str | None = Field(default=None, min_length=1, max_length=253)
+    leeway_s: float = Field(default=60.0, ge=0, le=3600.0)
+    open_loopback_reads: bool = False
+    allow_open_mesh: bool = False
+    max_tracked_keys: int = Field(default=65536, ge=1, le=10_000_000)
+
+    _issuer_keys = field_validator("issuer_keys")(classmethod(lambda cls, v: _absolute(v, "issuer_keys")))
+
+
 GpuRef = Annotated[int | str, Field(union_mode="left_to_right")]
 
 
@@ -512,7 +527,7 @@ class ModelConfig(_Strict):
 
 
 class Config(_Strict):
-    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, models."""
+    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, auth, models."""
 
     node: NodeConfig = Field(default_factory=NodeConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
@@ -520,6 +535,7 @@ class Config(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     models: list[ModelConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -537,7 +553,31 @@ class Config(_Strict):
                 owner[str(g)] = m.name
         if self.mesh is not None:
             _check_summary_fits(self)
+        _check_auth(self)
         return self
+
+
+def _check_auth(config: Config) -> None:
+    """Keys mode needs a mesh whose members are vetted, and an audience every node shares."""
+    if config.auth.mode != "keys" or config.mesh is None:
+        return
+    if config.mesh.trust == "open" and not config.auth.allow_open_mesh:
+        raise PathError(("auth", "mode"), (
+            "mode = \"keys\" needs mesh trust = \"ca\": in open mode anyone who knows the mesh id is a member "
+            "and receives forwarded keys; set auth.allow_open_mesh = true to run it anyway (labs)"))
+    if config.auth.audience is None and not config.mesh.mesh_id:
+        raise PathError(("auth", "audience"), (
+            "not set and [mesh] has no mesh_id: set auth.audience (or mesh.mesh_id) to the audience "
+            "the mesh's keys are issued for (`viiworkctl keys issue --audience`)"))
+
+
+def auth_audience(config: Config) -> str:
+    """The ``aud`` this node accepts: ``auth.audience``, else the mesh id, else the node name."""
+    if config.auth.audience is not None:
+        return config.auth.audience
+    if config.mesh is not None and config.mesh.mesh_id:
+        return config.mesh.mesh_id
+    return config.node.name
 
 
 _HOST_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")

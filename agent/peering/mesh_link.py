@@ -48,6 +48,7 @@ import aiohttp
 from aiohttp import web
 
 from viiwork import __version__
+from viiwork.agent.auth.gate import forward_headers
 from viiwork.agent.config.schema import Config
 from viiwork.agent.host.gpus import GpuInventory
 from viiwork.agent.peering.offers import OFFER_HEADER, WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
@@ -414,7 +415,9 @@ class MeshLink:
                       " (offered slot)" if offer_id else "")
             # expect_node: refused before a byte is sent unless the TLS peer is that node
             # (viiwork.mesh.dialing); a refusal routes it again.
-            extra = {"X-Viiwork-Origin": self.config.node.name, **expect_node(target.node_id)}
+            # The client's key travels with the request: the peer verifies it again (agent/auth/gate.py).
+            extra = {"X-Viiwork-Origin": self.config.node.name, **expect_node(target.node_id),
+                     **forward_headers(call.request)}
             if offer_id is not None:
                 extra[OFFER_HEADER] = offer_id
             try:

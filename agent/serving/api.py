@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from viiwork import __version__
+from viiwork.agent.auth.gate import AuthGate
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
@@ -90,6 +91,7 @@ class ClientApi:
         mesh: MeshLink | None = None,
         ejections: Ejections | None = None,
         browser: BrowserGuard | None = None,
+        auth: AuthGate | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
@@ -132,6 +134,11 @@ class ClientApi:
         # /metrics: a registry of this API's own, read at scrape time (agent/serving/metrics.py);
         # its request histograms join ``observers``.
         self.registry, self.histograms = build_registry(self)
+        # Client keys (agent/auth/gate.py): None when [auth] mode is "none".
+        self.auth = auth
+        if auth is not None:
+            self.metric_sources.append(auth.metric_families)
+            self.extra_status["auth"] = auth.status
 
     @property
     def draining(self) -> bool:
@@ -159,8 +166,12 @@ class ClientApi:
 
     def build_app(self) -> web.Application:
         # Bodies are bounded by our own check (413 JSON); aiohttp's limit is a backstop.
-        # Every route, the dashboard's and the 404 included, is behind the browser checks.
-        app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=[self.browser.middleware()])
+        # Every route, the dashboard's and the 404 included, is behind the browser checks,
+        # then (keys mode) the client-key gate.
+        middlewares = [self.browser.middleware()] + ([self.auth.middleware] if self.auth is not None else [])
+        app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=middlewares)
+        if self.auth is not None:
+            app.on_response_prepare.append(self.auth.on_response_prepare)
         for path in _KIND_OF_PATH:
             resource = app.router.add_resource(path)
             resource.add_route("POST", self.handle_inference)
@@ -217,6 +228,8 @@ class ClientApi:
             message = "'model' is required and must be a string"
             return self._refused_early(started, error_response(400, message, param="model",
                                                                code=ErrorCode.MISSING_MODEL), message)
+        if self.auth is not None and (refusal := self.auth.admit(request, model, payload)) is not None:
+            return self._refused_early(started, refusal, "client key refused")
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
@@ -250,6 +263,8 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
                                   param="model", code=ErrorCode.MISSING_MODEL)
+        if self.auth is not None and (refusal := self.auth.check_forwarded(request, model)) is not None:
+            return refusal
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id)
         return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
@@ -270,7 +285,7 @@ class ClientApi:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if self.mesh is not None:
-            return web.json_response({"object": "list", "data": self.mesh.models()})
+            return web.json_response({"object": "list", "data": self._visible(request, self.mesh.models())})
         data = []
         for name, rt in sorted(self.runtimes.items()):
             ctx = rt.ctx_per_slot
@@ -279,7 +294,11 @@ class ClientApi:
                 "kind": rt.config.kind.value, "engine": rt.config.engine,
                 "max_model_len": ctx, "context_length": ctx,
             })
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": self._visible(request, data)})
+
+    def _visible(self, request: web.Request, data: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The models the request's client key allows (all of them with keys off)."""
+        return data if self.auth is None else self.auth.visible_models(request, data)
 
     async def handle_mesh(self, request: web.Request) -> web.Response:
         """GET /v1/mesh: every node this node knows, with liveness, age and models."""

@@ -51,8 +51,10 @@ def render_config(sections: dict[str, dict[str, Any]], models: list[dict[str, An
 class Agent:
     """A running agent: ``url``, ``status()``, ``wait_for(predicate)``, ``log_text()``."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path, state_dir: Path | None = None) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, state_dir: Path | None = None,
+                 api_key: str | None = None) -> None:
         self.proc = proc
+        self.api_key = api_key  # a client key with the read scope, for an agent in keys mode
         self.url = url
         self.log = log
         self.state_dir = state_dir
@@ -107,7 +109,8 @@ class Agent:
 
 
     def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}/v1/status", timeout=5) as r:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with urllib.request.urlopen(urllib.request.Request(f"{self.url}/v1/status", headers=headers), timeout=5) as r:
             return json.load(r)
 
     def model(self, name: str) -> dict[str, Any]:
@@ -145,12 +148,14 @@ class Agent:
 
 @contextmanager
 def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
-              extra: dict[str, dict[str, Any]] | None = None, port: int | None = None) -> Iterator[Agent]:
+              extra: dict[str, dict[str, Any]] | None = None, port: int | None = None,
+              api_key: str | None = None) -> Iterator[Agent]:
     """Write a config for ``models`` and run ``viiwork-agent --config`` on a free port.
 
     A port found free can be taken by another process before the agent binds it (engines of
     other agents pick loopback ports too): when the agent exits because its API port was
     taken, it is started again on a new one (up to 3 tries; not when ``port`` is given).
+    ``api_key``: a client key with the read scope, for an agent in keys mode (``Agent.status``).
     """
     fixed = port is not None
     log = workdir / f"{name}.log"
@@ -161,7 +166,7 @@ def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
         with open(log, "ab") as out:
             proc = subprocess.Popen([str(agent_bin), "--config", str(config), "--log-level", "debug"],
                                     stdout=out, stderr=subprocess.STDOUT)
-        agent = Agent(proc, f"http://127.0.0.1:{port}", log, workdir / name)
+        agent = Agent(proc, f"http://127.0.0.1:{port}", log, workdir / name, api_key)
         try:
             agent.wait_for(lambda doc: True, 30, "the API to answer")
         except AssertionError:

@@ -8,7 +8,8 @@ A ``--host`` ending in ``.sock`` binds that Unix socket instead of a TCP port (a
 With ``--api-key-file`` it refuses (401) every request without one of the file's keys as
 ``Authorization: Bearer``, except ``/health``, ``/models``, ``/v1/models`` (llama-server's
 public routes) and ``/fake/stats``, which counts the refusals (``unauthorized``) and lists
-the ``Authorization`` headers of the last 50 POSTs (``authorizations``).
+the ``Authorization`` and ``x-api-key`` headers of the last 50 POSTs (``authorizations``,
+``x_api_keys``).
 
 What it mimics (shapes as captured from a real llama-server build):
 
@@ -178,6 +179,7 @@ class Engine:
     api_keys: frozenset[str] = frozenset()
     refused_unauthorized: int = 0
     authorizations: list[str] = field(default_factory=list)
+    x_api_keys: list[str] = field(default_factory=list)  # the x-api-key header of each POST ("" when absent)
 
     def loaded(self) -> bool:
         return time.monotonic() - self.started >= self.knobs.load_s
@@ -352,7 +354,8 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({"cancelled": engine.cancelled, "in_flight": engine.in_flight,
                               "busy": sum(engine.busy), "requests": engine.requests_total,
                               "unauthorized": engine.refused_unauthorized,
-                              "authorizations": engine.authorizations[-50:]})
+                              "authorizations": engine.authorizations[-50:],
+                              "x_api_keys": engine.x_api_keys[-50:]})
 
 
 # As llama-server: with --api-key-file every route but these needs "Authorization: Bearer <key>"
@@ -365,6 +368,7 @@ async def require_key(request: web.Request, handler):  # type: ignore[no-untyped
     engine = request.app[ENGINE_KEY]
     if request.method == "POST":
         engine.authorizations.append(request.headers.get("Authorization", ""))
+        engine.x_api_keys.append(request.headers.get("x-api-key", ""))
     if engine.api_keys and request.path not in PUBLIC_PATHS:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ")
         if given not in engine.api_keys:

@@ -1,0 +1,250 @@
+"""Per-key limits on this node: requests per minute, tokens per minute, requests in flight.
+
+Windows are fixed and aligned to the wall clock: window ``w`` is ``[60 w, 60 (w + 1))`` seconds
+since the epoch (UTC), so every node of a mesh (NTP-synchronised) counts the same minute under
+the same number. A key's ``rpm`` and ``tpm`` count what it was admitted in the current window;
+the counts start again at 0 when the next window begins (a fixed window, not a sliding one: a
+client can get at most twice its limit across one window boundary, the price of a state of
+four integers per key, which a mesh can add up node by node).
+
+Tokens are debited before admission from an estimate (``estimate_tokens``: prompt characters
+/ 4 + ``max_tokens``); :meth:`Limiter.finish` replaces the estimate with the real count when
+the caller knows it (the engine's ``usage``), in the window the request was admitted in.
+
+Mesh-wide limits (issue 17, item 6) build on :meth:`Limiter.note_peer_usage`: the
+consumption peers report for a key in a window is added to this node's own when it decides,
+and never reported onward (a node reports only what it admitted itself: ``own_usage``).
+
+Memory is bounded: the state of at most ``max_keys`` keys is kept, least recently used
+dropped first (never a key with requests in flight); a dropped key starts its window again
+at 0. Not thread-safe: one owner (the agent's loop).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from viiwork.agent.auth.claims import KeyClaims
+
+WINDOW_S = 60
+DEFAULT_MAX_KEYS = 65536
+
+
+def _wall_clock() -> float:
+    return time.time()
+
+
+def estimate_tokens(payload: Mapping[str, Any]) -> int:
+    """A request's tokens before it runs: characters of its prompt / 4 (rounded up) plus the
+    completion it may ask for (``max_tokens``, else ``max_completion_tokens``, else 0).
+
+    The prompt is the text of ``messages`` (string contents and ``text`` parts), ``prompt``
+    (a string or strings) or ``input`` (embeddings: a string or strings). Returns >= 1.
+    """
+    chars = 0
+    for text in _texts(payload):
+        chars += len(text)
+    limit = payload.get("max_tokens", payload.get("max_completion_tokens"))
+    completion = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+    return max(1, math.ceil(chars / 4) + completion)
+
+
+def _texts(payload: Mapping[str, Any]) -> Iterator[str]:
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                yield content
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        yield part["text"]
+    for name in ("prompt", "input"):
+        value = payload.get(name)
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            yield from (v for v in value if isinstance(v, str))
+
+
+@dataclass(slots=True)
+class _KeyState:
+    window: int
+    requests: int = 0  # admitted here in ``window``
+    tokens: int = 0  # debited here in ``window`` (estimates, then real counts)
+    in_flight: int = 0
+    peer_requests: int = 0  # reported by peers for ``window`` (note_peer_usage)
+    peer_tokens: int = 0
+
+    def roll(self, window: int) -> None:
+        if window != self.window:
+            self.window, self.requests, self.tokens = window, 0, 0
+            self.peer_requests = self.peer_tokens = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What a key has left in the current window: the ``x-ratelimit-*`` headers' figures.
+    ``None``: the key has no such limit (its headers are left out)."""
+
+    limit_requests: int | None
+    remaining_requests: int | None
+    limit_tokens: int | None
+    remaining_tokens: int | None
+    reset_s: float  # seconds until the window ends
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's header names; ``reset`` as a duration (``"12ms"``, ``"7.5s"``, ``"1m0s"``)."""
+        out: dict[str, str] = {}
+        for what, limit, remaining in (("requests", self.limit_requests, self.remaining_requests),
+                                       ("tokens", self.limit_tokens, self.remaining_tokens)):
+            if limit is not None and remaining is not None:
+                out[f"x-ratelimit-limit-{what}"] = str(limit)
+                out[f"x-ratelimit-remaining-{what}"] = str(max(0, remaining))
+                out[f"x-ratelimit-reset-{what}"] = format_duration(self.reset_s)
+        return out
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` (>= 0) as OpenAI writes a reset time: ``"250ms"``, ``"7.5s"``, ``"1m0s"``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(round(seconds, 3), 60)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+class LimitExceeded(Exception):
+    """A request refused by its key's limit: ``limit`` is ``requests``, ``tokens`` or
+    ``concurrency``; ``retry_after_s`` whole seconds (>= 1); ``quota`` for the headers."""
+
+    def __init__(self, limit: str, message: str, retry_after_s: int, quota: Quota) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.quota = quota
+
+
+@dataclass(slots=True)
+class Admission:
+    """An admitted request: give it back to :meth:`Limiter.finish` when it ends (once)."""
+
+    jti: str
+    window: int
+    tokens: int  # debited so far (the estimate)
+    quota: Quota
+    state: _KeyState | None  # None: the key has no limit of its own (nothing tracked)
+    done: bool = False
+
+
+class Limiter:
+    """The limits of every key seen on this node (see the module doc).
+
+    ``max_keys``: keys whose state is kept (>= 1). ``clock``: seconds since the epoch.
+    ``refused`` counts refusals by limit (requests, tokens, concurrency).
+    """
+
+    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, clock: Callable[[], float] = _wall_clock) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self.max_keys = max_keys
+        self.clock = clock
+        self.refused: Counter[str] = Counter()
+        self._keys: OrderedDict[str, _KeyState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _state(self, jti: str, window: int) -> _KeyState:
+        state = self._keys.get(jti)
+        if state is None:
+            state = self._keys[jti] = _KeyState(window)
+            self._evict()
+        else:
+            self._keys.move_to_end(jti)
+            state.roll(window)
+        return state
+
+    def _evict(self) -> None:
+        if len(self._keys) <= self.max_keys:
+            return
+        for jti, state in self._keys.items():  # oldest first
+            if state.in_flight == 0:
+                del self._keys[jti]
+                return
+        # Every kept key has a request in flight: over the cap by at most the requests in flight.
+
+    def admit(self, claims: KeyClaims, tokens: int) -> Admission:
+        """Admit a request of ``claims``' key that may cost ``tokens`` (estimate_tokens).
+
+        Returns an Admission (debited: one request, ``tokens``, one in flight). Raises
+        LimitExceeded when ``rpm`` or ``tpm`` would be passed in this window (retry when it ends)
+        or ``concurrency`` requests are in flight (retry in 1 s); nothing is debited then.
+        """
+        now = self.clock()
+        window = math.floor(now / WINDOW_S)
+        reset_s = (window + 1) * WINDOW_S - now
+        if claims.rpm is None and claims.tpm is None and claims.concurrency is None:
+            return Admission(claims.jti, window, tokens, Quota(None, None, None, None, reset_s), None)
+        state = self._state(claims.jti, window)
+        used_requests = state.requests + state.peer_requests
+        used_tokens = state.tokens + state.peer_tokens
+
+        def quota(requests: int, spent: int) -> Quota:
+            return Quota(claims.rpm, None if claims.rpm is None else claims.rpm - requests,
+                         claims.tpm, None if claims.tpm is None else claims.tpm - spent, reset_s)
+
+        retry = max(1, math.ceil(reset_s))
+        if claims.rpm is not None and used_requests + 1 > claims.rpm:
+            self.refused["requests"] += 1
+            raise LimitExceeded("requests", f"key {claims.jti} reached its limit of {claims.rpm} requests per "
+                                f"minute; the window resets in {retry} s", retry, quota(used_requests, used_tokens))
+        if claims.tpm is not None and used_tokens + tokens > claims.tpm:
+            self.refused["tokens"] += 1
+            raise LimitExceeded("tokens", f"key {claims.jti} has {max(0, claims.tpm - used_tokens)} of its "
+                                f"{claims.tpm} tokens per minute left; this request may use about {tokens}",
+                                retry, quota(used_requests, used_tokens))
+        if claims.concurrency is not None and state.in_flight >= claims.concurrency:
+            self.refused["concurrency"] += 1
+            raise LimitExceeded("concurrency", f"key {claims.jti} has {state.in_flight} requests in flight, "
+                                f"its limit", 1, quota(used_requests, used_tokens))
+        state.requests += 1
+        state.tokens += tokens
+        state.in_flight += 1
+        return Admission(claims.jti, window, tokens, quota(used_requests + 1, used_tokens + tokens), state)
+
+    def finish(self, admission: Admission, tokens_used: int | None = None) -> None:
+        """``admission``'s request ended: it is no longer in flight; ``tokens_used`` (the engine's
+        usage; None: unknown) replaces its estimate if its window is still the current one."""
+        if admission.done:
+            return
+        admission.done = True
+        state = admission.state
+        if state is None:
+            return
+        state.in_flight = max(0, state.in_flight - 1)
+        if tokens_used is not None and state.window == admission.window:
+            state.tokens = max(0, state.tokens + tokens_used - admission.tokens)
+
+    def note_peer_usage(self, jti: str, window: int, requests: int, tokens: int) -> None:
+        """What peers admitted for ``jti`` in ``window`` (their sum, replacing the last report):
+        counted against the key's limits here too. A report for another window than the
+        current one is ignored."""
+        now_window = math.floor(self.clock() / WINDOW_S)
+        if window != now_window:
+            return
+        state = self._state(jti, window)
+        state.peer_requests, state.peer_tokens = max(0, requests), max(0, tokens)
+
+    def own_usage(self) -> dict[str, tuple[int, int, int]]:
+        """jti -> (window, requests, tokens) admitted by this node itself in the current window
+        (what it may report to peers)."""
+        window = math.floor(self.clock() / WINDOW_S)
+        return {jti: (s.window, s.requests, s.tokens) for jti, s in self._keys.items()
+                if s.window == window and (s.requests or s.tokens)}

@@ -1,0 +1,289 @@
+"""Client keys enforced by a real agent on loopback (issue 17 items 4 and 9; docs/security.md, "Client keys").
+
+One agent process in keys mode runs the fake llama-server; keys are made by the real
+``viiworkctl keys`` (issuer init, issue, revoke) or, for tokens no issuer would sign (expired,
+``alg: none``), by the issuing module and by hand. Every refusal goes through HTTP: 401
+``invalid_api_key`` per reason, 403 for a model or scope, 429 with OpenAI's headers after the
+key's rpm and at its concurrency; the key never reaches the engine (which records the headers
+it receives) nor the agent's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from support.agent import Agent, run_agent
+from support.engines import fake_engine_binary
+from viiwork.agent.auth.claims import KeyClaims
+from viiwork.agent.auth.issuing import load_issuer, new_jti, sign_key
+from viiwork.agent.auth.keyset import KeySet
+from viiwork.agent.auth.revocations import RevocationStore
+
+pytestmark = pytest.mark.timeout(120)
+
+AUD = "node-a"  # a standalone node's audience: its name
+
+
+def chat(model: str = "m", **extra: object) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def ctl(*args: str) -> str:
+    """``viiworkctl`` from this checkout; its stdout."""
+    done = subprocess.run([sys.executable, "-m", "viiwork.agent.cli", *args], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def issue(key: Path, *args: str, tenant: str = "acme", audience: str = AUD) -> str:
+    return ctl("keys", "issue", "--issuer-key", str(key), "--tenant", tenant, "--audience", audience,
+               *args).strip()
+
+
+def jti_of(token: str) -> str:
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["jti"]
+
+
+def request(url: str, doc: dict | None = None, headers: dict[str, str] | None = None,
+            ) -> tuple[int, dict, dict[str, str]]:
+    data = None if doc is None else json.dumps(doc).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if doc is None else "POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            raw, status, got = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, got = exc.read(), exc.code, dict(exc.headers)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {"text": raw.decode(errors="replace")}
+    return status, body, {k.lower(): v for k, v in got.items()}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+class Keys:
+    """The issuer of the module's agent, and keys of each kind."""
+
+    def __init__(self, directory: Path) -> None:
+        ctl("keys", "issuer", "init", "--out", str(directory))
+        self.key = directory / "issuer.key"
+        self.pub = directory / "issuer.pub"
+        self.good = issue(self.key, "--scope", "inference,read")
+        self.limited_models = issue(self.key, "--models", "m")
+        self.reader = issue(self.key, "--scope", "read")
+        self.inference_only = issue(self.key)
+        self.revoked = issue(self.key)
+        self.other_audience = issue(self.key, audience="some-other-mesh")
+        self.rpm3 = issue(self.key, "--rpm", "3")
+        self.concurrency1 = issue(self.key, "--concurrency", "1")
+        issuer = load_issuer(self.key)
+        claims = KeyClaims(iss=issuer.name, aud=(AUD,), jti=new_jti(), exp=int(time.time()) - 3600, tenant="acme")
+        self.expired = sign_key(issuer, claims)
+        head = base64.urlsafe_b64encode(json.dumps({"alg": "none", "typ": "JWT"}).encode()).rstrip(b"=").decode()
+        body = base64.urlsafe_b64encode(json.dumps(replace(claims, exp=int(time.time()) + 3600).to_payload())
+                                        .encode()).rstrip(b"=").decode()
+        self.alg_none = f"{head}.{body}."
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[tuple[Agent, Keys]]:
+    tmp = Path(tempfile.mkdtemp(prefix="viiwork-auth-", dir="/tmp"))
+    try:
+        keys = Keys(tmp / "issuer")
+        # The revocation list, as `keys revoke` writes it, given to the node's store before it starts.
+        revocations = tmp / "revocations.jwt"
+        ctl("keys", "revoke", "--issuer-key", str(keys.key), "--id", jti_of(keys.revoked), "--out", str(revocations))
+        state = tmp / "node-a"
+        state.mkdir(mode=0o700)
+        RevocationStore(state, KeySet.from_path(keys.pub), issuer="viiwork-issuer",
+                        audiences=[AUD]).offer(revocations.read_text().strip())
+        binary = fake_engine_binary(tmp / "bin")
+        models = [{"name": name, "engine": "llamacpp", "path": "/dev/null", "parallel": 4, "backends": 1,
+                   "llamacpp": {"binary": str(binary)}, "env": {"FAKE_TOKENS": "4"}} for name in ("m", "other")]
+        # About 2 s per answer: a request that stays in flight while another is sent.
+        models.append({**models[0], "name": "slow", "env": {"FAKE_TOKENS": "20", "FAKE_TOKEN_DELAY_S": "0.1"}})
+        with run_agent(tmp, models, extra={"auth": {"mode": "keys", "issuer_keys": str(keys.pub)}},
+                       api_key=keys.good) as agent:
+            agent.wait_healthy("m")
+            agent.wait_healthy("other")
+            agent.wait_healthy("slow")
+            yield agent, keys
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["missing", "expired", "revoked", "wrong_audience", "bad_alg", "malformed"])
+def test_each_bad_key_is_a_401_invalid_api_key(keyed: tuple[Agent, Keys], kind: str) -> None:
+    agent, keys = keyed
+    headers = {
+        "missing": {},
+        "expired": bearer(keys.expired),
+        "revoked": bearer(keys.revoked),
+        "wrong_audience": bearer(keys.other_audience),
+        "bad_alg": bearer(keys.alg_none),
+        "malformed": {"Authorization": "Basic dXNlcjpwYXNz"},
+    }[kind]
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), headers)
+    assert status == 401, body
+    assert body["error"]["code"] == "invalid_api_key"
+    assert body["error"]["type"] == "authentication_error"
+    assert f"({kind})" in body["error"]["message"]
+    # Counted by reason, on /metrics.
+    _, metrics, _ = request(f"{agent.url}/metrics", headers=bearer(keys.good))
+    assert f'viiwork_auth_refused_total{{reason="{kind}"}}' in metrics["text"]
+
+
+def test_a_valid_key_answers_through_bearer_and_x_api_key(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), bearer(keys.good))
+    assert status == 200, body
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), {"x-api-key": keys.good})
+    assert status == 200, body
+
+
+def test_model_outside_the_key_is_403_and_models_lists_only_its_own(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat("other"), bearer(keys.limited_models))
+    assert status == 403 and body["error"]["code"] == "model_not_allowed", body
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat("m"), bearer(keys.limited_models))
+    assert status == 200, body
+    status, body, _ = request(f"{agent.url}/v1/models", headers=bearer(keys.limited_models))
+    assert status == 200 and [m["id"] for m in body["data"]] == ["m"]
+    status, body, _ = request(f"{agent.url}/v1/models", headers=bearer(keys.good))
+    assert status == 200 and [m["id"] for m in body["data"]] == ["m", "other", "slow"]
+    assert request(f"{agent.url}/v1/models")[0] == 401
+
+
+def test_scopes_inference_and_read(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    # A read-only key cannot run inference ...
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), bearer(keys.reader))
+    assert status == 403 and body["error"]["code"] == "permission_denied", body
+    # ... and the reads need the read scope: none without a key, 403 with an inference-only one.
+    for path in ("/v1/status", "/metrics", "/ui/api/state"):
+        assert request(f"{agent.url}{path}")[0] == 401, path
+        assert request(f"{agent.url}{path}", headers=bearer(keys.inference_only))[0] == 403, path
+        assert request(f"{agent.url}{path}", headers=bearer(keys.reader))[0] == 200, path
+    status, body, _ = request(f"{agent.url}/health")
+    assert status == 200 and body["status"] == "ok"  # open
+
+
+def test_rpm_refuses_with_openai_headers(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    answers = [request(f"{agent.url}/v1/chat/completions", chat(), bearer(keys.rpm3)) for _ in range(5)]
+    statuses = [s for s, _, _ in answers]
+    # A window (the wall-clock minute) may end between two requests: at most one more passes then.
+    assert statuses.count(429) >= 1 and statuses[:3] == [200, 200, 200], statuses
+    ok_headers = answers[0][2]
+    assert ok_headers["x-ratelimit-limit-requests"] == "3"
+    assert ok_headers["x-ratelimit-remaining-requests"] == "2"
+    assert ok_headers["x-ratelimit-reset-requests"].endswith("s")
+    status, body, headers = next(a for a in answers if a[0] == 429)
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert headers["x-ratelimit-limit-requests"] == "3" and headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-reset-requests" in headers
+
+
+async def test_concurrency_refuses_the_second_request_in_flight(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    async with aiohttp.ClientSession(headers=bearer(keys.concurrency1)) as http:
+        # A stream held open (not read) keeps the first request in flight.
+        async with http.post(f"{agent.url}/v1/chat/completions", json=chat("slow", stream=True)) as first:
+            assert first.status == 200
+            async with http.post(f"{agent.url}/v1/chat/completions", json=chat()) as second:
+                assert second.status == 429, await second.text()
+                assert "Retry-After" in second.headers
+                assert "in flight" in (await second.json())["error"]["message"]
+            await first.read()
+        # Once it ended the key may send again.
+        for _ in range(50):
+            async with http.post(f"{agent.url}/v1/chat/completions", json=chat()) as again:
+                if again.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+        assert again.status == 200
+
+
+def test_the_key_reaches_neither_the_engine_nor_the_log(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    assert request(f"{agent.url}/v1/chat/completions", chat(), bearer(keys.good))[0] == 200
+    assert request(f"{agent.url}/v1/chat/completions", chat(), {"x-api-key": keys.good})[0] == 200
+    request(f"{agent.url}/v1/chat/completions", chat(), bearer(keys.revoked))  # a refusal is logged
+    stats = agent.engine_stats("m")
+    engine_key = agent.engine_headers("m")["Authorization"]
+    assert stats["authorizations"] and set(stats["authorizations"]) == {engine_key}
+    assert set(stats["x_api_keys"]) == {""}
+    log = agent.log_text()
+    for token in (keys.good, keys.revoked):
+        assert token not in log and token.split(".")[2] not in log
+    assert jti_of(keys.revoked) in log  # the refusal names the key by its id
+
+
+def test_the_openai_sdk_with_api_key(keyed: tuple[Agent, Keys]) -> None:
+    openai = pytest.importorskip("openai")
+    agent, keys = keyed
+    client = openai.OpenAI(base_url=f"{agent.url}/v1", api_key=keys.good, max_retries=0)
+    answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content
+    refused = openai.OpenAI(base_url=f"{agent.url}/v1", api_key=keys.revoked, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        refused.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_no_issuer_key_starts_and_says_how_to_install_one(tmp_path: Path) -> None:
+    binary = fake_engine_binary(tmp_path / "bin")
+    models = [{"name": "m", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
+               "llamacpp": {"binary": str(binary)}}]
+    missing = tmp_path / "nowhere" / "issuer.pub"
+    with run_agent(tmp_path, models, extra={"auth": {"mode": "keys", "issuer_keys": str(missing),
+                                                     "open_loopback_reads": True}}) as agent:
+        status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), bearer("a.b.c"))
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert "docs/install.md" in body["error"]["message"] and str(missing) in body["error"]["message"]
+        # open_loopback_reads: this client is on loopback, so /v1/status answers without a key.
+        status, doc, _ = request(f"{agent.url}/v1/status")
+        assert status == 200 and doc["auth"]["issuer_key"] is False
+        assert request(f"{agent.url}/health")[0] in (200, 503)
+
+
+def test_mode_none_beyond_loopback_warns_at_start(tmp_path: Path) -> None:
+    with run_agent(tmp_path, []) as agent:  # listens on 127.0.0.1: no warning
+        assert "client keys are off" not in agent.log_text()
+    config = tmp_path / "wide.toml"
+    state = tmp_path / "wide"
+    config.write_text(f'[node]\nname = "wide"\nstate_dir = "{state}"\n[api]\nlisten = "0.0.0.0:0"\n'
+                      f'admin_socket = "{state}/admin.sock"\n[supervisor]\nrunner = "process"\n')
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "viiwork-agent"), "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "API listening" not in seen:
+            seen += proc.stdout.readline()
+        assert "client keys are off" in seen, seen
+    finally:
+        proc.terminate()
+        proc.wait(30)
