@@ -18,8 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +26,7 @@ import aiohttp
 import pytest
 
 from support.agent import Agent, run_agent
+from support.client_keys import AUD, bearer, chat, ctl, issue, jti_of, request
 from support.engines import fake_engine_binary
 from viiwork.agent.auth.claims import KeyClaims
 from viiwork.agent.auth.issuing import load_issuer, new_jti, sign_key
@@ -35,52 +34,6 @@ from viiwork.agent.auth.keyset import KeySet
 from viiwork.agent.auth.revocations import RevocationStore
 
 pytestmark = pytest.mark.timeout(120)
-
-AUD = "node-a"  # a standalone node's audience: its name
-
-
-def chat(model: str = "m", **extra: object) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
-
-
-def ctl(*args: str) -> str:
-    """``viiworkctl`` from this checkout; its stdout."""
-    done = subprocess.run([sys.executable, "-m", "viiwork.agent.cli", *args], capture_output=True, text=True,
-                          timeout=30)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def issue(key: Path, *args: str, tenant: str = "acme", audience: str = AUD) -> str:
-    return ctl("keys", "issue", "--issuer-key", str(key), "--tenant", tenant, "--audience", audience,
-               *args).strip()
-
-
-def jti_of(token: str) -> str:
-    payload = token.split(".")[1]
-    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["jti"]
-
-
-def request(url: str, doc: dict | None = None, headers: dict[str, str] | None = None,
-            ) -> tuple[int, dict, dict[str, str]]:
-    data = None if doc is None else json.dumps(doc).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if doc is None else "POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            raw, status, got = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as exc:
-        raw, status, got = exc.read(), exc.code, dict(exc.headers)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = {"text": raw.decode(errors="replace")}
-    return status, body, {k.lower(): v for k, v in got.items()}
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
 
 class Keys:
     """The issuer of the module's agent, and keys of each kind."""

@@ -1,0 +1,90 @@
+"""Client keys between two real agents on loopback: a forward carries the key, and the serving
+node verifies it again with its own Verifier (issue 17 item 5; docs/security.md, "Client keys").
+
+Node B serves the only model; node A is the origin. B holds a revocation list that A does not
+(given to B's store before it starts; spreading lists mesh-wide is not this test's): a key
+revoked there passes A's check, and B refuses the forward with 401 ``revoked``, which A relays.
+A good key runs on B, and B's engine never sees the key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from support.agent import Agent, run_agent
+from support.client_keys import bearer, chat, ctl, issue, jti_of, request
+from support.engines import fake_engine_binary
+from viiwork.agent.auth.keyset import KeySet
+from viiwork.agent.auth.revocations import RevocationStore
+
+pytestmark = pytest.mark.timeout(120)
+
+MESH_ID = "keys-mesh"
+
+
+def mesh_section(seeds: list[str]) -> dict:
+    return {"trust": "open", "mesh_id": MESH_ID, "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
+            "discovery": ["seeds"], "seeds": seeds, "gossip_interval_ms": 100, "suspect_after_ms": 1000,
+            "dead_after_ms": 3000}
+
+
+@pytest.fixture(scope="module")
+def mesh2() -> Iterator[tuple[Agent, Agent, dict[str, str]]]:
+    tmp = Path(tempfile.mkdtemp(prefix="viiwork-keys-mesh-", dir="/tmp"))
+    try:
+        ctl("keys", "issuer", "init", "--out", str(tmp / "issuer"))
+        key, pub = tmp / "issuer" / "issuer.key", tmp / "issuer" / "issuer.pub"
+        tokens = {"good": issue(key, "--scope", "inference,read", audience=MESH_ID),
+                  "revoked_at_b": issue(key, audience=MESH_ID)}
+        revocations = tmp / "revocations.jwt"
+        ctl("keys", "revoke", "--issuer-key", str(key), "--id", jti_of(tokens["revoked_at_b"]),
+            "--out", str(revocations))
+        (tmp / "node-b").mkdir(mode=0o700)
+        RevocationStore(tmp / "node-b", KeySet.from_path(pub), issuer="viiwork-issuer",
+                        audiences=[MESH_ID]).offer(revocations.read_text().strip())
+        binary = fake_engine_binary(tmp / "bin")
+        auth = {"mode": "keys", "issuer_keys": str(pub), "allow_open_mesh": True}
+        with ExitStack() as stack:
+            b = stack.enter_context(run_agent(
+                tmp, [{"name": "only-b", "engine": "llamacpp", "path": "/dev/null", "parallel": 2, "backends": 1,
+                       "llamacpp": {"binary": str(binary)}}],
+                name="node-b", extra={"mesh": mesh_section([]), "auth": auth}, api_key=tokens["good"]))
+            seed = b.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
+            a = stack.enter_context(run_agent(tmp, [], name="node-a",
+                                              extra={"mesh": mesh_section([seed]), "auth": auth},
+                                              api_key=tokens["good"]))
+            b.wait_healthy("only-b")
+            a.wait_for(lambda d: d["mesh"]["peers"].get("alive", 0) == 1, 30, "node-b alive")
+            yield a, b, tokens
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_forward_carries_the_key_and_runs_on_the_peer(mesh2: tuple[Agent, Agent, dict[str, str]]) -> None:
+    a, b, tokens = mesh2
+    for _ in range(3):
+        status, body, headers = request(f"{a.url}/v1/chat/completions", chat("only-b"), bearer(tokens["good"]))
+        assert status == 200, body
+        assert headers["x-viiwork-node"] == "node-b"
+    stats = b.engine_stats("only-b")
+    assert set(stats["authorizations"]) == {b.engine_headers("only-b")["Authorization"]}
+    assert tokens["good"] not in json.dumps(stats)
+    assert tokens["good"] not in a.log_text() and tokens["good"] not in b.log_text()
+
+
+def test_the_serving_node_verifies_the_key_again(mesh2: tuple[Agent, Agent, dict[str, str]]) -> None:
+    a, b, tokens = mesh2
+    # B knows the key is revoked; A does not, admits it and forwards it: B refuses.
+    status, body, _ = request(f"{a.url}/v1/chat/completions", chat("only-b"), bearer(tokens["revoked_at_b"]))
+    assert status == 401, body
+    assert body["error"]["code"] == "invalid_api_key" and "(revoked)" in body["error"]["message"]
+    assert jti_of(tokens["revoked_at_b"]) in b.log_text()
+    # And B itself refuses it to a client at once.
+    assert request(f"{b.url}/v1/chat/completions", chat("only-b"), bearer(tokens["revoked_at_b"]))[0] == 401
