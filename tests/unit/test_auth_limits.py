@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from viiwork.agent.auth.claims import KeyClaims
-from viiwork.agent.auth.limits import LimitExceeded, Limiter, estimate_tokens, format_duration
+from viiwork.agent.auth.limits import Limiter, LimitExceeded, estimate_tokens, format_duration
 from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.agent.config.schema import auth_audience
 
