@@ -7,8 +7,9 @@
   need a valid key with the ``inference`` scope: 401 ``invalid_api_key`` for every
   ``InvalidApiKey`` reason, 403 ``permission_denied`` without the scope. Once the body names the
   model (``admit``): 403 ``model_not_allowed`` for a model outside the key's ``models``, then the
-  key's limits (agent/auth/limits.py): 429 ``rate_limit_exceeded`` with ``Retry-After`` and
-  OpenAI's ``x-ratelimit-*`` headers, which an admitted request's answer carries too.
+  key's limits (agent/auth/limits.py; a whole answer's ``usage`` replaces the token estimate):
+  429 ``rate_limit_exceeded`` with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, which
+  an admitted request's answer carries too.
 - ``/v1/status``, ``/metrics``, ``/v1/mesh`` and ``/ui`` need the ``read`` scope, unless
   ``auth.open_loopback_reads`` and the client is on loopback.
 - A request forwarded to a peer carries the key (``FORWARD_KEY_HEADER``, over the mesh's
@@ -24,6 +25,7 @@ install one (docs/install.md, "Client keys").
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -189,12 +191,14 @@ class AuthGate:
                 refusal = self._scoped(request, Scope.READ)
         if refusal is not None:
             return refusal
+        response: web.StreamResponse | None = None
         try:
-            return await handler(request)
+            response = await handler(request)
+            return response
         finally:
             admission = request.get(_ADMISSION)
             if isinstance(admission, Admission):
-                self.limiter.finish(admission)
+                self.limiter.finish(admission, _used_tokens(response) if admission.tracks_tokens else None)
 
     async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """An admitted request's answer carries its key's ``x-ratelimit-*`` headers."""
@@ -276,6 +280,27 @@ class AuthGate:
                 "revocations_version": verifier.revocations.ver if verifier is not None else 0,
                 "refused": dict(sorted(self.refused.items())), "limited": dict(self.limiter.refused),
                 "tracked_keys": len(self.limiter)}
+
+
+#: A whole answer larger than this is not parsed for its usage (its estimate stands).
+MAX_USAGE_BODY_BYTES = 1 << 20
+
+
+def _used_tokens(response: web.StreamResponse | None) -> int | None:
+    """``usage.total_tokens`` of a whole (non-streamed) 2xx JSON answer, as the engine counted
+    them; None for a stream (its usage event reaches only a client that asked for it), an
+    error, or an answer without usage."""
+    if not isinstance(response, web.Response) or not 200 <= response.status < 300:
+        return None
+    body = response.body
+    if not isinstance(body, bytes) or len(body) > MAX_USAGE_BODY_BYTES or b'"usage"' not in body:
+        return None
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
 
 
 def _message(exc: InvalidApiKey) -> str:

@@ -142,6 +142,11 @@ class Admission:
     state: _KeyState | None  # None: the key has no limit of its own (nothing tracked)
     done: bool = False
 
+    @property
+    def tracks_tokens(self) -> bool:
+        """Whether the real token count matters (the key has a ``tpm``)."""
+        return self.state is not None and self.quota.limit_tokens is not None
+
 
 class Limiter:
     """The limits of every key seen on this node (see the module doc).

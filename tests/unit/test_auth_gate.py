@@ -50,6 +50,7 @@ class Keys:
         self.other_audience = issue(self.key, audience="some-other-mesh")
         self.rpm3 = issue(self.key, "--rpm", "3")
         self.concurrency1 = issue(self.key, "--concurrency", "1")
+        self.tpm100 = issue(self.key, "--tpm", "100")
         issuer = load_issuer(self.key)
         claims = KeyClaims(iss=issuer.name, aud=(AUD,), jti=new_jti(), exp=int(time.time()) - 3600, tenant="acme")
         self.expired = sign_key(issuer, claims)
@@ -157,6 +158,19 @@ def test_rpm_refuses_with_openai_headers(keyed: tuple[Agent, Keys]) -> None:
     assert 1 <= int(headers["retry-after"]) <= 60
     assert headers["x-ratelimit-limit-requests"] == "3" and headers["x-ratelimit-remaining-requests"] == "0"
     assert "x-ratelimit-reset-requests" in headers
+
+
+def test_tpm_debits_the_estimate_then_the_engines_usage(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    # Estimated: 1 (2 characters / 4, rounded up) + max_tokens 50 = 51; the fake engine's usage
+    # says 12 (8 prompt + 4 completion). On the estimate alone a second request would pass 100.
+    first = request(f"{agent.url}/v1/chat/completions", chat(max_tokens=50), bearer(keys.tpm100))
+    assert first[0] == 200 and first[1]["usage"]["total_tokens"] == 12, first[1]
+    assert first[2]["x-ratelimit-limit-tokens"] == "100" and first[2]["x-ratelimit-remaining-tokens"] == "49"
+    second = request(f"{agent.url}/v1/chat/completions", chat(max_tokens=50), bearer(keys.tpm100))
+    # 100 - 12 - 51 = 37 (49 when the wall-clock minute ended between the two requests).
+    assert second[0] == 200, second[1]
+    assert second[2]["x-ratelimit-remaining-tokens"] in ("37", "49"), second[2]
 
 
 async def test_concurrency_refuses_the_second_request_in_flight(keyed: tuple[Agent, Keys]) -> None:
