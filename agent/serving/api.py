@@ -71,6 +71,8 @@ class ClientApi:
     settings); its ``outliers`` section of /v1/status and its /metrics lines are added here.
     browser: the Host/Origin/content-type checks run on every route (agent/serving/browser_guard.py;
     default: no api.allowed_hosts or api.allowed_origins); its ``browser`` section and counter too.
+    auth: the client-key checks (agent/auth/gate.py: a middleware, ``admit`` once the body names
+    the model, ``check_forwarded`` on a peer's forward); None when ``[auth] mode`` is ``none``.
     """
 
     def __init__(
