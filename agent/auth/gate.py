@@ -10,8 +10,10 @@
   key's limits (agent/auth/limits.py; a whole answer's ``usage`` replaces the token estimate):
   429 ``rate_limit_exceeded`` with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, which
   an admitted request's answer carries too.
-- ``/v1/status``, ``/metrics``, ``/v1/mesh`` and ``/ui`` need the ``read`` scope, unless
-  ``auth.open_loopback_reads`` and the client is on loopback.
+- ``/v1/status``, ``/metrics``, ``/v1/mesh`` and the dashboard's data (``/ui/api/state``) need
+  the ``read`` scope, unless ``auth.open_loopback_reads`` and the client is on loopback. The
+  dashboard's page and static files (``/ui``, ``/ui/static/*``) are open: they hold no data, and
+  the page asks for a read key (kept in the tab's ``sessionStorage``) that its ``fetch`` sends.
 - A request forwarded to a peer carries the key (``FORWARD_KEY_HEADER``, over the mesh's
   mutual TLS); the serving node verifies it again with its own ``Verifier`` (``check_forwarded``)
   and refuses a forward without a valid key, or for a model the key does not allow.
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 FORWARD_KEY_HEADER = "X-Viiwork-Api-Key"
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 READ_PATHS = frozenset({"/v1/status", "/metrics", "/v1/mesh"})
+DASHBOARD_STATE_PATH = "/ui/api/state"  # the dashboard's data; its page and static files are open
 OPEN_PATHS = frozenset({"/health"})
 INSTALL_HINT = ("install the issuer's public key: copy issuer.pub from the issuer's workstation to {path} "
                 "(auth.issuer_keys) and restart the agent; docs/install.md, \"Client keys\"")
@@ -186,7 +189,7 @@ class AuthGate:
         refusal: web.Response | None = None
         if path in INFERENCE_PATHS or path == "/v1/models":
             refusal = self._scoped(request, Scope.INFERENCE)
-        elif path in READ_PATHS or path == "/ui" or path.startswith("/ui/"):
+        elif path in READ_PATHS or path == DASHBOARD_STATE_PATH:
             if not (self.open_loopback_reads and is_loopback_address(request.remote)):
                 refusal = self._scoped(request, Scope.READ)
         if refusal is not None:

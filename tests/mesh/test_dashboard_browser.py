@@ -23,6 +23,7 @@ import pytest
 
 from support.agent import Agent, run_agent
 from support.browser import chromium, missing
+from support.client_keys import ctl, issue
 from support.engines import fake_engine_binary
 
 SNAPSHOT = """
@@ -132,3 +133,44 @@ def test_dashboard_lists_nodes_shows_a_dead_backend_and_charts_a_request(mesh3: 
         shot = os.environ.get("VIIWORK_SCREENSHOT")
         if shot:
             driver.save_screenshot(shot)
+
+
+def test_with_client_keys_the_page_asks_for_a_read_key_and_shows_the_node_with_it(tmp_path: Path) -> None:
+    """Keys on (docs/dashboard.md): the page and its files load without a key, the data does not;
+    the page asks for a read key, and once given one it shows the node; an inference-only key is
+    refused with the gate's reason shown."""
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    ctl("keys", "issuer", "init", "--out", str(tmp_path / "issuer"))
+    issuer = tmp_path / "issuer" / "issuer.key"
+    reader, inference = issue(issuer, "--scope", "read"), issue(issuer)
+    binary = fake_engine_binary(tmp_path / "bin")
+    model = {"name": "m", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
+             "llamacpp": {"binary": str(binary)}}
+    with run_agent(tmp_path, [model], extra={"auth": {"mode": "keys", "issuer_keys": str(tmp_path / "issuer" / "issuer.pub")}},
+                   api_key=reader) as agent, chromium() as driver:
+        driver.get(f"{agent.url}/ui")
+        wait = WebDriverWait(driver, 10, poll_frequency=0.2)
+        form = driver.find_element(By.ID, "key-form")
+        wait.until(lambda _: form.is_displayed())
+        assert driver.execute_script("return document.querySelectorAll('#nodes tbody tr').length") == 0
+
+        def give(key: str) -> None:
+            field = driver.find_element(By.ID, "key-input")
+            field.send_keys(key)
+            form.find_element(By.TAG_NAME, "button").click()
+
+        give(inference)  # no read scope: refused, the form comes back with the reason
+        wait.until(lambda _: form.is_displayed() and "read" in driver.find_element(By.ID, "key-message").text)
+        give(reader)
+        wait.until(lambda _: driver.execute_script(
+            "return [...document.querySelectorAll('#nodes tbody tr')].map(r => r.dataset.node)") == ["node-a"])
+        assert not form.is_displayed()
+        assert driver.execute_script("return sessionStorage.getItem('viiwork.readKey')") == reader
+        # "forget key" drops it: the next poll asks again.
+        driver.find_element(By.ID, "key-forget").click()
+        wait.until(lambda _: form.is_displayed())

@@ -141,6 +141,9 @@ def test_scopes_inference_and_read(keyed: tuple[Agent, Keys]) -> None:
         assert request(f"{agent.url}{path}", headers=bearer(keys.reader))[0] == 200, path
     status, body, _ = request(f"{agent.url}/health")
     assert status == 200 and body["status"] == "ok"  # open
+    # The dashboard's page and files hold no data: open, so the page can ask for a read key.
+    for path in ("/ui", "/ui/static/dashboard.js"):
+        assert request(f"{agent.url}{path}")[0] == 200, path
 
 
 def test_rpm_refuses_with_openai_headers(keyed: tuple[Agent, Keys]) -> None:

@@ -144,10 +144,56 @@ function renderCharts(state) {
   }
 }
 
+// A node with client keys on answers /ui/api/state only to a read key (docs/dashboard.md): the
+// page asks for one and keeps it in this tab's sessionStorage (gone when the tab closes), sent
+// as "Authorization: Bearer" by fetch (EventSource could not send it).
+const KEY_ITEM = "viiwork.readKey";
+
+function storedKey() {
+  try {
+    return sessionStorage.getItem(KEY_ITEM);
+  } catch (e) {
+    return null;
+  }
+}
+
+function askForKey(message) {
+  document.getElementById("key-form").hidden = false;
+  document.getElementById("key-message").textContent = message;
+}
+
+function setupKeyForm() {
+  const form = document.getElementById("key-form");
+  const forget = document.getElementById("key-forget");
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const input = document.getElementById("key-input");
+    const key = input.value.trim();
+    input.value = "";
+    if (key === "") return;
+    try { sessionStorage.setItem(KEY_ITEM, key); } catch (e) { /* storage off: this poll only */ }
+    form.hidden = true;
+    forget.hidden = false;
+  });
+  forget.addEventListener("click", () => {
+    try { sessionStorage.removeItem(KEY_ITEM); } catch (e) { /* nothing stored */ }
+    forget.hidden = true;
+  });
+  forget.hidden = storedKey() === null;
+}
+
 async function poll() {
   const updated = document.getElementById("updated");
   try {
-    const r = await fetch("/ui/api/state", { cache: "no-store", credentials: "same-origin" });
+    const key = storedKey();
+    const headers = key ? { Authorization: `Bearer ${key}` } : {};
+    const r = await fetch("/ui/api/state", { cache: "no-store", credentials: "same-origin", headers });
+    if (r.status === 401 || r.status === 403) {
+      let message = `HTTP ${r.status}`;
+      try { message = (await r.json()).error.message; } catch (e) { /* not JSON */ }
+      askForKey(key ? `that key was refused: ${message}` : "");
+      throw new Error(`HTTP ${r.status}: a read key is needed`);
+    }
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const state = await r.json();
     document.getElementById("node-name").textContent = `${state.node.name} ${state.node.version}`;
@@ -164,4 +210,7 @@ async function poll() {
   }
 }
 
-document.addEventListener("DOMContentLoaded", poll);
+document.addEventListener("DOMContentLoaded", () => {
+  setupKeyForm();
+  poll();
+});
