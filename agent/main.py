@@ -28,7 +28,7 @@ from viiwork.agent.admin import ActionError, build_admin_app, node_actions, star
 from viiwork.agent.auth.gate import AuthGate, AuthStartError
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
-from viiwork.agent.config.schema import ApiConfig, Config, is_loopback, parse_hostport
+from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
@@ -193,7 +193,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         ejections = Ejections.from_config(supervisor.models, config.routing.outliers,
                                           report=supervisor.report_outlier)
         try:
-            auth = _auth_gate(config, host)
+            auth = AuthGate.at_start(config, host)
         except AuthStartError as exc:
             log.error("client keys: %s", exc)
             notifier.status(f"client keys: {exc}")
@@ -310,21 +310,6 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         log.error("%s", refused[0])
         return EXIT_IDENTITY_CONFLICT
     return 0
-
-
-def _auth_gate(config: Config, api_host: str) -> AuthGate | None:
-    """The client-key gate of ``config`` (None: ``[auth] mode = "none"``), with the warnings
-    docs/security.md promises at start. Raises AuthStartError (agent/auth/gate.py)."""
-    if config.auth.mode == "none":
-        if not is_loopback(api_host):
-            log.warning("client keys are off ([auth] mode = \"none\") and the API listens on %s: anyone who "
-                        "reaches it can use every model; set [auth] mode = \"keys\" (docs/security.md, "
-                        "\"Client keys\")", config.api.listen)
-        return None
-    if config.mesh is not None and config.mesh.trust == "open":  # allowed only with allow_open_mesh
-        log.warning("client keys are on in an open mesh (auth.allow_open_mesh): any host that knows mesh id %r "
-                    "can join and receive forwarded keys; use trust = \"ca\" outside labs", config.mesh.mesh_id)
-    return AuthGate.from_config(config)
 
 
 async def _stop_serving(api: ClientApi, runner: Runner, notifier: Notifier, config: Config,

@@ -43,7 +43,7 @@ from viiwork.agent.auth.keyset import IssuerKeyError, KeySet
 from viiwork.agent.auth.limits import Admission, Limiter, LimitExceeded, estimate_tokens
 from viiwork.agent.auth.revocations import RevocationStore
 from viiwork.agent.auth.verifier import Verifier
-from viiwork.agent.config.schema import Config, auth_audience
+from viiwork.agent.config.schema import Config, auth_audience, is_loopback
 from viiwork.agent.serving.errors import error_response
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,22 @@ class AuthGate:
         self.unavailable = unavailable
         self.refused: Counter[str] = Counter()
         self._warned: set[str] = set()
+
+    @classmethod
+    def at_start(cls, config: Config, api_host: str) -> AuthGate | None:
+        """:meth:`from_config`, with the warnings docs/security.md promises at start: keys off
+        while the API (``api_host``) listens beyond loopback; keys on in an open mesh."""
+        if config.auth.mode == "none":
+            if not is_loopback(api_host):
+                log.warning("client keys are off ([auth] mode = \"none\") and the API listens on %s: anyone who "
+                            "reaches it can use every model; set [auth] mode = \"keys\" (docs/security.md, "
+                            "\"Client keys\")", config.api.listen)
+            return None
+        if config.mesh is not None and config.mesh.trust == "open":  # allowed only with allow_open_mesh
+            log.warning("client keys are on in an open mesh (auth.allow_open_mesh): any host that knows mesh id "
+                        "%r can join and receive forwarded keys; use trust = \"ca\" outside labs",
+                        config.mesh.mesh_id)
+        return cls.from_config(config)
 
     @classmethod
     def from_config(cls, config: Config) -> AuthGate | None:
