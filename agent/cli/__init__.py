@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "viiwork.agent.cli.control",
     "viiwork.agent.cli.logs",
     "viiwork.agent.cli.keys",
+    "viiwork.agent.cli.usage",
 )
 
 

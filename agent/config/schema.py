@@ -236,6 +236,19 @@ class SupervisorConfig(_Strict):
     _log_dir = field_validator("log_dir")(classmethod(lambda cls, v: v if v is None else _absolute(v, "log_dir")))
 
 
+class UsageConfig(_Strict):
+    """The usage ledger (agent/usage; docs/usage.md): a row per finished request served here."""
+
+    path: Path | None = Field(default=None, strict=False)
+    retention_days: int = Field(default=90, ge=1, le=3650)
+
+    _path = field_validator("path")(classmethod(lambda cls, v: v if v is None else _absolute(v, "path")))
+
+    def file(self, state_dir: Path) -> Path:
+        """The ledger's file: ``path``, else ``<state_dir>/usage.sqlite3``."""
+        return self.path if self.path is not None else Path(state_dir) / "usage.sqlite3"
+
+
 class OutliersConfig(_Strict):
     """``[routing.outliers]``: outlier ejection (docs/routing.md, "Outlier ejection"); the
     keys after ``enabled`` are viiwork.agent.serving.outliers.OutlierSettings' fields."""
@@ -527,7 +540,7 @@ class ModelConfig(_Strict):
 
 
 class Config(_Strict):
-    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, auth, models."""
+    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, auth, usage, models."""
 
     node: NodeConfig = Field(default_factory=NodeConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
@@ -536,6 +549,7 @@ class Config(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    usage: UsageConfig = Field(default_factory=UsageConfig)
     models: list[ModelConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
