@@ -50,6 +50,8 @@ from viiwork.agent.serving.proxy import Upstream
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.runners.base import Runner, RunnerError
 from viiwork.agent.supervision.supervisor import Supervisor
+from viiwork.agent.usage.ledger import Ledger
+from viiwork.agent.usage.store import SchemaNewer
 from viiwork.mesh.node import MeshStartError
 from viiwork.mesh.persist import PendingWrites, StateDirFault
 
@@ -170,6 +172,17 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             demo_file = config.node.state_dir / DEMO_CONFIG_FILE
             await asyncio.to_thread(demo_file.write_text, text, encoding="utf-8")
             stack.callback(lambda: demo_file.unlink(missing_ok=True))
+        # The usage ledger (agent/usage; docs/usage.md), closed after the drain so the rows of
+        # the requests that end while draining are committed too. The request path records a
+        # row per finished request through it (its UsageRow) before it reports the end.
+        ledger = Ledger(config.usage.file(config.node.state_dir), retention_days=config.usage.retention_days)
+        try:
+            await asyncio.to_thread(ledger.start)
+        except SchemaNewer as exc:
+            log.error("%s (usage.path)", exc)
+            notifier.status(str(exc))
+            return 1
+        stack.push_async_callback(ledger.close)
         probe_http = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True)))
         upstream = await stack.enter_async_context(Upstream(
@@ -244,6 +257,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             stack.push_async_callback(mesh.stop)
         writes = api.mesh.node.writes if api.mesh is not None else PendingWrites()
         key_writes = supervisor.writes  # engine key files a launch could not write (agent/supervision/supervisor.py)
+        api.extra_status["usage"] = lambda: ledger.stats().as_dict()
         api.extra_status["state_dir"] = lambda: {"path": str(config.node.state_dir),
                                                  "pending_writes": writes.status() + key_writes.status()}
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,

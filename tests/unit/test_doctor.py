@@ -424,6 +424,22 @@ def test_pending_state_dir_writes_are_reported(tmp_path, pending, verdict, words
     assert result.verdict is verdict and words in result.summary, result.summary
 
 
+@pytest.mark.parametrize(("usage", "verdict", "words"), [
+    ({"path": "/s/usage.sqlite3", "rows_written": 12, "backlog": 0, "dropped": 0, "last_error": ""}, OK,
+     "12 rows written to /s/usage.sqlite3 since start"),
+    ({"path": "/s/usage.sqlite3", "rows_written": 12, "backlog": 40, "dropped": 0,
+      "last_error": "OperationalError: database or disk is full"}, D,
+     "40 rows waiting in memory for /s/usage.sqlite3: OperationalError: database or disk is full"),
+    ({"path": "/s/usage.sqlite3", "rows_written": 12, "backlog": 100000, "dropped": 7, "last_error": "full"}, F,
+     "7 rows dropped since start; 100000 rows waiting in memory: full"),
+], ids=["writing", "backlog", "dropped"])
+def test_usage_ledger_backlog_is_reported(tmp_path, usage, verdict, words):
+    doc = status([]) | {"usage": usage}
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config, agent=AgentFacts("http://127.0.0.1:1", True, doc))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.usage"]
+    assert result.verdict is verdict and words in result.summary, result.summary
+
+
 def seed(address, answered=False, attempts=1, error="connection refused"):
     return {"address": address, "node_id": "nb" if answered else None, "attempts": attempts,
             "failures": 0 if answered else attempts, "answered": answered, "last_error": None if answered else error,

@@ -145,6 +145,35 @@ def check_agent_state_dir(facts: HostFacts) -> CheckResult:
              f"free space on (or remount read-write) the file system holding {path}: `df -h {path}`")
 
 
+@check("agent.usage", "The usage ledger", agent=True)
+def check_agent_usage(facts: HostFacts) -> CheckResult:
+    """The running agent's usage ledger (`usage.path`; docs/usage.md): a row per finished
+    request, committed before the request's end is reported. When the file refuses writes (a
+    full disk), rows wait in memory, at most `backlog_max`, and are retried every 5 s.
+
+    - **fail**: rows were dropped (the backlog was full): those requests are not in the
+      ledger and never will be.
+    - **degraded**: rows wait in memory: lost if the agent stops before the disk is fixed.
+    - **skipped**: an agent too old to report it.
+    """
+    r = result_for("agent.usage")
+    section = agent_status_or_skip(facts).get("usage")
+    if not isinstance(section, Mapping):
+        raise Skip("the agent does not report a usage ledger (older version)")
+    path = section.get("path", "?")
+    backlog, dropped = section.get("backlog") or 0, section.get("dropped") or 0
+    remedy = f"free space on (or remount read-write) the file system holding {path}: `df -h {path}`"
+    error = str(section.get("last_error") or "")[:200]
+    if dropped:
+        return r(Verdict.FAIL, f"{plural(int(dropped), 'row')} dropped since start; {plural(int(backlog), 'row')} "
+                 f"waiting in memory{': ' + error if error else ''}",
+                 "those requests are missing from the usage ledger for good", remedy)
+    if backlog:
+        return r(Verdict.DEGRADED, f"{plural(int(backlog), 'row')} waiting in memory for {path}: {error}",
+                 "kept in memory and retried every 5 s; lost if the agent stops first", remedy)
+    return r(Verdict.OK, f"{plural(int(section.get('rows_written') or 0), 'row')} written to {path} since start")
+
+
 @check("agent.gpus", "GPU problems the agent has seen", agent=True)
 def check_agent_gpus(facts: HostFacts) -> list[CheckResult]:
     """The running agent's GPU section: backends on a GPU that vanished, and backends whose
