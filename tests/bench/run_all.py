@@ -74,6 +74,8 @@ KNOWN: list[Bench] = [
     Bench("bench_reliability.py", 120, ["-n", "3"], title="Reliability: faults and bad inputs (issue 13)"),
     # An in-process listener (2,000 silent connections, 20 s kept up) and one real agent: ~55 s here.
     Bench("bench_floods.py", 150, [], title="Connection floods (issue 14)"),
+    # Four runs of 2000 rows on a temporary SQLite file: ~5 s here.
+    Bench("bench_usage.py", 60, ["-n", "2000"], title="Usage ledger"),
 ]
 DEFAULT_BUDGET_S = 90
 
