@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from viiwork.agent.usage.store import SchemaNewer, UsageRow, delete_before, insert_rows, open_for_writing
+from viiwork.agent.usage.store import SchemaNewer, UsageRow, check_row, delete_before, insert_rows, open_for_writing
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +158,12 @@ class Ledger:
 
     async def record(self, row: UsageRow) -> Recorded:
         """Commit ``row``; returns COMMITTED once it is in the file, or BACKLOGGED when the file
-        refused it (it is retried later). Raises LedgerClosed when not started or closed.
+        refused it (it is retried later). Raises LedgerClosed when not started or closed, and
+        TypeError for a row whose fields are not of their types (it would fail every commit).
         Cancelling the caller does not withdraw the row."""
         if self._thread is None or self._closed:
             raise LedgerClosed("the usage ledger is not running (start() it first; close() ends it)")
+        check_row(row)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Recorded] = loop.create_future()
         self._queue.put(_Pending(row, loop, future))
@@ -275,31 +277,54 @@ class Ledger:
             pending = [i for i in items if isinstance(i, _Pending)]
             stopping = any(i is _STOP for i in items)
             rows = [p.row for p in pending]
-            outcome = Recorded.COMMITTED
-            if failing and time.monotonic() < retry_at and not stopping:
-                outcome = Recorded.BACKLOGGED  # the file refused lately: no try per request
-            elif rows or failing:
-                if not self._commit(rows):
-                    outcome = Recorded.BACKLOGGED
-                    retry_at = time.monotonic() + self._retry_interval_s
-            if outcome is Recorded.BACKLOGGED:
+            try:
+                retry_at = self._step(items, pending, rows, failing, retry_at, stopping)
+            except Exception as exc:  # a bug here must not leave record() waiting for ever
+                log.exception("usage ledger %s: the writer failed; %d row(s) held in memory", self.path, len(rows))
+                self._note_error(exc)
                 self._hold(rows)
-            for p in pending:
-                _resolve(p.loop, p.future, outcome)
-            for item in items:
-                if isinstance(item, _Prune):
-                    with self._lock:
-                        before = self._pruned
-                    while not self._prune_all():
-                        pass
-                    with self._lock:
-                        _resolve(item.loop, item.future, self._pruned - before)
-            if not rows and not failing and time.monotonic() >= self._next_prune:
-                done = self._prune_all()
-                self._next_prune = time.monotonic() + (self._prune_interval_s if done else 0.0)
+                retry_at = time.monotonic() + self._retry_interval_s
+                for p in pending:
+                    _resolve(p.loop, p.future, Recorded.BACKLOGGED)
+                for item in items:
+                    if isinstance(item, _Prune):
+                        _resolve(item.loop, item.future, 0)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        with self._lock:
+            lost = len(self._backlog)
+        if lost:
+            log.error("usage ledger %s: %d row(s) could not be written before the agent stopped and are lost",
+                      self.path, lost)
+
+    def _step(self, items: list[object], pending: list[_Pending], rows: list[UsageRow], failing: bool,
+              retry_at: float, stopping: bool) -> float:
+        """One round of the writer: commit (or hold) ``rows``, answer prunes, prune when idle;
+        returns the next retry time of a refusing file."""
+        outcome = Recorded.COMMITTED
+        if failing and time.monotonic() < retry_at and not stopping:
+            outcome = Recorded.BACKLOGGED  # the file refused lately: no try per request
+        elif rows or failing:
+            if not self._commit(rows):
+                outcome = Recorded.BACKLOGGED
+                retry_at = time.monotonic() + self._retry_interval_s
+        if outcome is Recorded.BACKLOGGED:
+            self._hold(rows)
+        for p in pending:
+            _resolve(p.loop, p.future, outcome)
+        for item in items:
+            if isinstance(item, _Prune):
+                with self._lock:
+                    before = self._pruned
+                while not self._prune_all():
+                    pass
+                with self._lock:
+                    _resolve(item.loop, item.future, self._pruned - before)
+        if not rows and not failing and time.monotonic() >= self._next_prune:
+            done = self._prune_all()
+            self._next_prune = time.monotonic() + (self._prune_interval_s if done else 0.0)
+        return retry_at
 
 
 __all__ = ["BACKLOG_MAX", "Ledger", "LedgerClosed", "LedgerStats", "Recorded", "UsageRow"]

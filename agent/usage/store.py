@@ -80,6 +80,26 @@ class UsageRow:
     duration_ms: float
 
 
+_FIELD_TYPES: tuple[tuple[str, tuple[type, ...], bool], ...] = (
+    ("finished_at_ms", (int,), False), ("request_id", (str,), False), ("tenant", (str,), False),
+    ("jti", (str,), False), ("model", (str,), False), ("origin_node", (str,), False),
+    ("serving_node", (str,), False), ("prompt_tokens", (int,), True), ("completion_tokens", (int,), True),
+    ("cached_tokens", (int,), True), ("status", (int,), False), ("queued_ms", (int, float), False),
+    ("ttft_ms", (int, float), True), ("duration_ms", (int, float), False))
+
+
+def check_row(row: UsageRow) -> None:
+    """Raise TypeError naming the first field of ``row`` that is not of its type (bool is no
+    int here); a row SQLite cannot bind would otherwise fail the transaction of every row."""
+    for name, types, optional in _FIELD_TYPES:
+        value = getattr(row, name)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise TypeError(f"UsageRow.{name} must be {' or '.join(t.__name__ for t in types)}"
+                            f"{' or None' if optional else ''}, got {type(value).__name__}")
+
+
 class SchemaNewer(Exception):
     """The file was written by a newer agent (its ``user_version`` is above ours)."""
 
@@ -180,5 +200,5 @@ def read_rows(conn: sqlite3.Connection, since_ms: int = 0) -> list[UsageRow]:
     return [UsageRow(*r) for r in cur.fetchall()]
 
 
-__all__ = ["COLUMNS", "SCHEMA_VERSION", "USAGE_FILE", "SchemaNewer", "UsageRow", "delete_before", "insert_rows",
+__all__ = ["COLUMNS", "SCHEMA_VERSION", "USAGE_FILE", "SchemaNewer", "UsageRow", "check_row", "delete_before", "insert_rows",
            "open_for_writing", "open_read_only", "read_rows"]

@@ -8,6 +8,7 @@ clock, the summaries against sums computed here (hypothesis).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -99,6 +100,23 @@ async def test_record_outside_start_and_close_is_refused(tmp_path: Path) -> None
     await ledger.close()
     with pytest.raises(LedgerClosed):
         await ledger.record(row("r1"))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("prompt_tokens", {"n": 1}), ("status", "200"), ("tenant", None), ("completion_tokens", True),
+    ("duration_ms", None)], ids=["dict", "str-status", "no-tenant", "bool", "no-duration"])
+async def test_a_malformed_row_is_refused_and_the_ledger_goes_on(tmp_path: Path, field: str, value: object) -> None:
+    path = tmp_path / "usage.sqlite3"
+    ledger = Ledger(path)
+    ledger.start()
+    try:
+        with pytest.raises(TypeError, match=f"UsageRow.{field} must be"):
+            await ledger.record(dataclasses.replace(row("bad"), **{field: value}))
+        assert await asyncio.wait_for(ledger.record(row("good")), 10) is Recorded.COMMITTED
+        assert ids_in(path) == {"good"}
+        assert ledger.stats().backlog == 0
+    finally:
+        await ledger.close()
 
 
 def test_kill_9_loses_no_committed_row(tmp_path: Path) -> None:
