@@ -500,7 +500,8 @@ def test_agent_down_is_degraded_and_its_checks_skip(tmp_path):
                       agent=AgentFacts("http://127.0.0.1:1", False, None, "Connection refused"))
     report = run_checks(facts, [c for c in REGISTRY if c.agent])
     assert [(r.check, r.verdict) for r in report.results] == [
-        ("agent.reachable", D), ("agent.backends", S), ("agent.config", S), ("agent.state_dir", S), ("agent.gpus", S),
+        ("agent.reachable", D), ("agent.backends", S), ("agent.config", S), ("agent.state_dir", S), ("agent.usage", S),
+        ("agent.gpus", S),
         ("agent.mesh_identity", S), ("agent.mesh_seeds", S)]
 
 
