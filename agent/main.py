@@ -26,6 +26,7 @@ from aiohttp import web
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.auth.gate import AuthGate, AuthStartError
+from viiwork.agent.cli.command_path import command
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
 from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
@@ -90,19 +91,12 @@ async def make_runner(config: Config) -> Runner:
     return ProcessRunner()
 
 
-def _ctl_command() -> str:
-    """viiworkctl as the user can run it: the absolute path next to this interpreter (a venv's
-    bin is usually not on PATH), else the bare name."""
-    beside = Path(sys.executable).parent / "viiworkctl"
-    return str(beside) if beside.exists() else "viiworkctl"
-
-
 def _banner(host: str, port: int, config: Config, *, demo: bool = False) -> str:
     """The lines printed once the API serves: how to try it and where things are, with full
     paths (the demo's user has no config file to read them from)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}"
-    ctl = _ctl_command()
+    ctl = command("viiworkctl")
     lines = [f"viiwork {__version__}: node {config.node.name!r}, API on {base}"]
     chat = [m.name for m in config.models if m.kind.value == "chat"]
     if chat:
@@ -116,7 +110,7 @@ def _banner(host: str, port: int, config: Config, *, demo: bool = False) -> str:
     lines.append(f"status: {ctl} status" + ("" if demo else f" --url {base}"))
     if demo or config.api.admin_socket != ApiConfig().admin_socket:  # viiworkctl's default would miss it
         lines.append(f"admin socket: {config.api.admin_socket}"
-                     + ("" if demo else f" (viiworkctl models --socket {config.api.admin_socket})"))
+                     + ("" if demo else f" ({ctl} models --socket {config.api.admin_socket})"))
     if demo:
         lines += [f"state dir: {config.node.state_dir}",
                   f"engine logs: {config.supervisor.log_dir or config.node.state_dir / 'logs'} "

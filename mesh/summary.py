@@ -52,7 +52,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS
+from viiwork.mesh.bounds import (
+    MAX_INT,
+    MAX_LABEL_CHARS,
+    MAX_MODELS,
+    MAX_NAME_CHARS,
+    control_char,
+    model_name_problem,
+)
 from viiwork.mesh.extensions import (
     EMPTY,
     ExtensionError,
@@ -316,6 +323,9 @@ def _str(obj: dict[str, Any], key: str, where: str, max_chars: int, min_chars: i
     value = obj[key]
     if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
         raise MalformedSummary(f"{where}{key}: expected a string of {min_chars}..{max_chars} characters, got {value!r:.40}")
+    bad = control_char(value)
+    if bad is not None:  # a peer's strings reach terminals and logs (mesh/bounds.py)
+        raise MalformedSummary(f"{where}{key}: control character {bad!r} in {value!r:.40}")
     return value
 
 
@@ -348,8 +358,12 @@ def decode_model(obj: Any, protocol: int, where: str) -> ModelCapacity:
     if protocol >= 2 and obj["fingerprint"] is not None:
         fingerprint = _str(obj, "fingerprint", where + ".", MAX_LABEL_CHARS * 2)
     kind = _str(obj, "kind", where + ".", MAX_LABEL_CHARS)
+    name = _str(obj, "name", where + ".", MAX_NAME_CHARS)
+    problem = model_name_problem(name)
+    if problem is not None:
+        raise MalformedSummary(f"{where}.name: {problem}, got {name!r:.40}")
     model = ModelCapacity(
-        name=_str(obj, "name", where + ".", MAX_NAME_CHARS),
+        name=name,
         engine=_str(obj, "engine", where + ".", MAX_LABEL_CHARS),
         kind=kind,
         slots=_int(obj, "slots", where + ".", 0, 1 << 20),

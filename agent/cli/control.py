@@ -16,9 +16,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
-from viiwork.agent.cli.tables import table_console
+from viiwork.agent.cli.tables import cell, table_console
 from viiwork.agent.cli.target import load_target_config
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError
 from viiwork.agent.config.schema import ApiConfig
@@ -116,7 +115,7 @@ def print_models(doc: dict[str, Any], console: Console) -> None:
     table.add_column("backends", overflow="fold")
     for m in models:
         backends = ", ".join(f"{b.get('id', '?')} {b.get('state', '?')}" for b in m.get("backends") or []) or "-"
-        table.add_row(*(Text(str(v)) for v in (m.get("name", "?"), m.get("engine", ""), m.get("state", ""), backends)))
+        table.add_row(*(cell(v) for v in (m.get("name", "?"), m.get("engine", ""), m.get("state", ""), backends)))
     console.print(table)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import tomli_w
 
+from viiwork.agent.cli.command_path import command
 from viiwork.agent.cli.out_file import OutFileError, check_out, write_whole
 from viiwork.agent.cli.quoting import quote_path
 from viiwork.agent.config.load import ConfigError, file_kind, parse_config
@@ -298,7 +299,7 @@ def _init(args: argparse.Namespace) -> int:
     # quote_path: a newline in the host name or --out would end the comment and forge TOML.
     header = (f"# Written by `viiworkctl init` on {quote_path(socket.gethostname())}. "
               "Every key: docs/configuration.md;\n"
-              f"# the effective config: `viiworkctl config show --config {quote_path(out)}`.\n\n")
+              f"# the effective config: `{command('viiworkctl')} config show --config {quote_path(out)}`.\n\n")
     text = header + tomli_w.dumps(doc)
     try:
         data = text.encode("utf-8")
@@ -316,7 +317,7 @@ def _init(args: argparse.Namespace) -> int:
         print(line)
     for line in notes:
         print(f"note: {line}")
-    print(f"wrote {quote_path(out)}; check it with `viiworkctl config check {quote_path(out)}`")
+    print(f"wrote {quote_path(out)}; check it with `{command('viiworkctl')} config check {quote_path(out)}`")
     return 0
 
 

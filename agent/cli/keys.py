@@ -21,6 +21,7 @@ from typing import Any
 import jwt
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from viiwork.agent.auth.claims import MAX_LIMIT, NAME_PATTERN, KeyClaims, Priority, Scope, claims_from_payload
 from viiwork.agent.auth.errors import InvalidApiKey, RevocationRefused
@@ -40,6 +41,7 @@ from viiwork.agent.auth.issuing import (
 from viiwork.agent.auth.keyset import IssuerKeyError, KeySet
 from viiwork.agent.auth.revocations import RevocationList, empty_list, read_revocations
 from viiwork.agent.auth.verifier import Verifier
+from viiwork.agent.cli.tables import cell
 
 DURATION = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -203,12 +205,12 @@ def _run_issue(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any) -> Text:
     if value is None:
-        return "-"
+        return cell("-")
     if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
+        return cell(",".join(str(v) for v in value))
+    return cell(value)
 
 
 @_guard

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from viiwork.agent.cli.status import fetch_json
-from viiwork.agent.cli.target import add_target_args, agent_url, config_path
+from viiwork.agent.cli.target import add_target_args, agent_url, find_config
 from viiwork.agent.config.load import ConfigError, load_config
 from viiwork.agent.supervision.launch import backend_log_path
 
@@ -83,8 +83,13 @@ def run(args: argparse.Namespace) -> int:
             return 1
         argv = [journalctl, "-u", unit, "-n", str(args.lines), "--no-pager"] + (["-f"] if args.follow else [])
         os.execv(journalctl, argv)
+    path, how = find_config(args)
+    if not answered and not path.exists():
+        print(f"viiworkctl logs: no agent runs here ({how}: {path} does not exist), so no log to show; "
+              "start one, or point at it with --url URL or --config FILE", file=sys.stderr)
+        return 1
     try:
-        config = load_config(config_path(args))
+        config = load_config(path)
     except ConfigError as exc:
         print(f"viiworkctl logs: {'the agent is not reachable and ' if not answered else ''}"
               f"the config cannot be read to find the log file:\n{exc}", file=sys.stderr)

@@ -24,9 +24,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from viiwork.agent.cli.status import AgentAnswered, fetch_json
-from viiwork.agent.cli.tables import table_console
+from viiwork.agent.cli.tables import cell, shown, table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from viiwork.agent.config.schema import Config
@@ -276,32 +277,45 @@ def _age(ms: Any) -> str:
     return f"{ms / 1000:.1f} s" if ms < 120_000 else f"{ms / 60_000:.0f} min"
 
 
-def _models_cell(models: list[dict[str, Any]]) -> tuple[str, str]:
+def _lines(lines: list[Text]) -> Text:
+    return Text("\n").join(lines) if lines else Text("-")
+
+
+def _models_cell(models: list[dict[str, Any]]) -> tuple[Text, str]:
     names, busy, slots = [], 0, 0
     for m in models:
         waiting = m.get("waiting")
-        queue = "" if waiting is None else f", {waiting} waiting"
-        flag = " [red](conflict)[/red]" if m.get("conflict") else ""
+        queue = "" if waiting is None else f", {shown(waiting)} waiting"
+        line = Text(f"{shown(m.get('name', '?'))} {shown(m.get('busy', '?'))}/{shown(m.get('slots', '?'))}{queue}")
+        if m.get("conflict"):
+            line.append(" (conflict)", style="red")
         if m.get("ejected") is True:  # outlier ejection in the viewing node (docs/routing.md)
-            flag += " [yellow](ejected)[/yellow]"
-        names.append(f"{m.get('name', '?')} {m.get('busy', '?')}/{m.get('slots', '?')}{queue}{flag}")
-        busy += m.get("busy") or 0
-        slots += m.get("slots") or 0
-    return "\n".join(names) or "-", f"{busy}/{slots}"
+            line.append(" (ejected)", style="yellow")
+        names.append(line)
+        busy += _count(m.get("busy"))
+        slots += _count(m.get("slots"))
+    return _lines(names), f"{busy}/{slots}"
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _gib(mib: Any) -> str:
+    return f"{mib / 1024:.0f}" if isinstance(mib, (int, float)) and not isinstance(mib, bool) else "?"
 
 
 def gpus_cell(gpus: list[dict[str, Any]]) -> str:
-    """One line per GPU: ``index name free/total GiB`` ("?" where memory is unknown); "-" for none."""
-    lines = []
-    for g in gpus:
-        total, free = g.get("memory_total_mib"), g.get("memory_free_mib")
-        mem = f"{'?' if free is None else f'{free / 1024:.0f}'}/{'?' if total is None else f'{total / 1024:.0f}'} GiB free"
-        lines.append(f"{g.get('index', '?')} {g.get('name', '?')} {mem}")
-    return "\n".join(lines) or "-"
+    """One line per GPU: ``index name free/total GiB`` ("?" where memory is unknown); "-" for
+    none. Control characters are escaped (``shown``); print it as text (``cell``), not markup."""
+    return "\n".join(f"{shown(g.get('index', '?'))} {shown(g.get('name', '?'))} "
+                     f"{_gib(g.get('memory_free_mib'))}/{_gib(g.get('memory_total_mib'))} GiB free"
+                     for g in gpus) or "-"
 
 
 def speeds_cell(models: list[dict[str, Any]]) -> str:
-    """One line per model: ``name prefill/decode`` (tokens/s, "—" when not measured)."""
+    """One line per model: ``name prefill/decode`` (tokens/s, "—" when not measured); control
+    characters escaped, as in ``gpus_cell``."""
     def tps(value: Any) -> str:
         return str(value) if isinstance(value, int) and value > 0 else "\u2014"
     lines = []
@@ -309,7 +323,7 @@ def speeds_cell(models: list[dict[str, Any]]) -> str:
         speed = m.get("speed")
         if not isinstance(speed, dict):
             speed = {}
-        lines.append(f"{m.get('name', '?')} {tps(speed.get('prefill_tps'))}/{tps(speed.get('decode_tps'))}")
+        lines.append(f"{shown(m.get('name', '?'))} {tps(speed.get('prefill_tps'))}/{tps(speed.get('decode_tps'))}")
     return "\n".join(lines) or "-"
 
 
@@ -318,21 +332,26 @@ _LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left":
 
 def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None:
     """Print the /v1/mesh document as a header line and a table of peers (``wide``: every
-    column)."""
+    column). Every string of the document is printed as text with control characters escaped
+    (``cell``/``shown``, agent/cli/tables.py): names come from peers."""
     me = doc.get("self") or {}
     if me:
         models, load = _models_cell(me.get("models") or [])
-        console.print(f"this node [bold]{me.get('name', '?')}[/bold] ({me.get('id', '?')}), mesh {me.get('mesh_id', '?')} "
-                      f"({me.get('trust', '?')} trust), {me.get('state', '?')}, slots busy/total {load}, "
-                      f"GPUs: {gpus_cell(me.get('gpus') or []).replace(chr(10), '; ')}")
-        ejected = [f"{b} ({m.get('name', '?')})" for m in me.get("models") or [] for b in m.get("ejected_backends") or []]
+        gpus = gpus_cell(me.get("gpus") or []).replace("\n", "; ")
+        console.print(Text.assemble(
+            "this node ", cell(me.get("name", "?"), "bold"),
+            f" ({shown(me.get('id', '?'))}), mesh {shown(me.get('mesh_id', '?'))} ({shown(me.get('trust', '?'))} "
+            f"trust), {shown(me.get('state', '?'))}, slots busy/total {load}, GPUs: {gpus}"))
+        ejected = [f"{shown(b)} ({shown(m.get('name', '?'))})" for m in me.get("models") or []
+                   for b in m.get("ejected_backends") or []]
         if ejected:  # outlier ejection: their slots are not published (docs/routing.md)
-            console.print(f"[yellow]ejected here[/yellow]: {', '.join(ejected)}")
+            console.print(Text.assemble(("ejected here", "yellow"), ": " + ", ".join(ejected)))
         clone = me.get("identity_conflict")
         if isinstance(clone, dict):
-            console.print(f"[bold red]identity conflict[/bold red]: this node id is also run by the agent at "
-                          f"{clone.get('other_address', '?')}; "
-                          f"{'this agent' if clone.get('this_boot_leaves') else 'that agent'} stops (docs/mesh.md)")
+            console.print(Text.assemble(
+                ("identity conflict", "bold red"),
+                f": this node id is also run by the agent at {shown(clone.get('other_address', '?'))}; "
+                f"{'this agent' if clone.get('this_boot_leaves') else 'that agent'} stops (docs/mesh.md)"))
     # The default columns fit 100 (and mostly 80) columns; --wide adds the node id, the summed
     # slots, the measured speeds and the trust mode. Cells wrap (overflow="fold") rather than end in "…".
     table = Table()
@@ -346,18 +365,21 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
     for node in doc.get("nodes", []):
         models, load = _models_cell(node.get("models") or [])
         liveness = node.get("liveness", "?")
-        style = _LIVENESS_STYLE.get(liveness, "")
-        cells = {"name": node.get("name", "?"), "id": str(node.get("id", "?")),
-                 "address": node.get("api") or node.get("mesh") or "-",
-                 "liveness": f"[{style}]{liveness}[/{style}]" if style else liveness,
-                 "state": node.get("state", "?"), "age": _age(node.get("age_ms")), "models (busy/slots)": models,
-                 "slots busy/total": load, "tok/s prefill/decode": speeds_cell(node.get("models") or []),
-                 "GPUs": gpus_cell(node.get("gpus") or []), "trust": node.get("trust", "?")}
+        cells: dict[str, Text] = {
+            "name": cell(node.get("name", "?")), "id": cell(node.get("id", "?")),
+            "address": cell(node.get("api") or node.get("mesh") or "-"),
+            "liveness": cell(liveness, _LIVENESS_STYLE.get(liveness, "") if isinstance(liveness, str) else ""),
+            "state": cell(node.get("state", "?")), "age": cell(_age(node.get("age_ms"))),
+            "models (busy/slots)": models, "slots busy/total": cell(load),
+            "tok/s prefill/decode": Text(speeds_cell(node.get("models") or [])),
+            "GPUs": Text(gpus_cell(node.get("gpus") or [])), "trust": cell(node.get("trust", "?"))}
         table.add_row(*(cells[c] for c in cols))
     console.print(table)
     conflicts = doc.get("conflicts") or []
     for c in conflicts:
-        console.print(f"[red]conflict[/red]: model {c.get('model')!r} is served with different weights: "
-                      + ", ".join(f"{nid}={fp}" for nid, fp in (c.get("nodes") or {}).items()))
+        console.print(Text.assemble(
+            ("conflict", "red"),
+            f": model {shown(repr(c.get('model')))} is served with different weights: "
+            + ", ".join(f"{shown(nid)}={shown(fp)}" for nid, fp in (c.get("nodes") or {}).items())))
     if not doc.get("nodes"):
         console.print("no peers known (standalone, or none found yet: check mesh.seeds and mDNS)")

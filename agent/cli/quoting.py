@@ -31,6 +31,13 @@ def quote_path(path: str | os.PathLike[str]) -> str:
     return "$'" + "".join(_escape(c) for c in text) + "'"
 
 
+def printable(text: str) -> str:
+    """``text`` with each character that is not printable shown as an escape (``\\x1b``,
+    ``\\n``, ``\\u202e``: ``_escape``'s forms), the rest as is, for a string from an agent or
+    a peer printed in a line or a table cell. Not a shell word (see ``quote_path``)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
 def _escape(c: str) -> str:
     if c in _ANSI_C:
         return _ANSI_C[c]

@@ -10,10 +10,10 @@ import urllib.request
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from viiwork.agent.cli.tables import table_console
+from viiwork.agent.cli.tables import cell, shown, table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 
 
@@ -61,20 +61,21 @@ def fetch_json(url: str, timeout: float) -> Any:
         raise ConnectionError(f"{url} did not return JSON: {exc}") from None
 
 
-def _state_cell(backend: dict[str, Any]) -> str:
-    state = backend.get("state", "?")
+def _state_cell(backend: dict[str, Any]) -> Text:
+    state = shown(backend.get("state", "?"))
     phase = backend.get("phase") or ""
     progress = backend.get("progress")
     if state == "starting" and phase:
-        state += f" ({phase}"
+        state += f" ({shown(phase)}"
         if isinstance(progress, (int, float)) and progress >= 0:
             state += f" {progress * 100:.0f}%"
         state += ")"
     if backend.get("reason") and state in ("dead", "unhealthy", "starting"):
-        state += f": {backend['reason']}"
+        state += f": {shown(backend['reason'])}"
+    text = Text(state)
     if backend.get("ejected"):
-        state += " [yellow](ejected)[/yellow]"
-    return state
+        text.append(" (ejected)", style="yellow")
+    return text
 
 
 def outlier_lines(section: Any) -> list[str]:
@@ -98,8 +99,8 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
     """Print /v1/status: a node line, a table of models and backends (slots busy/total),
     then outlier lines. ``wide``: every column."""
     node = doc.get("node", {})
-    console.print(f"node [bold]{node.get('name', '?')}[/bold]  version {node.get('version', '?')}  "
-                  f"uptime {node.get('uptime_s', '?')} s")
+    console.print(Text.assemble("node ", cell(node.get("name", "?"), "bold"),
+                                f"  version {shown(node.get('version', '?'))}  uptime {shown(node.get('uptime_s', '?'))} s"))
     # The default columns fit 100 (and mostly 80) columns; --wide adds engine, ctx/slot, pid and
     # port. Cells wrap (overflow="fold") rather than end in "…".
     table = Table(show_lines=False)
@@ -114,7 +115,7 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
         first = True
         backends = model.get("backends") or [{}]
         for b in backends:
-            cells = {
+            cells: dict[str, Any] = {
                 "model": model.get("name", "?") if first else "",
                 "engine": model.get("engine", "") if first else "",
                 "state": model.get("state", "") if first else "",
@@ -127,11 +128,11 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
                 "port": str(b.get("port") or ("socket" if b.get("socket") else "-")),
                 "respawns": str(b.get("respawns", "")),
             }
-            table.add_row(*(cells[c] for c in cols))
+            table.add_row(*(c if isinstance(c, Text) else cell(c) for c in (cells[c] for c in cols)))
             first = False
     console.print(table)
     for line in outlier_lines(doc.get("outliers")):
-        console.print(f"[yellow]outlier[/yellow] {escape(line)}")
+        console.print(Text.assemble(("outlier", "yellow"), " ", cell(line)))
 
 
 def run(args: argparse.Namespace) -> int:

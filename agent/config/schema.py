@@ -31,7 +31,7 @@ from pydantic import (
 
 from viiwork.engines.contract import Kind
 from viiwork.engines.registry import ENGINES, engine_names
-from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS
+from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS, model_name_problem
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.summary import (
     MAX_ADDRESS_CHARS,
@@ -478,8 +478,9 @@ class ModelConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name_chars(cls, v: str) -> str:
-        if any(c.isspace() or not c.isprintable() for c in v):
-            raise ValueError("model name may not contain spaces or control characters")
+        problem = model_name_problem(v)  # the summary decoder's rule too (mesh/bounds.py)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("env")

@@ -206,3 +206,27 @@ def test_random_garbage_only_ever_raises_typed_errors():
             decode_message(data, (1, 2))
         except SummaryError:
             pass
+
+
+HOSTILE = "ok\x1bcX\x1b[2J"
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda o: o["payload"].update(name=HOSTILE),
+    lambda o: o["payload"]["models"][0].update(name=HOSTILE),
+    lambda o: o["payload"]["models"][0].update(name="a\x85b"),  # C1 (NEL)
+    lambda o: o["payload"]["models"][0].update(name="a\u202eb"),  # the config's rule: printable only
+    lambda o: o["payload"].update(version="1\x7f"),
+    lambda o: o["payload"]["gpus"].append({"index": 0, "name": "H200\n", "memory_total_mib": None,
+                                           "memory_free_mib": None}),
+], ids=["node name", "model name", "C1", "format char", "DEL", "gpu name"])
+def test_control_characters_are_refused_and_counted_as_malformed(mutate):
+    with pytest.raises(MalformedSummary):
+        decode_summary(_bad(mutate), (1, 2))
+    good = summary_to_obj(signed())
+    good["age_ms"] = 1
+    bad = _bad(mutate)
+    bad["age_ms"] = 1
+    data = json.dumps({"type": "push", "protocol": 2, "mesh_id": "m", "summaries": [bad, good]}).encode()
+    msg = decode_message(data, (1, 2))
+    assert len(msg.summaries) == 1 and msg.rejected == ("malformed",)

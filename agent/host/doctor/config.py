@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import viiwork
+from viiwork.agent.cli.command_path import command
 from viiwork.agent.host.doctor.registry import CheckResult, Skip, Verdict, check, config_or_skip, plural, result_for
 from viiwork.agent.host.facts import HostFacts
 from viiwork.agent.host.gpus.inventory import GpuInventory
@@ -38,11 +39,11 @@ def check_config(facts: HostFacts) -> CheckResult:
         if not cf.exists:
             return r(Verdict.FAIL, f"{cf.path} does not exist", "the agent cannot start without a config",
                      f"create {cf.path} from the example config ({example_config()}), or pass --config FILE; "
-                     "`viiwork-agent --demo` runs without one")
+                     f"`{command('viiwork-agent')} --demo` runs without one")
         errors = "; ".join(str(i) for i in cf.issues[:5])
         more = f" (and {len(cf.issues) - 5} more)" if len(cf.issues) > 5 else ""
         return r(Verdict.FAIL, f"{cf.path}: {errors}{more}", "the agent refuses to start with this config",
-                 f"fix the fields named; re-check with `viiworkctl config check {cf.path}`")
+                 f"fix the fields named; re-check with `{command('viiworkctl')} config check {cf.path}`")
     config = cf.config
     backends = sum(m.backend_count for m in config.models)
     mode = f"mesh (trust {config.mesh.trust})" if config.mesh else "standalone"

@@ -30,7 +30,9 @@ def check_engine_binary(facts: HostFacts) -> list[CheckResult]:
     for subject, b in _configured_binaries(facts):
         models = ", ".join(b.models)
         if b.state is BinaryState.OK:
-            results.append(r(Verdict.OK, b.resolved or b.binary, subject=subject))
+            # The subject already names the binary: say where PATH found a bare name, not the path twice.
+            found = b.resolved and b.resolved != b.binary
+            results.append(r(Verdict.OK, f"found at {b.resolved}" if found else "executable", subject=subject))
             continue
         consequence = f"model(s) {models} cannot start: every backend fails at launch and ends dead"
         option = f" or set {b.option_path} to its full path" if b.option_path else ""
