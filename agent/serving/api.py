@@ -186,8 +186,10 @@ class ClientApi:
             ("/metrics", self.handle_metrics),
         ):
             resource = app.router.add_resource(path)
+            # HEAD too, as aiohttp's add_get does: a probe's HEAD /health is the GET without a body.
             resource.add_route("GET", handler)
-            resource.add_route("*", self._method_not_allowed("GET"))
+            resource.add_route("HEAD", handler)
+            resource.add_route("*", self._method_not_allowed("GET, HEAD"))
         Dashboard(status=self.status_doc, mesh=self.mesh_doc, stats=self.request_stats).add_routes(app)
         app.router.add_route("*", "/{tail:.*}", self.handle_not_found)
         app.on_startup.append(_freeze_heap)

@@ -241,3 +241,25 @@ async def test_views(engine_port: int) -> None:
     async with agent_api(runtimes) as (url, _), aiohttp.ClientSession() as http:
         async with http.get(f"{url}/health") as r:
             assert r.status == 503
+
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/status", "/metrics", "/v1/models", "/ui", "/ui/api/state"])
+async def test_every_get_route_answers_head(engine_port: int, path: str) -> None:
+    """HEAD is the GET without a body (a load balancer's ``HEAD /health``, docs/security.md)."""
+    runtimes = {"m": make_runtime("m", [engine_port], 4)}
+    async with agent_api(runtimes) as (url, _), aiohttp.ClientSession() as http:
+        async with http.get(f"{url}{path}") as r:
+            assert r.status == 200
+            content_type = r.headers["Content-Type"]
+        async with http.head(f"{url}{path}") as r:
+            assert (r.status, r.headers["Content-Type"]) == (200, content_type)
+            assert await r.read() == b""
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/status", "/metrics", "/v1/models"])
+async def test_other_methods_on_get_routes_name_get_and_head(engine_port: int, path: str) -> None:
+    async with agent_api({"m": make_runtime("m", [engine_port], 4)}) as (url, _), aiohttp.ClientSession() as http:
+        async with http.delete(f"{url}{path}") as r:
+            assert (r.status, r.headers["Allow"]) == (405, "GET, HEAD")
+            assert "use GET, HEAD" in (await r.json())["error"]["message"]
