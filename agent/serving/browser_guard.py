@@ -4,7 +4,7 @@
 A web page the operator visits can make the browser send requests to the agent: to
 ``http://localhost:8086`` (cross-site request forgery: a ``text/plain`` or form POST needs
 no CORS preflight, and the API parses any body as JSON), or, by re-pointing its own name at
-127.0.0.1 (DNS rebinding), to its own origin, whose answers it may then read. Three checks,
+127.0.0.1 (DNS rebinding), to its own origin, whose answers it may then read. Four checks,
 in this order, on every request of the client API (:func:`middleware`):
 
 - **Host** (:func:`host_allowed`): on a connection that arrived on a loopback address, the
@@ -19,6 +19,14 @@ in this order, on every request of the client API (:func:`middleware`):
   its host and port equal the ``Host``'s (same origin: the dashboard's own fetches) or it is
   in ``api.allowed_origins`` (``"*"``: all). ``Origin: null`` (sandboxed frames, file pages)
   never passes. No ``Origin`` (curl, SDKs, peers) passes. Else 403 ``origin_not_allowed``.
+- **Fetch site** (:func:`fetch_site_refused`): a request without ``Origin`` whose
+  ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` and whose ``Sec-Fetch-Mode`` is not
+  ``navigate``: another site's ``<img>``, ``<script>`` or no-cors ``fetch`` (a GET carries no
+  ``Origin``), which would otherwise reach every route and fill the dashboard's errors. 403
+  ``cross_site_not_allowed``. A link from a peer's dashboard (a navigation), the dashboard's
+  own fetches (``same-origin``) and clients that send no ``Sec-Fetch-*`` pass, and so does
+  everything when ``api.allowed_origins`` holds ``"*"``. (A request with ``Origin`` was the
+  Origin check's to decide.)
 - **Content type** (:func:`content_type_refused`): a POST whose ``Content-Type`` is one a
   browser sends cross-site without a preflight (``text/plain``,
   ``application/x-www-form-urlencoded``, ``multipart/form-data``, or none) from a browser
@@ -57,7 +65,7 @@ SECURITY_HEADERS = {
 #: standard's "CORS-safelisted" request types); "" is a POST without Content-Type.
 SIMPLE_CONTENT_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data", ""})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-CHECKS = ("host", "origin", "content_type")
+CHECKS = ("host", "origin", "fetch_site", "content_type")
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,19 @@ def origin_allowed(origin: str | None, host_header: str | None, policy: BrowserP
     return parts.hostname.rstrip(".") == host and origin_port == (port or _DEFAULT_PORTS[parts.scheme])
 
 
+def fetch_site_refused(sec_fetch_site: str | None, sec_fetch_mode: str | None, origin: str | None,
+                       policy: BrowserPolicy) -> bool:
+    """Whether a request is another site's subresource or no-cors request without ``Origin``
+    (module doc): ``Sec-Fetch-Site`` ``cross-site``/``same-site`` (the Fetch Metadata headers,
+    W3C "Fetch Metadata Request Headers"; None: absent), ``Sec-Fetch-Mode`` other than
+    ``navigate``, no ``Origin``, and ``"*"`` not in ``allowed_origins``."""
+    if origin is not None or "*" in policy.allowed_origins:
+        return False
+    site = (sec_fetch_site or "").strip().lower()
+    mode = (sec_fetch_mode or "").strip().lower()
+    return site in ("cross-site", "same-site") and mode != "navigate"
+
+
 def content_type_refused(method: str, content_type: str | None, origin: str | None,
                          sec_fetch_site: str | None) -> bool:
     """Whether a request is a browser's preflight-free POST (module doc): POST, a
@@ -205,7 +226,7 @@ def content_type_refused(method: str, content_type: str | None, origin: str | No
 @dataclass
 class BrowserGuard:
     """The checks of the module doc with ``policy``; ``refused``: refusals per check
-    (``host``, ``origin``, ``content_type``). Single-threaded: the event loop owns it."""
+    (``host``, ``origin``, ``fetch_site``, ``content_type``). Single-threaded: the event loop owns it."""
 
     policy: BrowserPolicy = field(default_factory=BrowserPolicy)
     refused: Counter[str] = field(default_factory=Counter)
@@ -222,6 +243,11 @@ class BrowserGuard:
             return self._refuse("origin", 403, f"Origin {origin!r} is another site than this API (Host {host!r}): "
                                 "cross-site requests are refused; add it to api.allowed_origins to allow it",
                                 ErrorCode.ORIGIN_NOT_ALLOWED)
+        if fetch_site_refused(headers.get("Sec-Fetch-Site"), headers.get("Sec-Fetch-Mode"), origin, self.policy):
+            return self._refuse("fetch_site", 403, f"a {headers.get('Sec-Fetch-Site')} browser request "
+                                f"(Sec-Fetch-Mode {headers.get('Sec-Fetch-Mode', '')!r}) is refused: another "
+                                "site's page embeds or fetches this URL; open it as a link, or call the API "
+                                "from its own origin", ErrorCode.CROSS_SITE_NOT_ALLOWED)
         if content_type_refused(request.method, headers.get("Content-Type"), origin, headers.get("Sec-Fetch-Site")):
             return self._refuse("content_type", 415, f"a browser's POST with Content-Type "
                                 f"{headers.get('Content-Type', '')!r} is refused (a cross-site form can send it "
@@ -244,15 +270,16 @@ class BrowserGuard:
 
     def status(self) -> dict[str, Any]:
         """The ``browser`` section of /v1/status: ``{"refused_host", "refused_origin",
-        "refused_content_type"}`` (requests since start), and whether any check is off."""
+        "refused_fetch_site", "refused_content_type"}`` (requests since start), and whether any check is off."""
         return {**{f"refused_{c}": self.refused[c] for c in CHECKS},
                 "allowed_hosts": sorted(self.policy.allowed_hosts), "allowed_origins": sorted(self.policy.allowed_origins)}
 
     def metric_families(self) -> list[CounterMetricFamily]:
         """The refusals' counter for /metrics (read now)."""
         family = CounterMetricFamily("viiwork_api_browser_refused", "Client API requests refused by the browser "
-                                     "checks (Host: DNS rebinding, Origin: cross-site, content_type: a "
-                                     "preflight-free browser POST).", labels=["check"])
+                                     "checks (Host: DNS rebinding, Origin: cross-site, fetch_site: another "
+                                     "site's subresource or no-cors request, content_type: a preflight-free "
+                                     "browser POST).", labels=["check"])
         for c in CHECKS:
             family.add_metric([c], self.refused[c])
         return [family]

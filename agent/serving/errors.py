@@ -54,6 +54,7 @@ class ErrorCode(StrEnum):
     TOO_MANY_CONNECTIONS = "too_many_connections"  # 503: api.max_connections (or per address) reached
     HOST_NOT_ALLOWED = "host_not_allowed"          # 403: Host not a name of this API (DNS rebinding)
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"      # 403: Origin another site (api.allowed_origins)
+    CROSS_SITE_NOT_ALLOWED = "cross_site_not_allowed"  # 403: another site's <img>/no-cors request
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: a browser's text/plain or form POST
     MISSING_MODEL = "missing_model"                # 400: no "model" string
     WRONG_MODEL_KIND = "wrong_model_kind"          # 400: chat endpoint, embedding model (or the reverse)

@@ -29,6 +29,7 @@ from viiwork.agent.serving.browser_guard import (
     BrowserGuard,
     BrowserPolicy,
     content_type_refused,
+    fetch_site_refused,
     host_allowed,
     origin_allowed,
 )
@@ -111,7 +112,9 @@ async def test_a_browsers_form_post_is_refused_and_curls_passes() -> None:
         chat = url + "/v1/chat/completions"
         text = json.dumps(CHAT)
         for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
-            for headers in ({"Origin": url}, {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}):
+            # A form's submission is a navigation (Sec-Fetch-Mode: navigate), past the fetch_site check.
+            for headers in ({"Origin": url}, {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"},
+                            {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate"}):
                 async with http.post(chat, data=text, headers={"Content-Type": ctype, **headers}) as r:
                     doc = await r.json()
                     assert (r.status, _code(doc)) == (415, "unsupported_media_type"), (ctype, headers)
@@ -127,6 +130,40 @@ async def test_a_browsers_form_post_is_refused_and_curls_passes() -> None:
     assert api.browser.refused["content_type"] == 9
     assert 'viiwork_api_browser_refused_total{check="content_type"} 9.0' in metrics
     assert 'viiwork_api_browser_refused_total{check="host"} 0.0' in metrics
+
+
+async def test_another_sites_img_or_no_cors_fetch_is_refused_and_a_link_passes() -> None:
+    """``<img src=http://127.0.0.1:8086/v1/chat/completions>`` on any page: a GET without Origin.
+    Refused before any route runs, so the dashboard's errors stay empty; a navigation (a peer
+    dashboard's link), a same-origin fetch and a client without Sec-Fetch headers pass."""
+    grafana = "https://grafana.example:3000"
+    guard = BrowserGuard(BrowserPolicy(allowed_origins=frozenset({grafana})))
+    async with agent_api({}, browser=guard) as (url, api), aiohttp.ClientSession() as http:
+        refused = 0
+        for method, path, _body in ROUTES:
+            for site in ("cross-site", "same-site"):
+                for mode in ("no-cors", "cors", "same-origin", ""):
+                    headers = {"Sec-Fetch-Site": site, **({"Sec-Fetch-Mode": mode} if mode else {})}
+                    status, doc = await _call(http, "GET" if method == "POST" else method, url + path, **headers)
+                    assert (status, _code(doc)) == (403, "cross_site_not_allowed"), (path, headers)
+                    assert "as a link" in doc["error"]["message"]
+                    refused += 1
+        for headers in ({"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"},
+                        {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate"},
+                        {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"},
+                        {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"}, {},
+                        {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors", "Origin": grafana}):
+            status, _doc = await _call(http, "GET", url + "/v1/status", **headers)
+            assert status == 200, headers
+        status, doc = await _call(http, "GET", url + "/v1/chat/completions", Sec_Fetch_Site="cross-site",
+                                  Sec_Fetch_Mode="navigate")
+        assert (status, _code(doc)) == (405, "method_not_allowed")  # a link to it: the route answers
+        status, state = await _call(http, "GET", url + "/ui/api/state", Sec_Fetch_Site="same-origin")
+        async with http.get(url + "/metrics") as r:
+            metrics = await r.text()
+    assert status == 200 and state is not None and len(state["errors"]) == 1  # the navigation's 405 only
+    assert api.browser.refused["fetch_site"] == refused == len(ROUTES) * 8
+    assert f'viiwork_api_browser_refused_total{{check="fetch_site"}} {float(refused)}' in metrics
 
 
 async def test_a_second_loopback_address_is_a_loopback_listener() -> None:
@@ -238,6 +275,18 @@ def test_content_type_rule() -> None:
     assert not content_type_refused("GET", "text/plain", "http://x", "cross-site")
     assert not content_type_refused("POST", "application/x-www-form-urlencoded", None, None)  # curl -d
     assert not content_type_refused("POST", "text/plain", None, "none")  # typed in the address bar
+
+
+def test_fetch_site_rule() -> None:
+    none = BrowserPolicy()
+    for site in ("cross-site", "same-site", " Cross-Site "):
+        for mode in ("no-cors", "cors", "same-origin", "websocket", None):
+            assert fetch_site_refused(site, mode, None, none), (site, mode)
+        assert not fetch_site_refused(site, "navigate", None, none)  # a link, a typed URL
+        assert not fetch_site_refused(site, "no-cors", "https://g.example", none)  # the Origin check's
+        assert not fetch_site_refused(site, "no-cors", None, BrowserPolicy(allowed_origins=frozenset({"*"})))
+    for site in ("same-origin", "none", None, "bogus"):
+        assert not fetch_site_refused(site, "no-cors", None, none), site
 
 
 # --- config -----------------------------------------------------------------------------
