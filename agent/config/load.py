@@ -156,15 +156,30 @@ def _validate(data: dict[str, Any], text: str) -> Config:
 
 
 def parse_config(text: str, source: str = "<config>") -> Config:
-    """Parse and validate TOML text; ConfigError listing every problem."""
+    """Parse and validate TOML text; ConfigError listing every problem.
+
+    What else ``tomllib`` raises is one issue too: RecursionError (arrays or inline tables
+    nested a few hundred deep: it recurses per level; the validation's walk then goes no
+    deeper than tomllib did) and
+    ValueError (a decimal integer of more than ``sys.get_int_max_str_digits()`` digits, 4300
+    by default, which ``int()`` refuses)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, [_toml_issue(exc)]) from None
+    except RecursionError:
+        raise ConfigError(source, [_TOO_DEEP]) from None
+    except ValueError as exc:
+        # int()'s digit limit; its advice (sys.set_int_max_str_digits) is not the reader's to take.
+        raise ConfigError(source, [ConfigIssue((), f"not valid TOML: {str(exc).split(';')[0]}")]) from None
     try:
         return _validate(data, text)
     except ConfigError as exc:
         raise ConfigError(source, exc.issues) from None
+
+
+_TOO_DEEP = ConfigIssue((), "not valid TOML here: arrays or inline tables nested too deep to read "
+                        "(a config nests a few levels)")
 
 
 def _toml_issue(exc: tomllib.TOMLDecodeError) -> ConfigIssue:

@@ -247,6 +247,28 @@ def test_a_symlink_to_a_config_is_read(tmp_path: Path) -> None:
                                     "api 0.0.0.0:8086, standalone\n")
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ("x = " + "[" * 500 + "]" * 500, "nested too deep"),
+    ("x = " + "[" * 5000 + "]" * 5000, "nested too deep"),
+    ("x = " + "{a = " * 600 + "1" + "}" * 600, "nested too deep"),
+    ("x = " + "1" * 5000, "not valid TOML: Exceeds the limit (4300 digits) for integer string conversion"),
+], ids=["arrays-500", "arrays-5000", "inline-tables-600", "int-5000-digits"])
+def test_what_tomllib_raises_besides_a_decode_error_is_one_config_error(tmp_path: Path, text: str,
+                                                                         says: str) -> None:
+    """tomllib's RecursionError and int()'s digit limit (a ValueError) used to escape as tracebacks."""
+    path = tmp_path / "deep.toml"
+    path.write_text(text + "\n")
+    for done in (ctl("config", "check", str(path)), ctl("config", "check", "--offline", str(path)),
+                 ctl("config", "show", "--config", str(path)), _agent("--config", str(path))):
+        assert done.returncode == 1
+        assert b"Traceback" not in done.stderr
+        head, issue = done.stderr.decode().splitlines()
+        assert head == f"{path}: 1 error in config" and says in issue, issue
+        assert "set_int_max_str_digits" not in issue
+    as_json = ctl("config", "check", "--json", str(path))
+    assert as_json.returncode == 1 and says in json.loads(as_json.stdout)["errors"][0]["message"]
+
+
 # --- config check: errors in the file's order, counts in words -------------------------
 
 OUT_OF_ORDER = """\
