@@ -140,6 +140,14 @@ def binds_unix_socket(engine: object) -> bool:
     return getattr(engine, "unix_socket", False) is True
 
 
+def takes_model_directory(engine: object) -> bool:
+    """Whether the adapter's engine takes a directory as a local ``BackendSpec.path`` (a
+    Hugging Face model folder; class attribute ``model_directory: bool``, absent: False).
+    Either way a local path is otherwise a regular file (a GGUF, or a symlink to one), never
+    a FIFO or a device; a hub id is not a local path."""
+    return getattr(engine, "model_directory", False) is True
+
+
 def takes_api_key(engine: object) -> bool:
     """Whether the adapter hands ``BackendSpec.api_key_file`` to its engine (class attribute
     ``api_key: bool``, absent: False). Without it the engine answers any local user

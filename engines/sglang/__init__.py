@@ -59,6 +59,8 @@ class SglangEngine:
     # A non-streamed request's disconnect is checked only when its 4 s wait for output
     # times out (docs/engines.md, "When the client goes away").
     nonstream_stops_on_disconnect: ClassVar[bool] = False
+    # --model-path takes a Hugging Face folder (or a hub id).
+    model_directory: ClassVar[bool] = True
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """SGLang's argv for ``spec``.

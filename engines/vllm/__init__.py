@@ -76,6 +76,8 @@ class VllmEngine:
     api_key: ClassVar[bool] = True
     # Its OpenAI routes are wrapped in with_cancellation (docs/engines.md, "When the client goes away").
     nonstream_stops_on_disconnect: ClassVar[bool] = True
+    # `vllm serve <path>` takes a Hugging Face folder (or a GGUF file, or a hub id).
+    model_directory: ClassVar[bool] = True
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """vLLM's argv and environment for ``spec``.

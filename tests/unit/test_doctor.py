@@ -139,6 +139,62 @@ CONFLICTS = [
 ]
 
 
+def _model_path(tmp_path: Path, kind: str) -> str:
+    """A model path of ``kind``, made for real: a FIFO, a directory, a device, /proc's size-0 file."""
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "m.fifo")
+        return str(tmp_path / "m.fifo")
+    if kind == "directory":
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "config.json").write_text("{}")
+        return str(tmp_path / "hf")
+    if kind == "empty":
+        (tmp_path / "empty.gguf").write_bytes(b"")
+        return str(tmp_path / "empty.gguf")
+    if kind == "symlink":
+        (tmp_path / "real.gguf").write_bytes(b"GGUF")
+        (tmp_path / "link.gguf").symlink_to(tmp_path / "real.gguf")
+        return str(tmp_path / "link.gguf")
+    return {"dev-zero": "/dev/zero", "proc-self-mem": "/proc/self/mem", "file": str(tmp_path / "m.gguf")}[kind]
+
+
+@pytest.mark.parametrize(("engine", "kind", "says"), [
+    ("llamacpp", "fifo", "is not a GGUF file: it is a FIFO (named pipe)"),
+    ("llamacpp", "dev-zero", "is not a GGUF file: it is a character device"),
+    ("llamacpp", "proc-self-mem", "is empty: 0 bytes"),
+    ("llamacpp", "directory", "is not a GGUF file: it is a directory"),
+    ("llamacpp", "empty", "is empty: 0 bytes"),
+    ("llamacpp", "symlink", None),
+    ("llamacpp", "file", None),
+    ("vllm", "directory", None),
+    ("sglang", "directory", None),
+    ("vllm", "fifo", "is not a model file or folder: it is a FIFO (named pipe)"),
+    ("sglang", "dev-zero", "is not a model file or folder: it is a character device"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+def test_a_model_path_must_be_what_its_engine_loads(tmp_path: Path, engine: str, kind: str, says: str | None) -> None:
+    """llama.cpp loads a GGUF file; vLLM and SGLang also a Hugging Face folder; never a FIFO or
+    a device (the check only stats: a FIFO without a writer would block an open)."""
+    path = _model_path(tmp_path, kind)
+    models = [{"name": "m", "engine": engine, "path": path}]
+    config = write_config(tmp_path, models)
+    (result,) = run_checks(host(tmp_path, config), [c for c in REGISTRY if c.id == "model.path"]).results
+    if says is None:
+        assert (result.verdict, result.summary) == (Verdict.OK, path)
+    else:
+        assert result.verdict is Verdict.FAIL and result.summary == f"{path} {says} (model m)", result
+        assert result.subject == "models[0].path" and "models[0].path" in result.remedy
+
+
+def test_config_check_fails_a_fifo_model_path_without_opening_it(tmp_path: Path) -> None:
+    """`viiworkctl config check` runs model.path: a FIFO used to pass as ok."""
+    config = write_config(tmp_path, [model(path=_model_path(tmp_path, "fifo"))])
+    done = subprocess.run([sys.executable, "-m", "viiwork.agent.cli", "config", "check", "--json", str(config)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    errors = json.loads(done.stdout)["errors"]
+    assert [e["path"] for e in errors] == ["models[0].path"] and "FIFO" in errors[0]["message"], errors
+
+
 @pytest.mark.parametrize(("kwargs", "models", "expected"), [c[1:] for c in CONFLICTS], ids=[c[0] for c in CONFLICTS])
 def test_conflicts_from_recorded_hosts(tmp_path, kwargs, models, expected):
     facts = host(tmp_path, write_config(tmp_path, models), **kwargs)

@@ -90,11 +90,16 @@ def check_engine_version(facts: HostFacts) -> list[CheckResult]:
 
 @check("model.path", "Model files")
 def check_model_path(facts: HostFacts) -> list[CheckResult]:
-    """Local model paths (absolute, or starting with `./` or `~`) exist and can be read by
-    the user running the doctor (engines run as the `viiwork` user, which needs read access
-    too). Hub ids (`org/name`) are not checked.
+    """Local model paths (absolute, or starting with `./` or `~`) exist, are what the
+    engine loads and can be read by the user running the doctor (engines run as the
+    `viiwork` user, which needs read access too). A llama.cpp model is a regular file (a
+    GGUF, or a symlink to one); a vLLM or SGLang model is a regular file or a directory (a
+    Hugging Face folder). Hub ids (`org/name`) are not checked.
 
-    - **fail**: missing or unreadable: the backend fails at load and, after its respawns, ends `dead`.
+    - **fail**: missing, unreadable, empty (0 bytes, as /proc files are), a directory where
+      the engine takes a file, or neither a file nor a directory (a FIFO, a device, a
+      socket): the backend fails at load and, after its respawns, ends `dead`. The path is
+      only `stat`ed, never opened.
     - **skipped**: no model has a local path.
     """
     r = result_for("model.path")
@@ -109,6 +114,16 @@ def check_model_path(facts: HostFacts) -> list[CheckResult]:
             results.append(r(Verdict.FAIL, f"{p.path} does not exist (model {p.model})",
                              f"model {p.model} cannot load: its backends end dead",
                              f"put the model file at {p.path} or fix {subject}", subject=subject))
+        elif p.kind not in ("file", "directory") or (p.kind == "directory" and not p.directory_ok):
+            wanted = "a model file or folder" if p.directory_ok else "a GGUF file"
+            results.append(r(Verdict.FAIL, f"{p.path} is not {wanted}: it is "
+                             f"{'a directory' if p.kind == 'directory' else p.kind} (model {p.model})",
+                             f"model {p.model} cannot load: its backends end dead",
+                             f"point {subject} at {wanted}", subject=subject))
+        elif p.kind == "file" and p.size_bytes == 0:
+            results.append(r(Verdict.FAIL, f"{p.path} is empty: 0 bytes (model {p.model})",
+                             f"model {p.model} cannot load: its backends end dead",
+                             f"point {subject} at the model file", subject=subject))
         elif not p.readable:
             results.append(r(Verdict.FAIL, f"{p.path} is not readable (model {p.model})",
                              f"model {p.model} cannot load: its backends end dead",

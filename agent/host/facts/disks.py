@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from viiwork.agent.config.load import file_kind
 from viiwork.agent.config.schema import Config
+from viiwork.engines.contract import takes_model_directory
+from viiwork.engines.registry import get_engine
 
 
 @dataclass(frozen=True, slots=True)
 class ModelPathFact:
     """A model's ``path`` when it is a local path (absolute, or starting with ./ ~/):
-    ``exists``/``readable`` by the user running the gathering. Hub ids are not local."""
+    ``exists``/``readable`` by the user running the gathering. Hub ids are not local.
+
+    kind: ``"file"`` (regular, after symlinks), ``"directory"``, what else it is in words
+    (``file_kind``: "a FIFO (named pipe)", "a character device"...), ``""`` when missing.
+    size_bytes: a file's size (0 for /proc files such as /proc/self/mem), -1 otherwise.
+    directory_ok: the model's engine takes a directory (``takes_model_directory``)."""
 
     model: str
     index: int
     path: str
     exists: bool
     readable: bool
+    kind: str = "file"
+    size_bytes: int = -1
+    directory_ok: bool = False
 
 
 def _is_local(path: str) -> bool:
@@ -26,14 +38,23 @@ def _is_local(path: str) -> bool:
 
 
 def read_model_paths(config: Config) -> tuple[ModelPathFact, ...]:
-    """One fact per model whose ``path`` is local, in config order (``index`` is its place)."""
+    """One fact per model whose ``path`` is local, in config order (``index`` is its place).
+    Only ``stat``s the path (following symlinks): never opens it, so a FIFO cannot block."""
     out = []
     for i, model in enumerate(config.models):
         if not _is_local(model.path):
             continue
         p = Path(model.path).expanduser()
-        exists = p.exists()
-        out.append(ModelPathFact(model.name, i, model.path, exists, exists and os.access(p, os.R_OK)))
+        try:
+            st = p.stat()
+        except (OSError, ValueError):  # missing, a dangling symlink, a loop, a name too long
+            out.append(ModelPathFact(model.name, i, model.path, False, False, kind=""))
+            continue
+        kind = "file" if stat.S_ISREG(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) \
+            else file_kind(st.st_mode)
+        out.append(ModelPathFact(model.name, i, model.path, True, os.access(p, os.R_OK), kind=kind,
+                                 size_bytes=st.st_size if kind == "file" else -1,
+                                 directory_ok=takes_model_directory(get_engine(model.engine))))
     return tuple(out)
 
 
