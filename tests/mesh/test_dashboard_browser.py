@@ -39,6 +39,7 @@ const links = {};
 for (const a of document.querySelectorAll('[data-peer-link]')) links[a.dataset.peerLink] = a.href;
 return {nodes: rows.map(r => r.dataset.node), models, links,
         chart_requests: document.getElementById('chart-rate').dataset.requests || null,
+        totals: document.getElementById('totals').textContent,
         canvases: document.querySelectorAll('.chart canvas').length};
 """
 
@@ -110,6 +111,7 @@ def test_dashboard_lists_nodes_shows_a_dead_backend_and_charts_a_request(mesh3: 
             assert r.status == 200
         shown = until(lambda p: p["chart_requests"] == "1", 10, "the request charted")
         assert shown["canvases"] >= 3, "uPlot drew no charts"
+        assert shown["totals"] == "1 request, 0 errors in the window"
         # Node-c has served nothing: its speeds are unknown ("—"). Node-b's engine counted the
         # request's tokens at 600/40 tokens/s (tests/support/fake_engine.py): node-b measures
         # them from two load reads and publishes them; node-a's page shows them.

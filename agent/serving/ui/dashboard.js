@@ -123,6 +123,11 @@ function chart(id, series, data) {
   }
 }
 
+// "1 request", "3 requests", "0 errors".
+function count(n, noun) {
+  return `${n} ${noun}${n === 1 ? "" : "s"}`;
+}
+
 function renderCharts(state) {
   const b = state.buckets;
   const t = b.map((x) => x.t);
@@ -132,7 +137,7 @@ function renderCharts(state) {
   const totals = document.getElementById("totals");
   totals.dataset.requests = String(requests);
   totals.dataset.errors = String(errors);
-  totals.textContent = `${requests} requests, ${errors} errors in the window`;
+  totals.textContent = `${count(requests, "request")}, ${count(errors, "error")} in the window`;
   chart("chart-rate", [["req/s", "#2b6cb0"], ["errors/s", "#b3261e"]],
     [t, b.map((x) => x.rate_per_s), b.map((x) => x.errors / state.bucket_s)]);
   chart("chart-queue", [["avg", "#2b6cb0"], ["max", "#a56300"]],
