@@ -348,6 +348,9 @@ class Membership:
         burst = settings.peer_burst or int(2 * rate)
         self._limiter = PeerRateLimiter(rate, burst, max_buckets=2 * settings.max_peers)
         self._warned: set[str] = set()
+        # Probe mode (mesh/probing.py): liveness comes from the failure detector, not from the
+        # age of the newest summary (change-only publishing leaves a live peer's summary old).
+        self.liveness_hook: Callable[[NodeId], Liveness] | None = None
 
     # --- this node ----------------------------------------------------------------------------
 
@@ -379,6 +382,8 @@ class Membership:
         state = rec.summary.payload.state
         if state is PublishedState.LEAVING:
             return Liveness.LEFT
+        if self.liveness_hook is not None:
+            return self.liveness_hook(rec.summary.payload.node_id)
         age = now - rec.heard_at
         dead_ms = self.dead_ms
         if state is PublishedState.RESTARTING:  # back soon: not a tombstone for the grace period
@@ -399,7 +404,7 @@ class Membership:
             new = self._liveness_of(rec, now)
             if new is not rec.liveness:
                 self._transition(node_id, rec, new)
-            silent = now - rec.heard_at >= self.suspect_ms
+            silent = self._silent(rec, new, now)
             was_silent, rec.silent = rec.silent, silent
             if silent and not was_silent:
                 for cb in self.on_silent:
@@ -467,7 +472,15 @@ class Membership:
         state it publishes, it is not answering. A node that drains, leaves or restarts
         still publishes until it stops (module doc, "Silence")."""
         rec = self.records.get(node_id)
-        return rec is None or self.clock() - rec.heard_at >= self.suspect_ms
+        if rec is None:
+            return True
+        now = self.clock()
+        return self._silent(rec, self._liveness_of(rec, now), now)
+
+    def _silent(self, rec: _Record, liveness: Liveness, now: float) -> bool:
+        if self.liveness_hook is not None:  # probe mode: silence is the detector's suspicion
+            return liveness in (Liveness.SUSPECT, Liveness.DEAD)
+        return now - rec.heard_at >= self.suspect_ms
 
     # --- accepting summaries ------------------------------------------------------------------
 
@@ -529,7 +542,8 @@ class Membership:
                     return False
                 cert_refresh = True
         else:
-            if age >= self.dead_ms:
+            # Probe mode publishes on change only: an old summary of a live node is current.
+            if age >= self.dead_ms and self.liveness_hook is None:
                 self._drop(DropReason.STALE, p.node_id)
                 return False
             if len(self.records) >= self.settings.max_peers and not self._evict_tombstone():
@@ -669,6 +683,14 @@ class Membership:
                     kept.append((item, size))
             out = kept
         return tuple(item for item, _ in out)
+
+    def relay(self, wants: Entries, protocol: int) -> tuple[RelayedSummary, ...]:
+        """The summaries this node holds newer than ``wants`` (node id -> the version the
+        asker holds, (0, 0) when it lacks the node: sent with the certificate), in
+        ``protocol``, within the message budget: probe mode's pull (mesh/probing.py)."""
+        mine = self.orders
+        send = [(nid, t[0] == 0) for nid, t in wants.items() if (m := mine.get(nid)) is not None and m > t]
+        return self._fill(send, protocol)
 
     def handle_digest(self, sender: str | None, digest: Digest) -> Reply | None:
         """Answer a peer's digest: the summaries it lacks and the entries we want. None when

@@ -95,6 +95,106 @@ class Push:
 Message = Digest | Reply | Push
 
 
+# --- probe mode (mesh/probing.py): SWIM probes with piggybacked news ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class News:
+    """A broadcast item: the sender holds ``node_id`` at ``order`` (a receiver that holds it
+    older asks the sender for it with a :class:`Pull`)."""
+
+    node_id: NodeId
+    order: Order
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A broadcast item: ``by`` suspects ``node_id`` at incarnation ``order``, signed by
+    ``by``'s node key over :func:`claim_signing_input` (``signature``, 64 bytes)."""
+
+    node_id: NodeId
+    order: Order
+    by: NodeId
+    signature: bytes
+
+
+Piggyback = tuple[News | Claim, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Probe ``ping_id``: answer :class:`Ack` with the same id to the sender."""
+
+    protocol: int
+    mesh_id: str
+    ping_id: int
+    news: Piggyback = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    protocol: int
+    mesh_id: str
+    ping_id: int
+    news: Piggyback = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq:
+    """Ask the receiver to ping ``target`` (at ``address``) for the sender and answer
+    :class:`Ack` (reached it) or :class:`Nack` (did not) with ``ping_id``."""
+
+    protocol: int
+    mesh_id: str
+    ping_id: int
+    target: NodeId
+    address: str
+    news: Piggyback = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    protocol: int
+    mesh_id: str
+    ping_id: int
+    news: Piggyback = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Gossip:
+    """Broadcast items alone, sent to a few random live peers while any are queued."""
+
+    protocol: int
+    mesh_id: str
+    news: Piggyback = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """The summaries the sender wants (node id -> the version it holds, (0, 0) when it lacks
+    the node): answered with a :class:`Push`."""
+
+    protocol: int
+    mesh_id: str
+    wants: Entries
+
+
+ProbeMessage = Ping | Ack | PingReq | Nack | Gossip | Pull
+
+CLAIM_BYTES = 160  # '{"s":["<16>",g,sssss],"by":"<16>","sig":"<88 base64>"},'
+NEWS_BYTES = 30  # like a digest entry
+
+
+def claim_signing_input(mesh_id: str, node_id: NodeId, order: Order, by: NodeId) -> bytes:
+    """The bytes a suspicion claim's signature covers (domain-separated from summaries)."""
+    return f"viiwork-suspect\0{mesh_id}\0{node_id}\0{order[0]}\0{order[1]}\0{by}".encode("ascii")
+
+
+def item_size(item: News | Claim) -> int:
+    """Estimated encoded size of one broadcast item (bytes)."""
+    return NEWS_BYTES if isinstance(item, News) else CLAIM_BYTES
+
+
 # --- encoding ---------------------------------------------------------------------------------
 
 
@@ -124,10 +224,17 @@ def encode_message(msg: Message) -> bytes:
     return json.dumps(message_to_obj(msg), separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def estimate_size(msg: Message) -> int:
+def estimate_size(msg: Message | ProbeMessage) -> int:
     """Approximate encoded size without encoding (the simulator's fast path): within a few
     percent of ``len(encode_message(msg))`` for typical messages."""
     head = 60 + len(msg.mesh_id)
+    if isinstance(msg, Pull):
+        return head + ENTRY_BYTES * len(msg.wants)
+    if isinstance(msg, Ping | Ack | PingReq | Nack | Gossip):
+        extra = 12 if isinstance(msg, Gossip) else 24  # ping id
+        if isinstance(msg, PingReq):
+            extra += 30 + len(msg.address)
+        return head + extra + sum(item_size(i) for i in msg.news)
     if isinstance(msg, Digest):
         return head + ENTRY_BYTES * len(msg.entries)
     size = head + sum(s.summary.wire_size() + 14 for s in msg.summaries)

@@ -37,6 +37,7 @@ from viiwork.mesh.boot import Boot
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership
 from viiwork.mesh.messages import Digest, estimate_size
+from viiwork.mesh.probing import ProbeNode, ProbeSettings
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import CertificateView
 from viiwork.mesh.summary import PROTOCOL_VERSION, ModelCapacity, PublishedState
@@ -153,6 +154,9 @@ class SimNode:
     bytes_sent: int = 0
     messages_sent: int = 0
     models: tuple[ModelCapacity, ...] = ()
+    probe: ProbeNode | None = None  # probe mode only
+    next_poll_at: float = float("inf")
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
 
 
 def default_models(i: int) -> tuple[ModelCapacity, ...]:
@@ -167,13 +171,22 @@ class Simulator:
     ``seeds_per_node``: random other nodes each node starts with as seed candidates (node 0
     is always one, as a shared seed); ``loss``: probability that any one message is lost;
     ``latency_ms``: one-way delay (uniform in [latency_ms/2, latency_ms*1.5]);
-    ``protocols``: per-node protocol version (default all current).
+    ``protocols``: per-node protocol version (default all current); ``mode``: "heartbeat"
+    (protocols 2-4's all-to-all heartbeats, what the transport runs) or "probe"
+    (:mod:`viiwork.mesh.probing`, with ``probe_settings``).
     """
 
     def __init__(self, n: int, settings: GossipSettings | None = None, seed: int = 0, loss: float = 0.0,
                  latency_ms: float = 1.0, wire: bool = False, clock_skew_ms: float = 0.0,
                  protocols: list[int] | None = None, crypto: str = "fake", seeds_per_node: int = 2,
-                 models: Callable[[int], tuple[ModelCapacity, ...]] = default_models):
+                 models: Callable[[int], tuple[ModelCapacity, ...]] = default_models, mode: str = "heartbeat",
+                 probe_settings: ProbeSettings | None = None):
+        if mode not in ("heartbeat", "probe"):
+            raise ValueError(f"mode must be heartbeat or probe, got {mode!r}")
+        if mode == "probe" and wire:
+            raise ValueError("probe mode has no wire codec yet: wire=False")
+        self.mode = mode
+        self.probe_settings = probe_settings or ProbeSettings()
         self.settings = settings or GossipSettings()
         self.rng = random.Random(seed)
         self.loss = loss
@@ -208,7 +221,7 @@ class Simulator:
             others = [j for j in self.rng.sample(range(n), min(n, seeds_per_node + 1)) if j != node.index]
             for j in ([0] if node.index != 0 else []) + others[:seeds_per_node]:
                 node.membership.add_candidate(self.nodes[j].address, source="seed")
-            self._schedule_round(node, self.rng.uniform(0, self.settings.gossip_interval_ms))
+            self._start_timers(node)
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -236,13 +249,19 @@ class Simulator:
                        random.Random(self.rng.random()), protocol=node.protocol)
         m.on_update.append(lambda origin: self._notify(node, origin))
         m.on_liveness.append(lambda origin, old, new: self._notify_liveness(node, origin, old, new))
+        probing = self.mode == "probe"
         pub = LocalPublisher(m, node.signer, node.name, api=f"sim-{node.index}:8086", mesh=node.address,
                              version="sim", boot=Boot(generation, f"{node.index:04x}{node.incarnation:012x}"),
-                             heartbeat_ms=self.settings.heartbeat_ms,
+                             heartbeat_ms=self.probe_settings.republish_ms if probing else self.settings.heartbeat_ms,
                              store_generation=store_generation)
-        pub.set_local(node.models)
-        pub.maybe_publish()
         node.membership, node.publisher = m, pub
+        if probing:
+            node.probe = ProbeNode(m, pub, self.probe_settings, random.Random(self.rng.random()))
+            node.probe.set_load(node.models)
+            node.probe.publish()
+        else:
+            pub.set_local(node.models)
+            pub.maybe_publish()
 
     def _notify(self, node: SimNode, origin: NodeId) -> None:
         for w in self.watchers:
@@ -277,6 +296,64 @@ class Simulator:
             self.run_for(min(step_ms, deadline - self.now))
         return predicate()
 
+    def _start_timers(self, node: SimNode) -> None:
+        delay = self.rng.uniform(0, self.settings.gossip_interval_ms)
+        if self.mode == "probe":
+            node.next_poll_at = float("inf")
+            self._schedule_poll(node, self.now + delay)
+        else:
+            self._schedule_round(node, delay)
+
+    # --- probe mode ------------------------------------------------------------------------------
+
+    def _schedule_poll(self, node: SimNode, when: float) -> None:
+        if when >= node.next_poll_at:
+            return
+        node.next_poll_at = when
+        incarnation = node.incarnation
+        self.at(when, lambda: self._poll(node, incarnation, when))
+
+    def _poll(self, node: SimNode, incarnation: int, when: float) -> None:
+        if node.next_poll_at != when or node.incarnation != incarnation:
+            return  # superseded by an earlier poll, or a restart
+        node.next_poll_at = float("inf")
+        if not node.up:
+            return
+        assert node.probe is not None
+        self._send_all(node, node.probe.poll())
+        self._reschedule(node)
+
+    def _reschedule(self, node: SimNode) -> None:
+        assert node.probe is not None
+        wake = node.probe.next_wakeup() - node.offset_ms
+        self._schedule_poll(node, max(wake, self.now + 1.0))
+
+    def _send_all(self, node: SimNode, out: list[tuple[str, Any]]) -> None:
+        for address, msg in out:
+            dst = self.by_address.get(address)
+            if dst is not None and dst is not node:
+                self._send(node, dst, msg, lambda m, dst=dst: self._deliver(node, dst, m))
+
+    def _deliver(self, src: SimNode, dst: SimNode, msg: Any) -> None:
+        assert dst.probe is not None
+        self._send_all(dst, dst.probe.receive(src.node_id, src.address, msg))
+        self._reschedule(dst)
+
+    def freeze(self, i: int) -> None:
+        """SIGSTOP-like: node ``i`` stops answering and its timers stop (messages to it are
+        lost) until :meth:`thaw`; its state is kept."""
+        self.nodes[i].up = False
+
+    def thaw(self, i: int) -> None:
+        """SIGCONT after :meth:`freeze`: node ``i`` runs again with the state it had."""
+        node = self.nodes[i]
+        node.up = True
+        node.next_poll_at = float("inf")
+        if self.mode == "probe":
+            self._schedule_poll(node, self.now)
+        else:
+            self._schedule_round(node, 0.0)
+
     def _schedule_round(self, node: SimNode, delay: float) -> None:
         incarnation = node.incarnation
         self.at(self.now + delay, lambda: self._round(node, incarnation))
@@ -300,6 +377,8 @@ class Simulator:
     def _send(self, src: SimNode, dst: SimNode, msg: Any, deliver: Callable[[Any], None]) -> None:
         """Count, maybe lose, and deliver ``msg`` after the latency."""
         size = len(msg) if isinstance(msg, bytes) else estimate_size(msg)
+        kind = type(msg).__name__.lower()
+        src.bytes_by_kind[kind] = src.bytes_by_kind.get(kind, 0) + size
         src.bytes_sent += size
         src.messages_sent += 1
         if self.loss and self.rng.random() < self.loss:
@@ -351,10 +430,27 @@ class Simulator:
         carries the change."""
         node = self.nodes[i]
         node.models = models
-        node.publisher.set_local(models)
-        summary = node.publisher.maybe_publish()
+        if node.probe is not None:
+            node.probe.set_load(models)
+            summary = node.probe.publish(force=True)
+            self._reschedule(node)
+        else:
+            node.publisher.set_local(models)
+            summary = node.publisher.maybe_publish()
         assert summary is not None
         return summary.payload.order
+
+    def set_load(self, i: int, models: tuple[ModelCapacity, ...]) -> None:
+        """Node ``i``'s true capacity changed (a request started or ended): published by the
+        mode's own rule (heartbeat: at its next round; probe: quantised, rate-limited)."""
+        node = self.nodes[i]
+        node.models = models
+        if node.probe is not None:
+            node.probe.set_load(models)
+            if node.up:
+                self._schedule_poll(node, self.now)
+        else:
+            node.publisher.set_local(models)
 
     def kill(self, i: int) -> None:
         """Node ``i`` stops dead: no more rounds, messages to it are lost."""
@@ -363,6 +459,11 @@ class Simulator:
     def leave(self, i: int) -> None:
         """Graceful stop: publish ``leaving``, push it to ``fanout`` peers, then stop."""
         node = self.nodes[i]
+        if node.probe is not None:
+            node.probe.leave()
+            self._send_all(node, node.probe.poll())
+            self.at(self.now + 4 * self.latency_ms + 1, lambda: setattr(node, "up", False))
+            return
         node.publisher.set_local(node.models, PublishedState.LEAVING)
         node.publisher.maybe_publish(force=True)
         for target in node.membership.select_targets():
@@ -379,7 +480,7 @@ class Simulator:
         self._boot(node, generation)
         for addr in seeds:
             node.membership.add_candidate(addr, source="seed")
-        self._schedule_round(node, self.rng.uniform(0, self.settings.gossip_interval_ms))
+        self._start_timers(node)
 
     def partition(self, groups: list[list[int]]) -> None:
         """Split the network: messages cross no group boundary until :meth:`heal`."""

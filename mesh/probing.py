@@ -1,0 +1,546 @@
+"""Probe mode: SWIM failure detection and change-only dissemination over a Membership (sans-IO).
+
+Issue 16, items 1-3 and 6, in one composition that the simulator drives today and the
+transport can drive next (docs/mesh.md, "Probe mode"). A :class:`ProbeNode` wraps one node's
+:class:`~viiwork.mesh.membership.Membership` (the table, verification, the digest-first
+exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
+
+- **Probing** (:class:`~viiwork.mesh.detector.Detector`): each probe interval one member is
+  pinged (``Ping`` -> ``Ack``, tried ``direct_attempts`` times); on a miss ``PingReq`` asks
+  ``indirect_checks`` relays, which ping the target and answer ``Ack`` or ``Nack``. No ack:
+  this node suspects the target and broadcasts a :class:`~viiwork.mesh.messages.Claim` signed
+  with its node key. The member table's liveness is the detector's (``alive``, ``suspect``,
+  ``dead``; a published ``leaving`` is ``left``), not the age of the newest summary.
+- **Change-only dissemination** (:class:`~viiwork.mesh.broadcasts.BroadcastQueue`): a node
+  that accepts a newer summary (or publishes its own) queues a ``News`` item ``(node id,
+  generation, seq)``; claims are queued likewise. Every outgoing probe message carries queued
+  items within ``piggyback_bytes``, and while any are queued a ``Gossip`` message goes to
+  ``gossip_nodes`` random alive members every ``gossip_interval_ms``; each item is sent
+  ``retransmit_mult * ceil(log10(n + 1))`` times by each node that queued it. A receiver
+  that holds an older version (or none) asks the sender with one ``Pull`` and gets a
+  ``Push`` (the sender holds what it announced): the ~450-byte summary travels to each node
+  about once, the 30-byte news a few times. Verification stays once per new ``(node,
+  generation, seq)``: Membership drops a replay before verifying (a claim is verified once per
+  distinct claim, kept in a bounded seen-set).
+- **Publication on change** (:mod:`viiwork.mesh.quantise`): the true load goes through the
+  :class:`LoadQuantiser`; a structural change is published at once, a load change when the
+  :class:`PublishLimiter` allows; besides that only a refutation (a claim suspects this node)
+  or the ``republish_ms`` timer re-signs the summary.
+- **Anti-entropy** at a low rate: one digest exchange with one random live member (and the
+  due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
+  probe interval while no member is known.
+
+Pure: no sockets, timers or asyncio. The caller calls :meth:`ProbeNode.poll` at
+:meth:`ProbeNode.next_wakeup` (or sooner) and :meth:`ProbeNode.receive` for each message,
+and sends every returned ``(address, message)``; messages are the objects of
+:mod:`viiwork.mesh.messages` (their wire codec is the transport's step, not done yet).
+Single-threaded. Counters in :attr:`ProbeNode.counters`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from viiwork.mesh.broadcasts import BroadcastQueue
+from viiwork.mesh.counters import DropReason
+from viiwork.mesh.detector import Alive, Dead, Detector, DetectorSettings, Probe, Refute, Suspected
+from viiwork.mesh.identity import NodeId
+from viiwork.mesh.membership import GossipTarget, Liveness, Membership
+from viiwork.mesh.messages import (
+    CLAIM_BYTES,
+    NEWS_BYTES,
+    Ack,
+    Claim,
+    Digest,
+    Entries,
+    Gossip,
+    Nack,
+    News,
+    Order,
+    Ping,
+    PingReq,
+    Pull,
+    Push,
+    Reply,
+    claim_signing_input,
+)
+from viiwork.mesh.publisher import LocalPublisher
+from viiwork.mesh.quantise import LoadQuantiser, PublishLimiter, compare_models
+from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary
+
+Outgoing = tuple[str, Any]
+"""``(address, message)`` for the caller to send."""
+
+_LIVENESS = {"alive": Liveness.ALIVE, "suspect": Liveness.SUSPECT, "dead": Liveness.DEAD}
+_MAX_SEEN_CLAIMS = 10_000
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Timings of probe mode (ms). Raises ValueError on a value out of range.
+
+    - ``detector``: the probe timings (:class:`~viiwork.mesh.detector.DetectorSettings`).
+    - ``gossip_interval_ms`` (200) / ``gossip_nodes`` (3): broadcast-only messages while items
+      are queued (memberlist's LAN GossipInterval and GossipNodes).
+    - ``piggyback_bytes`` (1024): room for items on one message.
+    - ``retransmit_mult`` (2): see :class:`~viiwork.mesh.broadcasts.BroadcastQueue`.
+    - ``sync_interval_ms`` (5000): one anti-entropy exchange per node.
+    - ``republish_ms`` (60000): the summary is re-signed at least this often.
+    - ``pull_timeout_ms`` (100) / ``pull_attempts`` (3): a pull not answered by then is sent
+      again, to the same address, up to that many times in all (a LAN round trip is ~1 ms).
+    """
+
+    detector: DetectorSettings = field(default_factory=DetectorSettings)
+    gossip_interval_ms: float = 200.0
+    gossip_nodes: int = 3
+    piggyback_bytes: int = 1024
+    retransmit_mult: int = 2
+    sync_interval_ms: float = 5000.0
+    republish_ms: float = 60_000.0
+    pull_timeout_ms: float = 100.0
+    pull_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"probe.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("gossip_nodes", "piggyback_bytes", "retransmit_mult", "pull_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"probe.{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+@dataclass(slots=True)
+class _Run:
+    """The probe in flight: direct pings, then (``relays`` set) the indirect phase."""
+
+    probe: Probe
+    address: str
+    deadline: float
+    attempts_left: int
+    relays: tuple[NodeId, ...] | None = None
+    acks: int = 0
+    nacks: int = 0
+    ping_ids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Pull:
+    """A pull in flight: ``order`` was announced by ``address``."""
+
+    order: Order
+    deadline: float
+    address: str
+    attempts_left: int
+
+
+@dataclass(slots=True)
+class _Relay:
+    """A ping-req this node serves: ping ``address`` for ``requester``'s ``request_id``."""
+
+    requester: str
+    request_id: int
+    address: str
+    deadline: float
+    attempts_left: int
+
+
+class ProbeNode:
+    """Probe mode for one node: see the module doc. ``membership`` and ``publisher`` are
+    this node's; ``rng`` drives the detector's order and the gossip targets."""
+
+    def __init__(self, membership: Membership, publisher: LocalPublisher, settings: ProbeSettings,
+                 rng: random.Random) -> None:
+        self.m = membership
+        self.pub = publisher
+        self.settings = settings
+        self.rng = rng
+        self.detector = Detector(membership.node_id, settings.detector, membership.clock, rng)
+        self.queue: BroadcastQueue[Any, News | Claim] = BroadcastQueue(settings.retransmit_mult)
+        self.quantiser = LoadQuantiser()
+        self.limiter = PublishLimiter()
+        self.counters: Counter[str] = Counter()
+        """claims_made, claims_verified, claims_accepted, claims_forged (bad signature, also
+        the table's ``bad_signature`` drop), claims_unknown_signer, claims_seen (duplicates and
+        this node's own, not verified again), pulls_sent, refutations."""
+        self._wanted: tuple[ModelCapacity, ...] | None = None
+        self._ping_ids = 0
+        self._run: _Run | None = None
+        self._pings: dict[int, str] = {}  # ping id -> "direct" | "indirect" (ours in flight)
+        self._relays: dict[int, _Relay] = {}
+        self._pulls: dict[NodeId, _Pull] = {}
+        self._seen_claims: set[tuple[NodeId, Order, NodeId, bytes]] = set()
+        self._claims: dict[NodeId, Claim] = {}  # the latest claim held per suspected member
+        self._syncs: dict[str, GossipTarget] = {}
+        self._members: list[NodeId] = []
+        now = membership.clock()
+        self._next_gossip = now
+        self._next_sync = now
+        membership.liveness_hook = self._liveness
+        membership.on_update.append(self._on_update)
+
+    # --- this node's publications ------------------------------------------------------------
+
+    def set_load(self, models: Sequence[ModelCapacity]) -> None:
+        """This node's true capacity now; published quantised, when the rules allow (at the
+        next :meth:`poll` or :meth:`publish`)."""
+        self._wanted = self.quantiser.quantise(sorted(models, key=lambda m: m.name))
+
+    def publish(self, force: bool = False) -> SignedSummary | None:
+        """Publish what is due now (``force``: a new version whatever changed); the new
+        summary or None."""
+        now = self.m.clock()
+        if self._wanted is not None:
+            change = compare_models(self.pub.models, self._wanted)
+            if (change.structural or change.load) and (force or self.limiter.due(
+                    now, self._n_live(), change.structural, change.load)):
+                self.pub.set_local(self._wanted, self.pub.state)
+        summary = self.pub.maybe_publish(force)
+        if summary is not None:
+            self.limiter.published(now)
+            order = summary.payload.order
+            self.detector.set_incarnation(self.m.node_id, order)
+            self.queue.put(self.m.node_id, News(self.m.node_id, order), NEWS_BYTES, order)
+        return summary
+
+    def leave(self) -> SignedSummary | None:
+        """Publish ``leaving`` (spread by the next messages, as any change)."""
+        self.pub.set_local(self.pub.models, PublishedState.LEAVING)
+        return self.publish(force=True)
+
+    def _n_live(self) -> int:
+        return 1 + sum(1 for nid in self._members if self.detector.state(nid) in ("alive", "suspect"))
+
+    # --- the table's view ---------------------------------------------------------------------
+
+    def _liveness(self, node_id: NodeId) -> Liveness:
+        state = self.detector.state(node_id)
+        return Liveness.ALIVE if state is None else _LIVENESS[state]
+
+    def _on_update(self, node_id: NodeId) -> None:
+        rec = self.m.records[node_id]
+        order = rec.order
+        pending = self._pulls.get(node_id)
+        if pending is not None and pending.order <= order:
+            del self._pulls[node_id]
+        self.queue.put(node_id, News(node_id, order), NEWS_BYTES, order)
+        if rec.summary.payload.state is PublishedState.LEAVING:
+            self.detector.remove(node_id)
+            return
+        if self.detector.state(node_id) is None:
+            self._members.append(node_id)
+        if isinstance(self.detector.add(node_id, order), Alive):
+            self._claims.pop(node_id, None)
+            self.m.tick()
+
+    # --- driving ------------------------------------------------------------------------------
+
+    def next_wakeup(self) -> float:
+        """Clock time (ms) by which :meth:`poll` should run next."""
+        now = self.m.clock()
+        times = [now + 250.0, self._next_sync]
+        due = self.detector.due()
+        if due is not None:
+            times.append(due)
+        if self._run is not None:
+            times.append(self._run.deadline)
+        times += [r.deadline for r in self._relays.values()]
+        times += [p.deadline for p in self._pulls.values()]
+        if len(self.queue):
+            times.append(self._next_gossip)
+        return max(now, min(times))
+
+    def poll(self) -> list[Outgoing]:
+        """Timers: probe timeouts, suspicion timeouts, publication, the next probe, gossip,
+        anti-entropy. Returns the messages to send."""
+        now = self.m.clock()
+        out: list[Outgoing] = []
+        for rid, relay in list(self._relays.items()):
+            if now >= relay.deadline:
+                del self._relays[rid]
+                if relay.attempts_left > 0:
+                    self._relay_ping(relay.requester, relay.request_id, relay.address,
+                                     relay.attempts_left - 1, now, out)
+                else:
+                    out.append((relay.requester, Nack(self.m.protocol, self.m.mesh_id, relay.request_id,
+                                                      self._items(None))))
+        run = self._run
+        if run is not None and now >= run.deadline:
+            self._advance(run, now, out)
+        self._retry_pulls(now, out)
+        if self.detector.tick(now):
+            self.m.tick()  # Dead: liveness transitions fire
+        self.publish()
+        probe = self.detector.next_probe()
+        if probe is not None:
+            self._start(probe, now, out)
+        if now >= self._next_gossip and len(self.queue):
+            self._next_gossip = now + self.settings.gossip_interval_ms
+            for nid in self._gossip_targets():
+                items = self._items(nid)
+                if items:
+                    out.append((self._address(nid), Gossip(self.m.protocol, self.m.mesh_id, items)))
+        if now >= self._next_sync:
+            self._sync(now, out)
+        return out
+
+    def _sync(self, now: float, out: list[Outgoing]) -> None:
+        targets = self.m.select_targets(self._syncs.keys())
+        live = [t for t in targets if not t.candidate][:1]
+        chosen = live + [t for t in targets if t.candidate]
+        alone = not any(self.detector.state(nid) == "alive" for nid in self._members)
+        interval = self.settings.detector.probe_interval_ms if alone else self.settings.sync_interval_ms
+        self._next_sync = now + interval * self.rng.uniform(0.75, 1.25)
+        self._syncs.clear()
+        for t in chosen:
+            self._syncs[t.address] = t
+            out.append((t.address, self.m.make_digest(t)))
+
+    def _gossip_targets(self) -> list[NodeId]:
+        members = self._members
+        picked: dict[NodeId, None] = {}
+        for _ in range(4 * self.settings.gossip_nodes):
+            if len(picked) >= self.settings.gossip_nodes or not members:
+                break
+            nid = members[self.rng.randrange(len(members))]
+            if self.detector.state(nid) == "alive":
+                picked[nid] = None
+        return list(picked)
+
+    def _address(self, node_id: NodeId) -> str:
+        return self.m.records[node_id].summary.payload.mesh
+
+    def _items(self, to: NodeId | None) -> tuple[News | Claim, ...]:
+        items = self.queue.take(len(self.m.records) + 1, self.settings.piggyback_bytes)
+        if to is not None and self.detector.state(to) in ("suspect", "dead") and to in self._claims:
+            # Tell a member it is suspected (memberlist: a dead node learns it and refutes).
+            items = [self._claims[to], *items]
+        return tuple(items)
+
+    def _new_ping(self, kind: str) -> int:
+        self._ping_ids += 1
+        self._pings[self._ping_ids] = kind
+        return self._ping_ids
+
+    def _start(self, probe: Probe, now: float, out: list[Outgoing]) -> None:
+        rec = self.m.records.get(probe.target)
+        if rec is None:  # reaped from the table since: forget it
+            self.detector.remove(probe.target)
+            return
+        self._run = run = _Run(probe, rec.summary.payload.mesh, now + probe.timeout_ms, probe.attempts - 1)
+        self._ping(run, out)
+
+    def _ping(self, run: _Run, out: list[Outgoing]) -> None:
+        pid = self._new_ping("direct")
+        run.ping_ids.add(pid)
+        out.append((run.address, Ping(self.m.protocol, self.m.mesh_id, pid, self._items(run.probe.target))))
+
+    def _advance(self, run: _Run, now: float, out: list[Outgoing]) -> None:
+        """A probe's deadline passed: retry, go indirect, or report the indirect answers."""
+        if run.relays is None:
+            if run.attempts_left > 0:
+                run.attempts_left -= 1
+                run.deadline = now + run.probe.timeout_ms
+                self._ping(run, out)
+                return
+            plan = self.detector.direct_result(run.probe.probe_id, False)
+            if plan is None:
+                self._finish(run)
+                return
+            run.relays = plan.relays
+            run.deadline = now + plan.timeout_ms
+            for relay in plan.relays:
+                pid = self._new_ping("indirect")
+                run.ping_ids.add(pid)
+                out.append((self._address(relay), PingReq(self.m.protocol, self.m.mesh_id, pid, run.probe.target,
+                                                          run.address, self._items(relay))))
+            if plan.relays:
+                return
+        self._report(run, now)
+
+    def _report(self, run: _Run, now: float) -> None:
+        event = self.detector.indirect_result(run.probe.probe_id, run.acks, run.nacks)
+        self._finish(run)
+        if isinstance(event, Suspected):
+            self._suspected_here(event.node_id, event.incarnation)
+
+    def _finish(self, run: _Run) -> None:
+        for pid in run.ping_ids:
+            self._pings.pop(pid, None)
+        if self._run is run:
+            self._run = None
+
+    def _suspected_here(self, node_id: NodeId, incarnation: Order) -> None:
+        data = claim_signing_input(self.m.mesh_id, node_id, incarnation, self.m.node_id)
+        claim = Claim(node_id, incarnation, self.m.node_id, self.pub.signer.sign(data))
+        self.counters["claims_made"] += 1
+        self._claims[node_id] = claim
+        self.queue.put(("claim", node_id, self.m.node_id), claim, CLAIM_BYTES, incarnation)
+        self.m.tick()
+
+    def _relay_ping(self, requester: str, request_id: int, address: str, attempts_left: int, now: float,
+                    out: list[Outgoing]) -> None:
+        self._ping_ids += 1
+        rid = self._ping_ids
+        self._relays[rid] = _Relay(requester, request_id, address, now + self.detector.relay_timeout_ms(),
+                                   attempts_left)
+        out.append((address, Ping(self.m.protocol, self.m.mesh_id, rid, ())))
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def receive(self, sender: NodeId, address: str, msg: Any) -> list[Outgoing]:
+        """One message from ``sender`` (its node id, from the authenticated channel) at
+        ``address``; returns the messages to send. Nothing a peer sends raises: a message of
+        another mesh is dropped (counted ``wrong_mesh``)."""
+        out: list[Outgoing] = []
+        if isinstance(msg, Digest):
+            reply = self.m.handle_digest(sender, msg)
+            if reply is not None:
+                out.append((address, reply))
+            return out
+        if isinstance(msg, Reply):
+            push = self.m.handle_reply(sender, msg, self._syncs.pop(address, None))
+            if push is not None:
+                out.append((address, push))
+            return out
+        if isinstance(msg, Push):
+            self.m.handle_push(sender, msg)
+            return out
+        if getattr(msg, "mesh_id", None) != self.m.mesh_id:
+            self.m.counters.drop(DropReason.WRONG_MESH)
+            return out
+        if isinstance(msg, Pull):
+            summaries = self.m.relay(msg.wants, msg.protocol)
+            if summaries:
+                out.append((address, Push(msg.protocol, self.m.mesh_id, summaries)))
+            return out
+        now = self.m.clock()
+        self._take_items(sender, address, msg.news, now, out)
+        if isinstance(msg, Ping):
+            out.append((address, Ack(self.m.protocol, self.m.mesh_id, msg.ping_id, self._items(sender))))
+        elif isinstance(msg, PingReq):
+            self._relay_ping(address, msg.ping_id, msg.address, self.settings.detector.relay_attempts - 1, now, out)
+        elif isinstance(msg, Ack):
+            self._acked(msg.ping_id, now, out)
+        elif isinstance(msg, Nack):
+            run = self._run
+            if self._pings.get(msg.ping_id) == "indirect" and run is not None and msg.ping_id in run.ping_ids:
+                self._pings.pop(msg.ping_id)
+                run.nacks += 1
+                if run.relays is not None and run.acks + run.nacks >= len(run.relays):
+                    self._report(run, now)
+        return out
+
+    def _acked(self, ping_id: int, now: float, out: list[Outgoing]) -> None:
+        relay = self._relays.pop(ping_id, None)
+        if relay is not None:
+            out.append((relay.requester, Ack(self.m.protocol, self.m.mesh_id, relay.request_id, self._items(None))))
+            return
+        kind = self._pings.get(ping_id)
+        run = self._run
+        if kind is None or run is None or ping_id not in run.ping_ids:
+            return
+        if kind == "direct" and run.relays is None:
+            self.detector.direct_result(run.probe.probe_id, True)
+            self._finish(run)
+        elif kind == "indirect":
+            self._pings.pop(ping_id)
+            run.acks += 1
+            self._report(run, now)
+
+    def _take_items(self, sender: NodeId, address: str, items: tuple[News | Claim, ...], now: float,
+                    out: list[Outgoing]) -> None:
+        wants: Entries = {}
+        for item in items:
+            if isinstance(item, Claim):
+                self._take_claim(item)
+                continue
+            if item.node_id == self.m.node_id:
+                continue
+            held = self.m.orders.get(item.node_id)
+            if held is not None and held >= item.order:
+                continue
+            pending = self._pulls.get(item.node_id)
+            if pending is not None and pending.order >= item.order and now < pending.deadline:
+                continue
+            wants[item.node_id] = (0, 0) if held is None else held
+            self._pulls[item.node_id] = _Pull(item.order, now + self.settings.pull_timeout_ms, address,
+                                              self.settings.pull_attempts - 1)
+        if wants:
+            self.counters["pulls_sent"] += 1
+            out.append((address, Pull(self.m.protocol, self.m.mesh_id, wants)))
+
+    def _retry_pulls(self, now: float, out: list[Outgoing]) -> None:
+        """Pulls unanswered by their deadline go again to the same address (lost on the way
+        there or back), ``pull_attempts`` times in all; then anti-entropy repairs."""
+        again: dict[str, Entries] = {}
+        for nid, pull in list(self._pulls.items()):
+            if now < pull.deadline:
+                continue
+            if pull.attempts_left <= 0:
+                del self._pulls[nid]
+                continue
+            held = self.m.orders.get(nid)
+            again.setdefault(pull.address, {})[nid] = (0, 0) if held is None else held
+            pull.attempts_left -= 1
+            pull.deadline = now + self.settings.pull_timeout_ms
+        for address, wants in again.items():
+            self.counters["pulls_sent"] += 1
+            out.append((address, Pull(self.m.protocol, self.m.mesh_id, wants)))
+
+    def _claim_incarnation(self, claim: Claim) -> Order:
+        """The incarnation a claim is taken at. A summary's ``(generation, seq)`` moves with
+        every load publication, not only with refutations as SWIM's incarnation does, so the
+        prober's version is often one behind ours: within one generation a claim stands for
+        the newest version held here (the suspect refutes it with a newer one, for this node
+        too), while a claim about an older generation stays older and is ignored."""
+        if claim.node_id == self.m.node_id:
+            own = self.m.self_summary
+            held = None if own is None else own.payload.order
+        else:
+            rec = self.m.records.get(claim.node_id)
+            held = None if rec is None else rec.order
+        if held is not None and held[0] == claim.order[0]:
+            return max(held, claim.order)
+        return claim.order
+
+    def _take_claim(self, claim: Claim) -> None:
+        """A claim: verified once (by its signer's certificate), then given to the detector,
+        relayed when it is news here, refuted when it is about this node."""
+        key = (claim.node_id, claim.order, claim.by, claim.signature)
+        if key in self._seen_claims or claim.by == self.m.node_id:
+            self.counters["claims_seen"] += 1
+            return
+        if len(self._seen_claims) >= _MAX_SEEN_CLAIMS:
+            self._seen_claims.clear()
+        self._seen_claims.add(key)
+        signer = self.m.records.get(claim.by)
+        if signer is None:
+            self.counters["claims_unknown_signer"] += 1
+            self.m.counters.drop(DropReason.UNKNOWN_SIGNER)
+            return
+        data = claim_signing_input(self.m.mesh_id, claim.node_id, claim.order, claim.by)
+        self.counters["claims_verified"] += 1
+        if not self.m.policy.verify_signature(signer.cert, data, claim.signature):
+            self.counters["claims_forged"] += 1
+            self.m.counters.drop(DropReason.BAD_SIGNATURE)
+            return
+        ignored = self.detector.counters["claims_ignored"]
+        event = self.detector.suspect(claim.node_id, self._claim_incarnation(claim), claim.by)
+        if isinstance(event, Refute):
+            self.counters["refutations"] += 1
+            self.publish(force=True)
+            return
+        if self.detector.counters["claims_ignored"] > ignored:
+            return
+        self.counters["claims_accepted"] += 1
+        self._claims.setdefault(claim.node_id, claim)
+        self.queue.put(("claim", claim.node_id, claim.by), claim, CLAIM_BYTES, claim.order)
+        if isinstance(event, Suspected | Dead):
+            self.m.tick()
+
+
+__all__ = ["Outgoing", "ProbeNode", "ProbeSettings"]

@@ -1,0 +1,135 @@
+"""Probe mode (viiwork.mesh.probing) in the simulator: SWIM probes, change-only dissemination.
+
+Small meshes in virtual time (viiwork.mesh.sim, mode="probe"); the bounds come from the
+detector's timings (mesh/detector.py: 500 ms probe interval, 2 x 200 ms direct pings, 600 ms
+for the relays, suspicion 2 s .. 12 s at 10 nodes) and issue 16's goals.
+"""
+
+from __future__ import annotations
+
+from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
+from viiwork.mesh.membership import Liveness
+from viiwork.mesh.messages import Claim, Gossip, Push, claim_signing_input
+from viiwork.mesh.quantise import LoadQuantiser
+from viiwork.mesh.sim import SIM_MESH_ID, Simulator
+from viiwork.mesh.summary import ModelCapacity
+
+BUSY = (ModelCapacity("model-x", "llamacpp", "chat", 8, 7, 3, 4096, 2, 2, "fp-x"),)
+D = DetectorSettings()
+# Until some live node probes a crashed one: at worst one full pass over the others; then
+# the probe's own budget (both pings, the relays' window).
+PROBE_BOUND_MS = lambda n: (n - 1) * D.probe_interval_ms + D.direct_attempts * D.probe_timeout_ms + D.indirect_timeout_ms  # noqa: E731
+
+
+def probe_mesh(n: int, seed: int, loss: float = 0.0) -> Simulator:
+    sim = Simulator(n, seed=seed, loss=loss, mode="probe")
+    assert sim.run_until_true(sim.converged, 20_000, 100), "the probe-mode mesh did not converge"
+    return sim
+
+
+def watch(sim: Simulator) -> list[tuple[int, str, Liveness, float]]:
+    seen: list[tuple[int, str, Liveness, float]] = []
+    sim.liveness_watchers.append(lambda node, origin, old, new: seen.append((node.index, origin, new, sim.now)))
+    return seen
+
+
+def test_crashed_node_is_suspected_then_declared_dead_by_every_node_within_the_bound():
+    sim = probe_mesh(10, seed=11, loss=0.05)
+    sim.kill(4)
+    start = sim.now
+    gone = lambda: all(sim.view_of(o.index, 4) is not Liveness.ALIVE for o in sim.up_nodes())  # noqa: E731
+    # Probed within one pass, then the claim spreads by gossip (a second: 5 gossip rounds).
+    assert sim.run_until_true(gone, PROBE_BOUND_MS(10) + 1000, 50), "some node still routes to the crashed one"
+    not_alive_ms = sim.now - start
+    dead_bound = PROBE_BOUND_MS(10) + suspicion_timeout_ms(10, 0, D) + 1000
+    assert sim.run_until_true(lambda: all(sim.view_of(o.index, 4) is Liveness.DEAD for o in sim.up_nodes()),
+                              dead_bound - not_alive_ms, 100), "not declared dead by all within the bound"
+    assert all(sim.knows(a, b) for a in sim.up_nodes() for b in sim.up_nodes() if a is not b)
+
+
+def test_frozen_node_is_suspected_then_refutes_with_a_newer_incarnation():
+    sim = probe_mesh(10, seed=12)
+    seen = watch(sim)
+    frozen = sim.nodes[6]
+    before = frozen.publisher.last.payload.order
+    sim.freeze(6)
+    suspected = lambda: any(sim.view_of(o.index, 6) is Liveness.SUSPECT for o in sim.up_nodes())  # noqa: E731
+    assert sim.run_until_true(suspected, PROBE_BOUND_MS(10) + 500, 20), "nobody suspected the frozen node"
+    sim.thaw(6)  # SIGCONT: before any suspicion can time out (2 s at least)
+    assert sim.run_until_true(
+        lambda: all(sim.view_of(o.index, 6) is Liveness.ALIVE for o in sim.up_nodes() if o is not frozen),
+        2000, 20), "the suspicion was not refuted"
+    assert frozen.probe.counters["refutations"] >= 1
+    assert frozen.publisher.last.payload.order > before
+    assert not [s for s in seen if s[1] == frozen.node_id and s[2] is Liveness.DEAD]
+    assert [s for s in seen if s[1] == frozen.node_id and s[2] is Liveness.SUSPECT]
+
+
+def test_capacity_change_reaches_every_node_quantised():
+    sim = probe_mesh(10, seed=13, loss=0.05)
+    origin = sim.nodes[3]
+    order = sim.set_models(3, BUSY)
+    start = sim.now
+    assert sim.run_until_true(
+        lambda: all(sim.knows(o, origin, order) for o in sim.up_nodes() if o is not origin), 2000, 20), \
+        "the change did not reach every node within 2 s (anti-entropy alone takes 5 s)"
+    assert sim.now - start <= 2000
+    published = LoadQuantiser().quantise(BUSY)  # 1 free is exact; 3 waiting is published as 1
+    assert published[0].busy == 7 and published[0].waiting == 1
+    for o in sim.up_nodes():
+        if o is not origin:
+            assert o.membership.records[origin.node_id].summary.payload.models == published
+
+
+def test_no_false_death_over_a_simulated_hour_at_5_percent_loss():
+    sim = probe_mesh(20, seed=14, loss=0.05)
+    seen = watch(sim)
+    sim.run_for(3_600_000)
+    assert not [s for s in seen if s[2] is Liveness.DEAD], "a live node was declared dead"
+    # Issue 16: <= 0.01 false suspicions per node-hour (20 node-hours here: 0.2 expected).
+    assert len([s for s in seen if s[2] is Liveness.SUSPECT]) <= 2
+    probes = sum(n.probe.detector.counters["probes"] for n in sim.nodes)
+    assert probes >= 20 * 3600 * 1.5, "the nodes stopped probing"  # ~2 per node per second
+
+
+def test_forged_claim_is_dropped_and_counted_and_each_claim_is_verified_once():
+    sim = probe_mesh(5, seed=15)
+    observer, target, claimer, sender = sim.nodes[0], sim.nodes[1], sim.nodes[2], sim.nodes[3]
+    order = observer.membership.records[target.node_id].order
+    forged = Claim(target.node_id, order, claimer.node_id, b"\0" * 64)
+    gossip = Gossip(observer.membership.protocol, SIM_MESH_ID, (forged,))
+    verified = observer.policy.signature_verifications
+    observer.probe.receive(sender.node_id, sender.address, gossip)
+    assert observer.probe.counters["claims_forged"] == 1
+    assert observer.membership.counters.drops["bad_signature"] == 1
+    assert observer.probe.detector.state(target.node_id) == "alive"
+    assert observer.policy.signature_verifications == verified + 1
+    # The same claim, signed by the claimer's key: accepted, verified once however often it comes.
+    data = claim_signing_input(SIM_MESH_ID, target.node_id, order, claimer.node_id)
+    genuine = Claim(target.node_id, order, claimer.node_id, claimer.signer.sign(data))
+    for _ in range(3):
+        observer.probe.receive(sender.node_id, sender.address,
+                               Gossip(observer.membership.protocol, SIM_MESH_ID, (genuine,)))
+    assert observer.probe.detector.state(target.node_id) == "suspect"
+    assert observer.policy.signature_verifications == verified + 2
+    assert observer.probe.counters["claims_seen"] == 2
+
+
+def test_each_new_summary_version_is_verified_once():
+    sim = probe_mesh(10, seed=16, loss=0.05)
+    for step in range(20):
+        sim.set_load(step % 10, (ModelCapacity("model-x", "llamacpp", "chat", 8, step % 9, 0, 4096, 1, 1, "fp"),))
+        sim.run_for(300)
+    sim.run_for(3000)
+    for node in sim.nodes:
+        m = node.membership
+        assert node.policy.signature_verifications == m.counters.summaries_accepted + node.probe.counters[
+            "claims_verified"], node.name
+    # A copy of a version already held (a late push, a second pull's answer) is not verified again.
+    observer, holder, about = sim.nodes[0], sim.nodes[1], sim.nodes[2]
+    copies = holder.membership.relay({about.node_id: (0, 0)}, holder.membership.protocol)
+    assert copies and copies[0].summary.payload.order == observer.membership.records[about.node_id].order
+    verified, replays = observer.policy.signature_verifications, observer.membership.counters.drops["replay"]
+    observer.probe.receive(holder.node_id, holder.address, Push(holder.membership.protocol, SIM_MESH_ID, copies))
+    assert observer.policy.signature_verifications == verified
+    assert observer.membership.counters.drops["replay"] == replays + 1
