@@ -1,6 +1,6 @@
 """The pure protocol core: which summaries to accept, who is alive, whom to gossip with.
 
-One module (over 900 lines) because :class:`Membership` is one state machine: every handler
+One module (over 950 lines) because :class:`Membership` is one state machine: every handler
 below (accept, tick, digest, reply, push, peer selection) reads and writes the same table of
 records, liveness, tombstones and candidates under one clock. What needs no table is apart
 already (candidates, clones, counters, ratelimit, messages, boot).
@@ -30,6 +30,10 @@ Rules (docs/mesh.md; docs/architecture.md, rule 7):
   ``suspect``, else ``dead``; a published ``leaving`` state is ``left`` at once; a peer
   whose newest summary says ``restarting`` (protocol 3) stays ``suspect`` for
   ``restart_grace_ms`` of silence (its agent is coming back) before it is ``dead``.
+- **Probe mode** (:mod:`viiwork.mesh.probing`, issue 16): with :attr:`Membership.liveness_hook`
+  set, liveness is the failure detector's (``left`` still from a published ``leaving``),
+  silence is ``suspect`` or ``dead`` there, and an unknown node's first summary is taken
+  whatever its age (publication is on change only, so a live node's summary may be old).
 - **Silence** is apart from liveness: a peer is ``silent`` once nothing newer of it was
   heard for ``suspect_after_ms``, whatever state it publishes (``serving``, ``draining``,
   ``leaving``, ``restarting``). A node that drains or leaves keeps publishing heartbeats

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import hashlib
 import heapq
 import itertools
@@ -332,7 +333,7 @@ class Simulator:
         for address, msg in out:
             dst = self.by_address.get(address)
             if dst is not None and dst is not node:
-                self._send(node, dst, msg, lambda m, dst=dst: self._deliver(node, dst, m))
+                self._send(node, dst, msg, functools.partial(self._deliver, node, dst))
 
     def _deliver(self, src: SimNode, dst: SimNode, msg: Any) -> None:
         assert dst.probe is not None
