@@ -65,6 +65,9 @@ KNOWN: list[Bench] = [
     # one seed of 20000 requests moves the p99 by tens of milliseconds, the size of the goal.
     Bench("bench_mesh_sim.py", 150, ["--sizes", "10,100"], takes_out=False, title="Mesh simulation"),
     Bench("bench_routing_sim.py", 240, [], takes_out=False, title="Routing simulation"),
+    # Both protocols at 10 and 100 nodes, 0% and 5% loss: ~80 s of CPU here (issue 16).
+    Bench("bench_swim_sim.py", 150, ["--sizes", "10,100", "--steady-s", "20"], takes_out=False,
+          title="Probe mode against heartbeats (issue 16)"),
     # Two runs of 60 s of arrivals on 3 real agents (offers on, then off): ~130 s in all here.
     Bench("bench_offers_agents.py", 200, [], takes_out=False, title="Slot offers with real agents"),
     Bench("bench_mesh_processes.py", 120, ["--nodes", "10", "--steady-s", "15"], takes_out=False,
