@@ -69,6 +69,7 @@ from viiwork.mesh.messages import (
     PingReq,
     Pull,
     Push,
+    RelayedSummary,
     Reply,
     claim_signing_input,
 )
@@ -210,10 +211,16 @@ class ProbeNode:
             self.queue.put(self.m.node_id, News(self.m.node_id, order), NEWS_BYTES, order)
         return summary
 
-    def leave(self) -> SignedSummary | None:
-        """Publish ``leaving`` (spread by the next messages, as any change)."""
+    def leave(self) -> list[Outgoing]:
+        """Publish ``leaving``: returns its push to ``gossip_nodes`` random alive members
+        (the node stops soon after, too soon to answer their pulls); the news spreads it."""
         self.pub.set_local(self.pub.models, PublishedState.LEAVING)
-        return self.publish(force=True)
+        self.publish(force=True)
+        own = self.m.self_summary
+        if own is None:
+            return []
+        push = Push(self.m.protocol, self.m.mesh_id, (RelayedSummary(own, 0),))
+        return [(self._address(nid), push) for nid in self._gossip_targets()]
 
     def _n_live(self) -> int:
         return 1 + sum(1 for nid in self._members if self.detector.state(nid) in ("alive", "suspect"))

@@ -461,8 +461,7 @@ class Simulator:
         """Graceful stop: publish ``leaving``, push it to ``fanout`` peers, then stop."""
         node = self.nodes[i]
         if node.probe is not None:
-            node.probe.leave()
-            self._send_all(node, node.probe.poll())
+            self._send_all(node, node.probe.leave())
             self.at(self.now + 4 * self.latency_ms + 1, lambda: setattr(node, "up", False))
             return
         node.publisher.set_local(node.models, PublishedState.LEAVING)

@@ -133,3 +133,21 @@ def test_each_new_summary_version_is_verified_once():
     observer.probe.receive(holder.node_id, holder.address, Push(holder.membership.protocol, SIM_MESH_ID, copies))
     assert observer.policy.signature_verifications == verified
     assert observer.membership.counters.drops["replay"] == replays + 1
+
+
+def test_graceful_leave_is_seen_as_left_and_a_restarted_node_comes_back_alive():
+    sim = probe_mesh(10, seed=17)
+    sim.leave(2)
+    assert sim.run_until_true(
+        lambda: all(sim.view_of(o.index, 2) is Liveness.LEFT for o in sim.up_nodes()), 1500, 20), \
+        "the leaving summary did not reach every node"
+    sim.kill(5)
+    assert sim.run_until_true(
+        lambda: all(sim.view_of(o.index, 5) is Liveness.DEAD for o in sim.up_nodes()), 20_000, 100)
+    sim.restart(5)
+    generation = sim.nodes[5].generation
+    assert sim.run_until_true(
+        lambda: all(sim.view_of(o.index, 5) is Liveness.ALIVE for o in sim.up_nodes() if o.index != 5), 3000, 50), \
+        "the restarted node was not taken back"
+    assert all(o.membership.records[sim.nodes[5].node_id].order[0] == generation
+               for o in sim.up_nodes() if o.index != 5)
