@@ -181,8 +181,8 @@ class Pull:
 
 ProbeMessage = Ping | Ack | PingReq | Nack | Gossip | Pull
 
-CLAIM_BYTES = 160  # '{"s":["<16>",g,sssss],"by":"<16>","sig":"<88 base64>"},'
-NEWS_BYTES = 30  # like a digest entry
+CLAIM_BYTES = 140  # '["c","<16>",g,sssss,"<16>","<88 base64>"],'
+NEWS_BYTES = 30  # '["n","<16>",g,sssss],'
 
 
 def claim_signing_input(mesh_id: str, node_id: NodeId, order: Order, by: NodeId) -> bytes:
@@ -227,14 +227,14 @@ def encode_message(msg: Message) -> bytes:
 def estimate_size(msg: Message | ProbeMessage) -> int:
     """Approximate encoded size without encoding (the simulator's fast path): within a few
     percent of ``len(encode_message(msg))`` for typical messages."""
-    head = 60 + len(msg.mesh_id)
-    if isinstance(msg, Pull):
-        return head + ENTRY_BYTES * len(msg.wants)
+    if isinstance(msg, Pull):  # '{"type":"pull","protocol":4,"mesh_id":"","wants":[]}', then entries
+        return 52 + len(msg.mesh_id) + ENTRY_BYTES * len(msg.wants)
     if isinstance(msg, Ping | Ack | PingReq | Nack | Gossip):
-        extra = 12 if isinstance(msg, Gossip) else 24  # ping id
+        extra = 0 if isinstance(msg, Gossip) else 8  # ',"id":N'
         if isinstance(msg, PingReq):
-            extra += 30 + len(msg.address)
-        return head + extra + sum(item_size(i) for i in msg.news)
+            extra += 40 + len(msg.address)  # ',"target":"<id>","address":"..."'
+        return 52 + len(msg.mesh_id) + extra + sum(item_size(i) for i in msg.news)
+    head = 60 + len(msg.mesh_id)
     if isinstance(msg, Digest):
         return head + ENTRY_BYTES * len(msg.entries)
     size = head + sum(s.summary.wire_size() + 14 for s in msg.summaries)

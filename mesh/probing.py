@@ -37,7 +37,8 @@ and the broadcast queue are read and written together by every message handler a
 Pure: no sockets, timers or asyncio. The caller calls :meth:`ProbeNode.poll` at
 :meth:`ProbeNode.next_wakeup` (or sooner) and :meth:`ProbeNode.receive` for each message,
 and sends every returned ``(address, message)``; messages are the objects of
-:mod:`viiwork.mesh.messages` (their wire codec is the transport's step, not done yet).
+:mod:`viiwork.mesh.messages`, or bytes through :meth:`ProbeNode.receive_bytes`
+(:mod:`viiwork.mesh.probe_codec`).
 Single-threaded. Counters in :attr:`ProbeNode.counters`.
 """
 
@@ -73,9 +74,10 @@ from viiwork.mesh.messages import (
     Reply,
     claim_signing_input,
 )
+from viiwork.mesh.probe_codec import decode_any, encode_any
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.quantise import LoadQuantiser, PublishLimiter, compare_models
-from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary
+from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryError
 
 Outgoing = tuple[str, Any]
 """``(address, message)`` for the caller to send."""
@@ -443,6 +445,23 @@ class ProbeNode:
                 run.nacks += 1
                 if run.relays is not None and run.acks + run.nacks >= len(run.relays):
                     self._report(run, now)
+        return out
+
+    def receive_bytes(self, sender: NodeId, address: str, data: bytes) -> list[tuple[str, bytes]]:
+        """:meth:`receive` over bytes (:mod:`viiwork.mesh.probe_codec`): what the transport
+        uses. A message that does not decode is dropped and counted by its reason."""
+        self.m.counters.bytes_in += len(data)
+        try:
+            msg = decode_any(data, self.m.accepted, self.m.settings.max_message_bytes)
+        except SummaryError as exc:
+            self.m.counters.messages_in["undecodable"] += 1
+            self.m.counters.drop(exc.reason)
+            return []
+        out = []
+        for to, reply in self.receive(sender, address, msg):
+            encoded = encode_any(reply)
+            self.m.counters.bytes_out += len(encoded)
+            out.append((to, encoded))
         return out
 
     def _acked(self, ping_id: int, now: float, out: list[Outgoing]) -> None:

@@ -38,6 +38,7 @@ from viiwork.mesh.boot import Boot
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership
 from viiwork.mesh.messages import Digest, estimate_size
+from viiwork.mesh.probe_codec import encode_any
 from viiwork.mesh.probing import ProbeNode, ProbeSettings
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import CertificateView
@@ -184,8 +185,6 @@ class Simulator:
                  probe_settings: ProbeSettings | None = None):
         if mode not in ("heartbeat", "probe"):
             raise ValueError(f"mode must be heartbeat or probe, got {mode!r}")
-        if mode == "probe" and wire:
-            raise ValueError("probe mode has no wire codec yet: wire=False")
         self.mode = mode
         self.probe_settings = probe_settings or ProbeSettings()
         self.settings = settings or GossipSettings()
@@ -333,11 +332,15 @@ class Simulator:
         for address, msg in out:
             dst = self.by_address.get(address)
             if dst is not None and dst is not node:
-                self._send(node, dst, msg, functools.partial(self._deliver, node, dst))
+                data = encode_any(msg) if self.wire and not isinstance(msg, bytes) else msg
+                self._send(node, dst, data, functools.partial(self._deliver, node, dst))
 
     def _deliver(self, src: SimNode, dst: SimNode, msg: Any) -> None:
         assert dst.probe is not None
-        self._send_all(dst, dst.probe.receive(src.node_id, src.address, msg))
+        if isinstance(msg, bytes):
+            self._send_all(dst, list(dst.probe.receive_bytes(src.node_id, src.address, msg)))
+        else:
+            self._send_all(dst, dst.probe.receive(src.node_id, src.address, msg))
         self._reschedule(dst)
 
     def freeze(self, i: int) -> None:
@@ -378,7 +381,9 @@ class Simulator:
     def _send(self, src: SimNode, dst: SimNode, msg: Any, deliver: Callable[[Any], None]) -> None:
         """Count, maybe lose, and deliver ``msg`` after the latency."""
         size = len(msg) if isinstance(msg, bytes) else estimate_size(msg)
-        kind = type(msg).__name__.lower()
+        # The message type: the class, or the "type" our encoders write first ({"type":"ping",...).
+        kind = msg.split(b'"', 4)[3].decode("ascii", "replace").replace("-", "") if isinstance(
+            msg, bytes) else type(msg).__name__.lower()
         src.bytes_by_kind[kind] = src.bytes_by_kind.get(kind, 0) + size
         src.bytes_sent += size
         src.messages_sent += 1

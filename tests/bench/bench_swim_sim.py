@@ -24,6 +24,9 @@ node's free-slot count changes about twice a second. One table row per (mode, N,
   considering a victim alive (stops routing to it) / declares it dead;
 - false susp. / false deaths per node-hour: live nodes seen as suspect / dead by anyone.
 
+Sizes are estimates (``estimate_size``; about 10% above the encoded size in probe mode)
+unless ``--wire`` encodes every message (exact, slower).
+
 Wants and offers (point-to-point, docs/routing.md) are not simulated here: their bytes are
 in bench_offers_agents.py and the routing simulation in bench_routing_sim.py.
 
@@ -132,9 +135,10 @@ class Seen:
         self.unfinished = sum(len(p) for p in self.pending.values())
 
 
-def run(mode: str, n: int, loss: float, seed: int, steady_s: float, crashes: int = 3) -> dict[str, Any]:
+def run(mode: str, n: int, loss: float, seed: int, steady_s: float, crashes: int = 3,
+        wire: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
-    sim = Simulator(n, seed=seed, loss=loss, mode=mode, models=lambda i: model(i, 0))
+    sim = Simulator(n, seed=seed, loss=loss, mode=mode, models=lambda i: model(i, 0), wire=wire)
     seen = Seen(sim)
     Load(sim)
     ok = sim.run_until_true(sim.converged, 120_000, 100)
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-s", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--crashes", type=int, default=3, help="nodes that crash at once (1-3)")
+    ap.add_argument("--wire", action="store_true", help="encode every message: exact sizes (slower)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x] + ([1000] if args.big else [])
     print("| " + " | ".join(COLS) + " |")
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         for loss in (float(x) for x in args.loss.split(",")):
             for mode in args.modes.split(","):
-                row = run(mode, n, loss, args.seed, args.steady_s, args.crashes)
+                row = run(mode, n, loss, args.seed, args.steady_s, args.crashes, args.wire)
                 print("| " + " | ".join(_fmt(row[c]) for c in COLS) + " |", flush=True)
     return 0
 

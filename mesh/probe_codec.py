@@ -1,0 +1,196 @@
+"""Probe mode's messages on the wire: compact JSON, strictly decoded (bounded, typed errors).
+
+The messages are :mod:`viiwork.mesh.messages`' ``Ping``, ``Ack``, ``PingReq``, ``Nack``,
+``Gossip`` and ``Pull`` (docs/mesh.md, "Probe mode"); the digest exchange's messages keep
+their own codec there. Shapes (JSON objects; ``mesh_id`` must be the receiver's):
+
+    {"type": "ping", "protocol": 4, "mesh_id": "...", "id": 17, "news": [I, ...]}
+    {"type": "ack" | "nack", ... same keys as ping}
+    {"type": "ping-req", ... same keys as ping, "target": "<node id>", "address": "host:port"}
+    {"type": "gossip", "protocol": 4, "mesh_id": "...", "news": [I, ...]}
+    {"type": "pull", "protocol": 4, "mesh_id": "...", "wants": [["<node id>", g, s], ...]}
+
+where an item ``I`` is ``["n", "<node id>", g, s]`` (news) or ``["c", "<node id>", g, s,
+"<by node id>", "<signature, base64>"]`` (a suspicion claim). At most
+:data:`MAX_PROBE_ITEMS` items or wants and :data:`MAX_PROBE_MESSAGE_BYTES` bytes:
+:class:`~viiwork.mesh.summary.OversizedSummary`; anything mis-shaped is
+:class:`~viiwork.mesh.summary.MalformedSummary` naming the field; a protocol this node does
+not accept is :class:`~viiwork.mesh.summary.UnsupportedProtocol`. Nothing else is raised for
+any input bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+from viiwork.mesh.bounds import MAX_INT
+from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.messages import (
+    MAX_MESSAGE_BYTES,
+    Ack,
+    Claim,
+    Digest,
+    Entries,
+    Gossip,
+    Message,
+    Nack,
+    News,
+    Order,
+    Ping,
+    PingReq,
+    ProbeMessage,
+    Pull,
+    Push,
+    Reply,
+    decode_message,
+    encode_message,
+)
+from viiwork.mesh.summary import MalformedSummary, OversizedSummary, check_protocol
+
+MAX_PROBE_MESSAGE_BYTES = 64 * 1024
+MAX_PROBE_ITEMS = 1024
+SIGNATURE_BYTES = 64
+
+_TYPES: dict[type, str] = {Ping: "ping", Ack: "ack", Nack: "nack", PingReq: "ping-req", Gossip: "gossip", Pull: "pull"}
+_KEYS = {"ping": {"id", "news"}, "ack": {"id", "news"}, "nack": {"id", "news"},
+         "ping-req": {"id", "news", "target", "address"}, "gossip": {"news"}, "pull": {"wants"}}
+
+
+def _item_obj(item: News | Claim) -> list[Any]:
+    if isinstance(item, News):
+        return ["n", item.node_id, item.order[0], item.order[1]]
+    return ["c", item.node_id, item.order[0], item.order[1], item.by, base64.b64encode(item.signature).decode("ascii")]
+
+
+def encode_probe_message(msg: ProbeMessage) -> bytes:
+    """Compact JSON bytes of a probe-mode message."""
+    obj: dict[str, Any] = {"type": _TYPES[type(msg)], "protocol": msg.protocol, "mesh_id": msg.mesh_id}
+    if isinstance(msg, Pull):
+        obj["wants"] = [[nid, g, s] for nid, (g, s) in msg.wants.items()]
+    else:
+        if not isinstance(msg, Gossip):
+            obj["id"] = msg.ping_id
+        if isinstance(msg, PingReq):
+            obj["target"], obj["address"] = msg.target, msg.address
+        obj["news"] = [_item_obj(i) for i in msg.news]
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _count(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+        raise MalformedSummary(f"{where}: expected an integer 0..{MAX_INT}, got {value!r:.40}")
+    return value
+
+
+def _node(value: Any, where: str) -> NodeId:
+    if not is_node_id(value):
+        raise MalformedSummary(f"{where}: expected a node id, got {value!r:.40}")
+    return NodeId(value)
+
+
+def _order(g: Any, s: Any, where: str) -> Order:
+    return (_count(g, where + "[generation]"), _count(s, where + "[seq]"))
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise MalformedSummary(f"{where}: expected a list")
+    if len(value) > MAX_PROBE_ITEMS:
+        raise OversizedSummary(f"{where}: {len(value)} entries, limit {MAX_PROBE_ITEMS}")
+    return value
+
+
+def _item(value: Any, where: str) -> News | Claim:
+    if isinstance(value, list) and len(value) == 4 and value[0] == "n":
+        return News(_node(value[1], where), _order(value[2], value[3], where))
+    if isinstance(value, list) and len(value) == 6 and value[0] == "c":
+        sig = value[5]
+        try:
+            raw = base64.b64decode(sig, validate=True) if isinstance(sig, str) else b""
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) != SIGNATURE_BYTES:
+            raise MalformedSummary(f"{where}: expected a base64 signature of {SIGNATURE_BYTES} bytes")
+        return Claim(_node(value[1], where), _order(value[2], value[3], where), _node(value[4], where + "[by]"), raw)
+    raise MalformedSummary(f"{where}: expected [\"n\", id, g, s] or [\"c\", id, g, s, by, sig], got {value!r:.60}")
+
+
+def _parse(data: bytes, limit: int) -> dict[str, Any]:
+    if len(data) > limit:
+        raise OversizedSummary(f"message is {len(data)} bytes, limit {limit}")
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedSummary(f"message: not JSON ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise MalformedSummary("message: expected a JSON object")
+    return obj
+
+
+def decode_probe_message(data: bytes, accepted: tuple[int, ...]) -> ProbeMessage:
+    """Decode one probe-mode message (``accepted``: the protocol versions this node speaks).
+    Raises OversizedSummary, MalformedSummary or UnsupportedProtocol (module doc)."""
+    return _from_obj(_parse(data, MAX_PROBE_MESSAGE_BYTES), accepted)
+
+
+def decode_any(data: bytes, accepted: tuple[int, ...], max_message_bytes: int = MAX_MESSAGE_BYTES) -> Message | ProbeMessage:
+    """Decode a probe-mode message or one of the digest exchange's (``digest``, ``reply``,
+    ``push``: :func:`~viiwork.mesh.messages.decode_message`, up to ``max_message_bytes``),
+    by its ``type``; the same errors."""
+    obj = _parse(data, max(max_message_bytes, MAX_PROBE_MESSAGE_BYTES))
+    kind = obj.get("type")
+    if kind in ("digest", "reply", "push"):
+        return decode_message(data, accepted, kind, max_message_bytes)
+    if len(data) > MAX_PROBE_MESSAGE_BYTES:
+        raise OversizedSummary(f"message is {len(data)} bytes, limit {MAX_PROBE_MESSAGE_BYTES}")
+    return _from_obj(obj, accepted)
+
+
+def encode_any(msg: Message | ProbeMessage) -> bytes:
+    """The bytes of any message probe mode sends."""
+    if isinstance(msg, Digest | Reply | Push):
+        return encode_message(msg)
+    return encode_probe_message(msg)
+
+
+def _from_obj(obj: dict[str, Any], accepted: tuple[int, ...]) -> ProbeMessage:
+    kind = obj.get("type")
+    if kind not in _KEYS:
+        raise MalformedSummary(f"message.type: expected one of {', '.join(sorted(_KEYS))}, got {kind!r:.40}")
+    protocol = check_protocol(obj.get("protocol"), accepted, "message.protocol")
+    if set(obj) != _KEYS[kind] | {"type", "protocol", "mesh_id"}:
+        raise MalformedSummary(f"message: keys must be {', '.join(sorted(_KEYS[kind] | {'type', 'protocol', 'mesh_id'}))}")
+    mesh_id = obj["mesh_id"]
+    if not isinstance(mesh_id, str) or not 0 < len(mesh_id) <= 128:
+        raise MalformedSummary("message.mesh_id: expected a string of 1..128 characters")
+    if kind == "pull":
+        wants: Entries = {}
+        for i, w in enumerate(_list(obj["wants"], "wants")):
+            if not isinstance(w, list) or len(w) != 3:
+                raise MalformedSummary(f"wants[{i}]: expected [node_id, generation, seq]")
+            nid = _node(w[0], f"wants[{i}]")
+            if nid in wants:
+                raise MalformedSummary(f"wants[{i}]: node {nid} listed twice")
+            wants[nid] = _order(w[1], w[2], f"wants[{i}]")
+        return Pull(protocol, mesh_id, wants)
+    news = tuple(_item(v, f"news[{i}]") for i, v in enumerate(_list(obj["news"], "news")))
+    if kind == "gossip":
+        return Gossip(protocol, mesh_id, news)
+    ping_id = _count(obj["id"], "id")
+    if kind == "ping-req":
+        address = obj["address"]
+        if not isinstance(address, str) or not 0 < len(address) <= 300:
+            raise MalformedSummary("address: expected host:port, 1..300 characters")
+        return PingReq(protocol, mesh_id, ping_id, _node(obj["target"], "target"), address, news)
+    if kind == "ping":
+        return Ping(protocol, mesh_id, ping_id, news)
+    if kind == "ack":
+        return Ack(protocol, mesh_id, ping_id, news)
+    return Nack(protocol, mesh_id, ping_id, news)
+
+
+__all__ = ["MAX_PROBE_ITEMS", "MAX_PROBE_MESSAGE_BYTES", "decode_any", "decode_probe_message", "encode_any",
+           "encode_probe_message"]
