@@ -322,6 +322,11 @@ class Detector:
         return len(member.suspectors) - 1
 
     @property
+    def live_count(self) -> int:
+        """Members that are alive or suspect (this node not included)."""
+        return len(self._members) - len(self._dead)
+
+    @property
     def health_score(self) -> int:
         """Local health, 0 (healthy) .. ``awareness_max_multiplier - 1``."""
         return self._score

@@ -225,7 +225,7 @@ class ProbeNode:
         return [(self._address(nid), push) for nid in self._gossip_targets()]
 
     def _n_live(self) -> int:
-        return 1 + sum(1 for nid in self._members if self.detector.state(nid) in ("alive", "suspect"))
+        return 1 + self.detector.live_count
 
     # --- the table's view ---------------------------------------------------------------------
 
