@@ -75,7 +75,7 @@ from viiwork.mesh.messages import (
     claim_signing_input,
 )
 from viiwork.mesh.probe_codec import decode_any, encode_any
-from viiwork.mesh.publisher import LocalPublisher
+from viiwork.mesh.publisher import HEARTBEAT_SLACK, LocalPublisher
 from viiwork.mesh.quantise import LoadQuantiser, PublishLimiter, compare_models
 from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryError
 
@@ -200,18 +200,30 @@ class ProbeNode:
         """Publish what is due now (``force``: a new version whatever changed); the new
         summary or None."""
         now = self.m.clock()
+        changed = force or self.m.required_generation > self.pub.generation
         if self._wanted is not None:
             change = compare_models(self.pub.models, self._wanted)
             if (change.structural or change.load) and (force or self.limiter.due(
                     now, self._n_live(), change.structural, change.load)):
                 self.pub.set_local(self._wanted, self.pub.state)
+                changed = True
+        if not (changed or now - self.m.self_published_at >= self.settings.republish_ms * HEARTBEAT_SLACK):
+            return None  # nothing due (the protocol version to speak is checked by each sync)
         summary = self.pub.maybe_publish(force)
         if summary is not None:
-            self.limiter.published(now)
-            order = summary.payload.order
-            self.detector.set_incarnation(self.m.node_id, order)
-            self.queue.put(self.m.node_id, News(self.m.node_id, order), NEWS_BYTES, order)
+            self._published(summary)
         return summary
+
+    def _publish_now(self) -> None:
+        summary = self.pub.maybe_publish()
+        if summary is not None:
+            self._published(summary)
+
+    def _published(self, summary: SignedSummary) -> None:
+        self.limiter.published(self.m.clock())
+        order = summary.payload.order
+        self.detector.set_incarnation(self.m.node_id, order)
+        self.queue.put(self.m.node_id, News(self.m.node_id, order), NEWS_BYTES, order)
 
     def leave(self) -> list[Outgoing]:
         """Publish ``leaving``: returns its push to ``gossip_nodes`` random alive members
@@ -301,6 +313,7 @@ class ProbeNode:
         return out
 
     def _sync(self, now: float, out: list[Outgoing]) -> None:
+        self._publish_now()  # a peer that speaks only an older protocol: publish in it
         targets = self.m.select_targets(self._syncs.keys())
         live = [t for t in targets if not t.candidate][:1]
         chosen = live + [t for t in targets if t.candidate]
