@@ -30,7 +30,7 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
   due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
   probe interval while no member is known.
 
-One module (about 550 lines, a third of them docstrings) because :class:`ProbeNode` is one
+One module (about 600 lines, a third of them docstrings) because :class:`ProbeNode` is one
 state machine: the probe in flight, the relays served, the pulls in flight, the claims seen
 and the broadcast queue are read and written together by every message handler and timer.
 
