@@ -26,10 +26,10 @@ from aiohttp import web
 from viiwork import __version__
 from viiwork.agent.admin import ActionError, build_admin_app, node_actions, start_admin_site
 from viiwork.agent.auth.gate import AuthGate, AuthStartError
-from viiwork.agent.cli.command_path import command
+from viiwork.agent.banner import ready_lines
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
-from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
+from viiwork.agent.config.schema import Config, parse_hostport
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
@@ -89,35 +89,6 @@ async def make_runner(config: Config) -> Runner:
     from viiwork.agent.supervision.runners.process import ProcessRunner
 
     return ProcessRunner()
-
-
-def _banner(host: str, port: int, config: Config, *, demo: bool = False) -> str:
-    """The lines printed once the API serves: how to try it and where things are, with full
-    paths (the demo's user has no config file to read them from)."""
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    base = f"http://{shown}:{port}"
-    ctl = command("viiworkctl")
-    lines = [f"viiwork {__version__}: node {config.node.name!r}, API on {base}"]
-    chat = [m.name for m in config.models if m.kind.value == "chat"]
-    if chat:
-        lines += [
-            "try:",
-            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
-            f"    -d '{{\"model\": \"{chat[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-            "\"Say hello in five words.\"}], \"max_tokens\": 32}'",
-        ]
-    # viiworkctl finds a running demo by itself (agent/cli/target.py); another agent by its URL.
-    lines.append(f"status: {ctl} status" + ("" if demo else f" --url {base}"))
-    if demo or config.api.admin_socket != ApiConfig().admin_socket:  # viiworkctl's default would miss it
-        lines.append(f"admin socket: {config.api.admin_socket}"
-                     + ("" if demo else f" ({ctl} models --socket {config.api.admin_socket})"))
-    if demo:
-        lines += [f"state dir: {config.node.state_dir}",
-                  f"engine logs: {config.supervisor.log_dir or config.node.state_dir / 'logs'} "
-                  f"({ctl} logs {chat[0] if chat else 'MODEL'})",
-                  f"config: {config.node.state_dir / DEMO_CONFIG_FILE} (written by the demo; "
-                  f"{ctl} config check {config.node.state_dir / DEMO_CONFIG_FILE})"]
-    return "\n".join(lines)
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -305,7 +276,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
         stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         if ready_banner:
-            print(_banner(host, port, config, demo=source == DEMO_SOURCE), flush=True)
+            print(ready_lines(host, port, config, demo=source == DEMO_SOURCE), flush=True)
         notifier.ready(status_line(supervisor.models))
         stack.push_async_callback(_cancel, asyncio.create_task(notifier.run_watchdog(), name="watchdog"))
         stack.push_async_callback(_cancel, asyncio.create_task(
