@@ -36,6 +36,7 @@ from viiwork.agent.cli.out_file import OutFileError, check_out, write_whole
 from viiwork.agent.cli.quoting import quote_path
 from viiwork.agent.config.load import ConfigError, file_kind, parse_config
 from viiwork.agent.config.schema import parse_hostport
+from viiwork.agent.host.config_host import bind_problem
 from viiwork.agent.host.facts import BinaryState, resolve_binary
 from viiwork.agent.host.gpus.inventory import GpuInventory
 from viiwork.engines.registry import ENGINES
@@ -73,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="standalone (default: no [mesh]), open (labs: --mesh-id) or ca (--ca-certificate)")
     parser.add_argument("--mesh-id", metavar="NAME", help="the mesh's name, for --mesh open")
     parser.add_argument("--ca-certificate", type=Path, metavar="FILE", help="the mesh CA's certificate, for --mesh ca")
-    parser.add_argument("--listen", default="0.0.0.0:8086", metavar="HOST:PORT",
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                         help="the client API's host:port (default 0.0.0.0:8086: every address of this host; "
                              "127.0.0.1:8086 keeps it to this machine)")
     parser.add_argument("--no-gpus", action="store_true", help="put every model on the CPU")
@@ -204,11 +205,39 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+DEFAULT_LISTEN = "0.0.0.0:8086"
+#: Ports tried when the default one is held (8087 is the mesh's default port: skipped).
+FALLBACK_PORTS = range(8088, 8100)
+
+
+def _free_port(args: argparse.Namespace, host: str, port: int, say: list[str], notes: list[str]) -> int:
+    """The API port to write: ``port`` when it can be bound now; when it is held and came from
+    the default, the first free one of FALLBACK_PORTS (``args.listen`` rewritten, the reason
+    in ``say``), so the result passes ``config check`` on this machine; a held ``--listen`` is
+    kept with a note."""
+    problem = bind_problem(host, port)
+    if problem != "in use":
+        return port
+    if args.listen != DEFAULT_LISTEN:
+        notes.append(f"port {port} of --listen is in use now: `config check` will say so until it is free")
+        return port
+    for other in FALLBACK_PORTS:
+        if bind_problem(host, other) is None:
+            args.listen = f"{host}:{other}"
+            say.append(f"api.listen = {args.listen!r} (port {port}, the default, is in use now: another agent "
+                       f"or the demo holds it; the next free port)")
+            return other
+    notes.append(f"port {port} and {FALLBACK_PORTS.start}-{FALLBACK_PORTS.stop - 1} are in use: pass --listen")
+    return port
+
+
 def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args: argparse.Namespace,
          say: list[str]) -> dict[str, Any]:
     """The config as a TOML document (a dict), each choice explained in ``say``."""
     doc: dict[str, Any] = {"api": {"listen": args.listen}}
-    say.append(f"api.listen = {args.listen!r}" + (" (--listen)" if args.listen != "0.0.0.0:8086" else " (the default port)"))
+    if not any(line.startswith("api.listen") for line in say):
+        say.append(f"api.listen = {args.listen!r}"
+                   + (" (--listen)" if args.listen != DEFAULT_LISTEN else " (the default port)"))
     if args.mesh == "open":
         if not args.mesh_id:
             raise InitError("--mesh open needs --mesh-id NAME (the name shared by the nodes of this mesh)")
@@ -276,6 +305,7 @@ def _init(args: argparse.Namespace) -> int:
         raise InitError(str(exc)) from None
     say: list[str] = []
     notes: list[str] = []
+    listen_port = _free_port(args, listen_host, listen_port, say, notes)
     if not _is_loopback(listen_host):
         notes.append(f"api.listen = {args.listen!r}: every machine that can reach this host on port {listen_port} "
                      f"can use the API (it has no client keys yet); to keep it to this machine pass --listen "

@@ -338,3 +338,26 @@ def test_config_show_reads_back_as_the_same_config(tmp_path: Path, text: str,
     assert sum(line.endswith("# from file") for line in marked) == len(
         [v for v in json.loads(run(capsys, "config", "show", "--config", str(path), "--json")[1])["sources"].values()
          if v == "file"])
+
+
+def test_init_moves_off_a_held_default_port_and_still_passes_config_check(
+        tmp_path: Path, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With the default port held (the demo's, here a socket of the test's), init writes the next
+    free port and says why, so its output passes config check on this machine (issue 20)."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        try:
+            holder.bind(("0.0.0.0", 8086))
+            holder.listen(1)
+        except OSError:
+            pass  # held already by something else: the case under test all the same
+        out = tmp_path / "viiwork.toml"
+        code, said, err = run(capsys, "init", "--out", str(out), "--models-dir", str(models_dir))
+        assert code == 0, err
+        listen = load_config(out).api.listen
+        assert listen != "0.0.0.0:8086" and listen.startswith("0.0.0.0:80"), listen
+        assert "port 8086, the default, is in use now" in said
+        code, said, err = run(capsys, "config", "check", str(out))
+        assert code == 0, err
+    finally:
+        holder.close()
