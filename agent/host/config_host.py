@@ -64,11 +64,14 @@ def _subject_path(subject: str, check_id: str, config: Config) -> tuple[str | in
         if index.isdigit():
             return ("models", int(index), *[p for p in rest.split(".") if p])
     if check_id == "engine.binary":
-        engine = subject.partition(":")[0]
-        for i, model in enumerate(config.models):
-            if model.engine == engine:
-                fields = getattr(type(model.options), "model_fields", {})
-                return ("models", i, engine, "binary") if "binary" in fields else ("models", i, "engine")
+        engine, _, binary = subject.partition(":")
+        binary = binary.strip()
+        matches = [(i, m) for i, m in enumerate(config.models) if m.engine == engine]
+        # The first model that names this binary (the subject's), else the engine's first.
+        named = [(i, m) for i, m in matches if str(getattr(m.options, "binary", "")) == binary]
+        for i, model in named or matches:
+            fields = getattr(type(model.options), "model_fields", {})
+            return ("models", i, engine, "binary") if "binary" in fields else ("models", i, "engine")
     return ()
 
 

@@ -361,3 +361,25 @@ def test_init_moves_off_a_held_default_port_and_still_passes_config_check(
         assert code == 0, err
     finally:
         holder.close()
+
+
+def test_a_missing_binary_is_reported_at_the_model_that_names_it(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Two llama.cpp models, only the second relying on the default binary (not on PATH here):
+    the error is that model's, not the first's (issue 20, a newcomer's finding)."""
+    model = tmp_path / "m.gguf"
+    write_tiny_gguf(model, seed=1)
+    binary = tmp_path / "llama-server-here"
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    path = tmp_path / "c.toml"
+    path.write_text(f'[api]\nlisten = "127.0.0.1:{free_port()}"\n'
+                    f'[[models]]\nname = "m1"\nengine = "llamacpp"\npath = "{model}"\n'
+                    f'[models.llamacpp]\nbinary = "{binary}"\n\n'
+                    f'[[models]]\nname = "m2"\nengine = "llamacpp"\npath = "{model}"\n'
+                    '[models.llamacpp]\nbinary = "no-such-llama-server-binary"\n')
+    code, out, err = run(capsys, "config", "check", str(path), "--json")
+    assert code == 1, out
+    errors = {e["path"]: e for e in json.loads(out)["errors"]}
+    assert set(errors) == {"models[1].llamacpp.binary"}, errors
+    assert errors["models[1].llamacpp.binary"]["line"] == 15
