@@ -260,7 +260,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         try:
             await site.start()
         except OSError as exc:
-            log.error("cannot listen on %s (api.listen): %s", config.api.listen, exc.strerror or exc)
+            log.error("cannot listen on %s (api.listen): %s%s", config.api.listen, exc.strerror or exc,
+                      "; run the demo on another port with --listen 127.0.0.1:PORT" if source == DEMO_SOURCE else "")
             return 1
         log.info("API listening on %s:%d", host, port)
         assert site.guard is not None
@@ -347,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--config", type=Path, help=f"config file (default {DEFAULT_CONFIG_PATH})")
     group.add_argument("--demo", action="store_true",
                        help="run the embedded demo config: SmolLM2-135M on the CPU as model 'smollm2' on 127.0.0.1:8086")
+    parser.add_argument("--listen", metavar="HOST:PORT",
+                        help="with --demo: the demo's API address instead of 127.0.0.1:8086")
     parser.add_argument("--log-level", default=os.environ.get("VIIWORK_LOG_LEVEL", "info"),
                         choices=["debug", "info", "warning", "error"],
                         help="the agent's log level (default: $VIIWORK_LOG_LEVEL, else info)")
@@ -355,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.listen is not None and not args.demo:
+        parser.error("--listen is for --demo (a config file sets api.listen)")
     setup_logging(args.log_level)
     raise_open_file_limit()  # each client connection holds a descriptor: agent/serving/api_listener.py
     try:
@@ -363,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             from viiwork.agent.config.demo import DemoUnavailable, demo_config_text
 
             try:
-                text = demo_config_text()
+                text = demo_config_text(args.listen)
             except DemoUnavailable as exc:
                 print(f"viiwork-agent --demo: {exc}", file=sys.stderr)
                 return 1

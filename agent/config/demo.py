@@ -79,9 +79,10 @@ def demo_config() -> Config:
     return parse_config(demo_config_text(), "<embedded demo config>")
 
 
-def demo_config_text() -> str:
-    """The embedded default config as TOML text. Raises DemoUnavailable when the engine or
-    the model is not installed."""
+def demo_config_text(listen: str | None = None) -> str:
+    """The embedded default config as TOML text, its ``api.listen`` ``listen`` (default
+    DEMO_LISTEN; checked by the loader like any file's). Raises DemoUnavailable when the
+    engine or the model is not installed."""
     binary = find_demo_binary()
     model = find_demo_model()
     return f"""
@@ -90,7 +91,7 @@ name = "demo"
 state_dir = {json.dumps(str(demo_state_dir()))}
 
 [api]
-listen = "{DEMO_LISTEN}"
+listen = {json.dumps(listen or DEMO_LISTEN)}
 admin_socket = {json.dumps(str(demo_admin_socket()))}
 
 [supervisor]

@@ -390,3 +390,21 @@ def test_a_lock_file_that_points_elsewhere_is_refused_untouched(tmp_path: Path, 
     after = victim.stat()
     assert (after.st_mtime_ns, after.st_size, stat.S_IMODE(after.st_mode)) == \
         (before.st_mtime_ns, before.st_size, 0o600)
+
+
+def test_the_demo_takes_another_port_and_says_so_when_its_port_is_held(tmp_path: Path) -> None:
+    """`--demo --listen HOST:PORT` moves the demo; a held port's error names that option; `--listen`
+    without `--demo` is a usage error (a config file sets api.listen)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        proc = subprocess.run([str(AGENT), "--demo", "--listen", f"127.0.0.1:{port}"], capture_output=True,
+                              text=True, timeout=EXIT_TIMEOUT_S, env={**os.environ, "XDG_STATE_HOME": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert f"cannot listen on 127.0.0.1:{port} (api.listen)" in out, out
+    assert "run the demo on another port with --listen 127.0.0.1:PORT" in out and "Traceback" not in out, out
+    proc = subprocess.run([str(AGENT), "--listen", "127.0.0.1:1", "--config", str(tmp_path / "x.toml")],
+                          capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
+    assert proc.returncode == 2 and "--listen is for --demo" in proc.stderr, proc.stderr
