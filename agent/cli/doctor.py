@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from viiwork.agent.cli.tables import table_console
-from viiwork.agent.cli.target import add_target_args, agent_url
+from viiwork.agent.cli.target import add_target_args, agent_url, load_target_config, socket_answers
 from viiwork.agent.cli.target import config_path as target_config_path
+from viiwork.agent.config.load import ConfigError
 from viiwork.agent.host.doctor import DoctorReport, Verdict, run_checks
 from viiwork.agent.host.facts import gather_facts
 
@@ -37,7 +40,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_doctor(args: argparse.Namespace) -> int:
     config_path = target_config_path(args)
-    url = agent_url(args, require_running=False)
+    url: str | None = agent_url(args, require_running=False)
+    if getattr(args, "config", None) and not (getattr(args, "url", None) or os.environ.get("VIIWORK_URL")):
+        # --config X: only X's own agent is asked (another may answer on X's api.listen).
+        try:
+            config = load_target_config(args)
+        except ConfigError:
+            config = None
+        if config is None or not socket_answers(config.api.admin_socket):
+            where = f"nothing answers on its admin socket {config.api.admin_socket}" if config else "unreadable"
+            print(f"the agent of {args.config} does not run ({where}): its agent.* checks are skipped",
+                  file=sys.stderr)
+            url = None
     facts = gather_facts(config_path, url=url)
     context = {"config": str(config_path), "url": url,
                "gpus": facts.gpus.to_json() if facts.gpus is not None else None}

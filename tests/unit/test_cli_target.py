@@ -188,3 +188,19 @@ def test_port_held_by_the_demo_names_it(demo: tuple[Agent, dict[str, str]], tmp_
     assert f"port {port} (127.0.0.1:{port}) is held by the demo (" in check.stderr
     assert f"a running viiwork agent (admin socket {sock}, pid {agent.proc.pid}): stop it or set api.listen" \
         in check.stderr
+
+
+def test_doctor_with_config_asks_only_that_configs_agent(demo: tuple[Agent, dict[str, str]], tmp_path: Path) -> None:
+    """`doctor --config X` whose agent does not run skips the agent.* checks, saying why, instead
+    of judging X against the demo that answers on X's api.listen (a newcomer's finding)."""
+    agent, env = demo
+    other = _other_config(agent, tmp_path)
+    doctor = ctl(env, "doctor", "--config", str(other), "--json")
+    assert f"the agent of {other} does not run" in doctor.stderr, doctor.stderr
+    results = {r["check"]: r for r in json.loads(doctor.stdout)["results"]}
+    assert results["agent.reachable"]["verdict"] == "skipped", results["agent.reachable"]
+    assert "viiwork-demo" not in doctor.stdout
+    demo_file = Path(env["XDG_STATE_HOME"]) / "viiwork-demo" / DEMO_CONFIG_FILE
+    mine = ctl(env, "doctor", "--config", str(demo_file), "--json")
+    mine_results = {r["check"]: r for r in json.loads(mine.stdout)["results"]}
+    assert mine_results["agent.reachable"]["verdict"] == "ok", mine_results["agent.reachable"]
