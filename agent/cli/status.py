@@ -56,7 +56,8 @@ def fetch_json(url: str, timeout: float) -> Any:
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ConnectionError(f"cannot reach the agent at {url}: {reason} "
-                              "(is viiwork-agent running? use --url or VIIWORK_URL)") from None
+                              "(is viiwork-agent running? for one started with --config FILE pass --config FILE; "
+                              "else --url or VIIWORK_URL)") from None
     except ValueError as exc:
         raise ConnectionError(f"{url} did not return JSON: {exc}") from None
 
