@@ -22,6 +22,7 @@ from rich.console import Console
 
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
+from support.tiny_gguf import write_tiny_gguf
 from viiwork.agent.cli import mesh as mesh_cli
 from viiwork.agent.cli import status as status_cli
 from viiwork.agent.cli.tables import UNBOUNDED_WIDTH
@@ -37,7 +38,9 @@ def demo(tmp_path: Path) -> Iterator[tuple[Agent, dict[str, str]]]:
     binary = fake_engine_binary(tmp_path / "bin")
     xdg = tmp_path / "xdg"
     xdg.mkdir()
-    models = [{"name": MODEL, "engine": "llamacpp", "path": "/dev/null", "parallel": 2, "backends": 2,
+    gguf = tmp_path / "model.gguf"  # a real (tiny) GGUF: config check's host checks read the path
+    write_tiny_gguf(gguf, seed=1)
+    models = [{"name": MODEL, "engine": "llamacpp", "path": str(gguf), "parallel": 2, "backends": 2,
                "startup_timeout_s": 30, "llamacpp": {"binary": str(binary)}, "env": {"FAKE_LOAD_S": "0.1"}}]
     with run_agent(xdg, models, name="viiwork-demo") as agent:
         agent.wait_healthy(MODEL)
