@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +17,7 @@ from viiwork.agent.cli.target import config_path as target_config_path
 from viiwork.agent.config.load import ConfigError
 from viiwork.agent.host.doctor import DoctorReport, Verdict, run_checks
 from viiwork.agent.host.facts import gather_facts
+from viiwork.agent.host.facts.agent import AgentFacts
 
 _STYLE = {Verdict.OK: "green", Verdict.DEGRADED: "yellow", Verdict.FAIL: "bold red", Verdict.SKIPPED: "dim"}
 
@@ -40,19 +41,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_doctor(args: argparse.Namespace) -> int:
     config_path = target_config_path(args)
-    url: str | None = agent_url(args, require_running=False)
+    url = agent_url(args, require_running=False)
+    stopped: AgentFacts | None = None
     if getattr(args, "config", None) and not (getattr(args, "url", None) or os.environ.get("VIIWORK_URL")):
-        # --config X: only X's own agent is asked (another may answer on X's api.listen).
+        # --config X: only X's own agent is asked; another may answer on X's api.listen.
         try:
             config = load_target_config(args)
         except ConfigError:
             config = None
-        if config is None or not socket_answers(config.api.admin_socket):
-            where = f"nothing answers on its admin socket {config.api.admin_socket}" if config else "unreadable"
-            print(f"the agent of {args.config} does not run ({where}): its agent.* checks are skipped",
-                  file=sys.stderr)
-            url = None
-    facts = gather_facts(config_path, url=url)
+        if config is not None and not socket_answers(config.api.admin_socket):
+            stopped = AgentFacts(url, False, None, f"the agent of {args.config} does not run: nothing answers "
+                                                   f"on its admin socket {config.api.admin_socket}")
+    facts = gather_facts(config_path, url=None if stopped else url)
+    if stopped is not None:
+        facts = replace(facts, agent=stopped)
     context = {"config": str(config_path), "url": url,
                "gpus": facts.gpus.to_json() if facts.gpus is not None else None}
     report = run_checks(facts, context=context)

@@ -194,14 +194,16 @@ def test_port_held_by_the_demo_names_it(demo: tuple[Agent, dict[str, str]], tmp_
 
 
 def test_doctor_with_config_asks_only_that_configs_agent(demo: tuple[Agent, dict[str, str]], tmp_path: Path) -> None:
-    """`doctor --config X` whose agent does not run skips the agent.* checks, saying why, instead
-    of judging X against the demo that answers on X's api.listen (a newcomer's finding)."""
+    """`doctor --config X` whose agent does not run says so (agent.reachable degraded, the other
+    agent.* checks skipped) instead of judging X against the demo that answers on X's
+    api.listen (a newcomer's finding)."""
     agent, env = demo
     other = _other_config(agent, tmp_path)
     doctor = ctl(env, "doctor", "--config", str(other), "--json")
-    assert f"the agent of {other} does not run" in doctor.stderr, doctor.stderr
     results = {r["check"]: r for r in json.loads(doctor.stdout)["results"]}
-    assert results["agent.reachable"]["verdict"] == "skipped", results["agent.reachable"]
+    assert results["agent.reachable"]["verdict"] == "degraded", results["agent.reachable"]
+    assert f"the agent of {other} does not run" in results["agent.reachable"]["summary"]
+    assert results["agent.config"]["verdict"] == "skipped", results["agent.config"]
     assert "viiwork-demo" not in doctor.stdout
     demo_file = Path(env["XDG_STATE_HOME"]) / "viiwork-demo" / DEMO_CONFIG_FILE
     mine = ctl(env, "doctor", "--config", str(demo_file), "--json")
