@@ -1,4 +1,5 @@
-"""The admin API on a Unix socket: reload, drain/undrain, model down/up, models (docs/configuration.md, [api]).
+"""The admin API on a Unix socket: reload, drain/undrain, model down/up, models, push-revocations,
+usage (docs/configuration.md, [api]).
 
 Commands are listed once in ``viiwork.agent.control``; ``AdminApi`` maps each to an
 ``AdminActions`` implementation supplied by the daemon. Answers are JSON:
@@ -12,16 +13,18 @@ import contextlib
 import grp
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from viiwork.agent.auth.errors import RevocationReason, RevocationRefused
 from viiwork.agent.config.schema import Config
-from viiwork.agent.control import COMMANDS
+from viiwork.agent.control import COMMANDS, ControlCommand
 from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.body import BodyError, read_body
 from viiwork.agent.serving.errors import ErrorCode, error_response
 from viiwork.agent.supervision.supervisor import Supervisor
 
@@ -40,9 +43,22 @@ class ActionError(Exception):
         self.code = code
 
 
+async def _no_revocation_sync(_body: bytes) -> dict[str, Any]:
+    raise ActionError(409, "this agent takes no revocation list: client keys are off, or its issuer key is missing "
+                      "([auth] mode = \"keys\", auth.issuer_keys; docs/security.md, \"Client keys\")")
+
+
+async def _no_mesh_usage(_query: Mapping[str, str]) -> dict[str, Any]:
+    raise ActionError(409, "this agent gathers no mesh usage: it has no [mesh] (read its own ledger with "
+                      "viiworkctl usage, without --mesh)")
+
+
 @dataclass
 class AdminActions:
-    """What the daemon does for each command; each returns a JSON-able dict."""
+    """What the daemon does for each command; each returns a JSON-able dict.
+
+    ``push_revocations`` gets the request body (a signed list); ``usage`` the query's parameters.
+    """
 
     reload: Callable[[], Awaitable[dict[str, Any]]]
     drain: Callable[[], Awaitable[dict[str, Any]]]
@@ -50,10 +66,12 @@ class AdminActions:
     down: Callable[[str], Awaitable[dict[str, Any]]]
     up: Callable[[str], Awaitable[dict[str, Any]]]
     models: Callable[[], Awaitable[dict[str, Any]]]
+    push_revocations: Callable[[bytes], Awaitable[dict[str, Any]]] = _no_revocation_sync
+    usage: Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]] = _no_mesh_usage
 
 
-# Control commands take no body: anything larger than this is refused by aiohttp (413)
-# before a handler runs, if a future command ever reads one (agent/serving/body.py otherwise).
+# Bounds request.read()/post(), which no command uses; a command that takes a body reads it
+# with its own bound (ControlCommand.body_max_bytes, agent/serving/body.py).
 ADMIN_MAX_BODY_BYTES = 64 * 1024
 
 
@@ -64,7 +82,7 @@ def build_admin_app(actions: AdminActions) -> web.Application:
     app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES)
     for command in COMMANDS:
         resource = app.router.add_resource(command.path)
-        resource.add_route(command.method, _handler(command.name, command.takes_model, actions))
+        resource.add_route(command.method, _handler(command, actions))
         resource.add_route("*", _method_not_allowed(command.method))
     app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
@@ -83,13 +101,22 @@ async def _not_found(request: web.Request) -> web.Response:
                           code=ErrorCode.NOT_FOUND)
 
 
-def _handler(name: str, takes_model: bool, actions: AdminActions) -> Callable[[web.Request], Awaitable[web.Response]]:
-    action = getattr(actions, name)
+def _handler(command: ControlCommand, actions: AdminActions) -> Callable[[web.Request], Awaitable[web.Response]]:
+    action = getattr(actions, command.action)
+    name = command.name
 
     async def handle(request: web.Request) -> web.Response:
         try:
-            if takes_model:
+            if command.takes_model:
                 result = await action(request.match_info["model"])
+            elif command.body_max_bytes:
+                try:
+                    body = await read_body(request, command.body_max_bytes, f"{name}'s body")
+                except BodyError as exc:
+                    return error_response(exc.status, str(exc), code=exc.code)
+                result = await action(body)
+            elif command.takes_query:
+                result = await action(dict(request.query))
             else:
                 result = await action()
         except ActionError as exc:
@@ -161,12 +188,36 @@ async def start_admin_site(runner: web.AppRunner, path: Path) -> web.UnixSite:
     return site
 
 
+def revocation_action(push: Callable[[str], Awaitable[dict[str, Any]]]) -> Callable[[bytes], Awaitable[dict[str, Any]]]:
+    """The push-revocations action over ``push`` (a signed list -> the outcome, raising
+    RevocationRefused): a body that is not ASCII is a 400, a list refused a 409 (``stale``: an
+    older list than the one held) or a 400 (forged or malformed), the reason in the message."""
+    async def push_revocations(body: bytes) -> dict[str, Any]:
+        try:
+            token = body.decode("ascii")
+        except UnicodeDecodeError:
+            raise ActionError(400, "the body is not a signed revocation list (not ASCII)") from None
+        try:
+            result = await push(token)
+        except RevocationRefused as exc:
+            status = 409 if exc.reason is RevocationReason.STALE else 400
+            raise ActionError(status, f"revocation list refused: {exc}", exc.reason.value) from None
+        taken = "taken" if result.get("taken") else "already held"
+        return {"message": f"revocation list version {result.get('version')} {taken}; pushed to "
+                           f"{len(result.get('peers') or {})} peer(s)", **result}
+    return push_revocations
+
+
 def node_actions(*, supervisor: Supervisor, api: ClientApi, config_path: Path | None,
-                 on_reloaded: Callable[[Config], None] | None = None) -> AdminActions:
+                 on_reloaded: Callable[[Config], None] | None = None,
+                 push_revocations: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
+                 usage: Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]] | None = None) -> AdminActions:
     """The daemon's actions over its ``Supervisor`` and ``ClientApi``.
 
     config_path: the file ``reload`` re-reads (None for the embedded demo config, which
     cannot be reloaded). on_reloaded: called with the new Config after a reload.
+    push_revocations: takes a signed list and pushes it to the peers (``revocation_action``);
+    None when client keys are off. usage: the mesh's usage for a query (None without a mesh).
     """
     from viiwork.agent.config.load import ConfigError, load_config
     from viiwork.agent.supervision.supervisor import UnknownModel
@@ -223,4 +274,7 @@ def node_actions(*, supervisor: Supervisor, api: ClientApi, config_path: Path | 
     async def models() -> dict[str, Any]:
         return {"models": supervisor.status()}
 
-    return AdminActions(reload=reload, drain=drain, undrain=undrain, down=down, up=up, models=models)
+    return AdminActions(reload=reload, drain=drain, undrain=undrain, down=down, up=up, models=models,
+                        push_revocations=_no_revocation_sync if push_revocations is None
+                        else revocation_action(push_revocations),
+                        usage=usage or _no_mesh_usage)

@@ -10,16 +10,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from viiwork.agent.auth.revocations import MAX_LIST_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class ControlCommand:
-    """One control command: CLI name, help, HTTP method and path on the admin socket."""
+    """One control command: CLI name, help, HTTP method and path on the admin socket.
+
+    ``takes_model``: the path names a model. ``body_max_bytes``: > 0 when the request's body is
+    the command's argument (read up to this bound). ``takes_query``: the query string's
+    parameters are its arguments. ``parent``: the viiworkctl command that offers it (None: a
+    command of its own, registered by agent/cli/control.py).
+    """
 
     name: str
     help: str
     method: str
     path: str
     takes_model: bool = False
+    body_max_bytes: int = 0
+    takes_query: bool = False
+    parent: str | None = None
+
+    @property
+    def action(self) -> str:
+        """Its field in ``viiwork.agent.admin.AdminActions``."""
+        return self.name.replace("-", "_")
 
     def url_path(self, model: str | None = None) -> str:
         if self.takes_model:
@@ -40,6 +56,10 @@ COMMANDS: tuple[ControlCommand, ...] = (
     ControlCommand("up", "start MODEL again after down; also revives a model whose backends went dead",
                    "POST", "/models/{model}/up", takes_model=True),
     ControlCommand("models", "configured models with their state and backends", "GET", "/models"),
+    ControlCommand("push-revocations", "take the signed revocation list in the body, then push it to every live "
+                   "peer over mutual TLS", "POST", "/revocations", body_max_bytes=MAX_LIST_BYTES, parent="keys"),
+    ControlCommand("usage", "summarise the usage ledgers of this node and of every live peer (over mutual "
+                   "TLS), each node's own rows once", "GET", "/usage", takes_query=True, parent="usage"),
 )
 
 BY_NAME = {c.name: c for c in COMMANDS}

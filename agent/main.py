@@ -17,8 +17,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -42,6 +43,7 @@ from viiwork.agent.notify import (
     status_line,
 )
 from viiwork.agent.peering.mesh_link import MeshLink
+from viiwork.agent.peering.revocation_sync import RevocationSync
 from viiwork.agent.serving import protocol_log
 from viiwork.agent.serving.api import ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
@@ -177,9 +179,13 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             notifier.status(f"client keys: {exc}")
             return 1
         mesh = None
+        sync: RevocationSync | None = None
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
                             draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections)
+            if auth is not None and auth.revocations is not None:
+                # The revocation list across the mesh: its routes go on the mesh listener before it starts.
+                sync = RevocationSync(auth, mesh)
         # This machine's names for the Host check (getfqdn may wait for DNS: off the loop).
         browser_policy = await asyncio.to_thread(BrowserPolicy.of_this_host, config.api.allowed_hosts,
                                                  config.api.allowed_origins)
@@ -220,6 +226,11 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 notifier.status(f"mesh: {exc}")
                 return 1
             stack.push_async_callback(mesh.stop)
+            if sync is not None:
+                await sync.start()
+                stack.push_async_callback(sync.stop)  # before mesh.stop (last in, first out)
+                api.metric_sources.append(sync.metric_families)
+                api.extra_status["revocations"] = sync.status
         writes = api.mesh.node.writes if api.mesh is not None else PendingWrites()
         key_writes = supervisor.writes  # engine key files a launch could not write (agent/supervision/supervisor.py)
         api.extra_status["usage"] = lambda: ledger.stats().as_dict()
@@ -229,7 +240,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                                    keepalive_timeout=config.api.keepalive_timeout_s)
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
-        actions = node_actions(supervisor=supervisor, api=api, config_path=config_path)
+        actions = node_actions(supervisor=supervisor, api=api, config_path=config_path,
+                               push_revocations=_revocation_push(auth, sync))
         admin_runner = web.AppRunner(build_admin_app(actions), access_log=None)
         await admin_runner.setup()
         stack.push_async_callback(admin_runner.cleanup)
@@ -325,6 +337,22 @@ async def _stop_serving(api: ClientApi, runner: Runner, notifier: Notifier, conf
              outcome.cut_unstarted)
     if api.mesh is not None:
         await api.mesh.stop()
+
+
+def _revocation_push(auth: AuthGate | None, sync: RevocationSync | None,
+                     ) -> Callable[[str], Awaitable[dict[str, Any]]] | None:
+    """push-revocations' work: through the mesh (``sync``), or on this node alone (keys on, no
+    mesh); None when client keys are off or no issuer key is installed (the command says so)."""
+    if sync is not None:
+        return sync.push_from_operator
+    if auth is None or auth.revocations is None:
+        return None
+    gate = auth
+
+    async def push_alone(token: str) -> dict[str, Any]:
+        held = await gate.offer_revocations(token.strip())
+        return {"version": held.ver, "revoked": len(held.revoked), "taken": True, "peers": {}}
+    return push_alone
 
 
 def _vendor_lookup(inventory: GpuInventory) -> Callable[[str], str]:

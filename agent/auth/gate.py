@@ -26,6 +26,7 @@ install one (docs/install.md, "Client keys").
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import logging
@@ -34,14 +35,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from viiwork.agent.auth.claims import KeyClaims, Scope
-from viiwork.agent.auth.errors import InvalidApiKey, Reason
+from viiwork.agent.auth.errors import InvalidApiKey, Reason, RevocationReason, RevocationRefused
 from viiwork.agent.auth.headers import token_from_headers
 from viiwork.agent.auth.keyset import IssuerKeyError, KeySet
 from viiwork.agent.auth.limits import Admission, Limiter, LimitExceeded, estimate_tokens
-from viiwork.agent.auth.revocations import RevocationStore
+from viiwork.agent.auth.revocations import RevocationList, RevocationStore
 from viiwork.agent.auth.verifier import Verifier
 from viiwork.agent.config.schema import Config, auth_audience, is_loopback
 from viiwork.agent.serving.errors import error_response
@@ -99,16 +100,21 @@ class AuthGate:
     """The client-key checks of one node (see the module doc).
 
     ``verifier``: None when no issuer key could be loaded (``unavailable`` says why and how to
-    fix it: every request that needs a key gets it in a 401). ``limiter``: this node's per-key
-    limits. Counters: ``refused`` by reason (the Verifier's reasons, ``no_issuer_key``,
-    ``scope``, ``model``, ``forwarded``), and the limiter's own.
+    fix it: every request that needs a key gets it in a 401). ``revocations``: the node's
+    revocation list store, which the verifier's list comes from (None: lists cannot be taken,
+    for want of an issuer key). ``limiter``: this node's per-key limits. Counters: ``refused``
+    by reason (the Verifier's reasons, ``no_issuer_key``, ``scope``, ``model``, ``forwarded``),
+    the limiter's own, and the store's refused lists by reason.
     """
 
     def __init__(self, verifier: Verifier | None, *, limiter: Limiter | None = None,
-                 open_loopback_reads: bool = False, unavailable: str | None = None) -> None:
+                 open_loopback_reads: bool = False, unavailable: str | None = None,
+                 revocations: RevocationStore | None = None) -> None:
         if verifier is None and unavailable is None:
             raise ValueError("without a verifier, say why (unavailable)")
         self.verifier = verifier
+        self.revocations = revocations
+        self._offering = asyncio.Lock()  # one list at a time through the store (it has one owner)
         self.limiter = limiter or Limiter()
         self.open_loopback_reads = open_loopback_reads
         self.unavailable = unavailable
@@ -155,7 +161,29 @@ class AuthGate:
         verifier.use_revocations(store.current)
         log.info("client keys on: %d issuer key(s) from %s, issuer %r, audience %r, revocation list version %d",
                  len(keys), auth.issuer_keys, auth.issuer, audience, store.current.ver)
-        return cls(verifier, limiter=limiter, open_loopback_reads=auth.open_loopback_reads)
+        return cls(verifier, limiter=limiter, open_loopback_reads=auth.open_loopback_reads, revocations=store)
+
+    # -- revocation lists --------------------------------------------------------------
+
+    async def offer_revocations(self, token: str) -> RevocationList:
+        """Take the signed list ``token`` if it verifies and is newer than the one held: it is
+        persisted (off the loop: the store fsyncs) and then checked by every request. Returns the
+        list now held. Raises RevocationRefused (counted by the store: a forged, malformed or
+        stale list), or RevocationRefused(malformed) when this node has no issuer key to check
+        it with; an OSError writing the state file propagates (the list is not taken)."""
+        store, verifier = self.revocations, self.verifier
+        if store is None or verifier is None:
+            raise RevocationRefused(RevocationReason.MALFORMED,
+                                    f"this node cannot check revocation lists: {self.unavailable}")
+        async with self._offering:  # the store's one owner: its offers never overlap
+            held = await asyncio.to_thread(store.offer, token)
+        verifier.use_revocations(held)
+        log.info("revocation list version %d taken: %d revoked key(s)", held.ver, len(held.revoked))
+        return held
+
+    def held_revocations(self) -> RevocationList | None:
+        """The list this node checks keys against (None: it has no issuer key)."""
+        return None if self.revocations is None else self.revocations.current
 
     # -- the checks --------------------------------------------------------------------
 
@@ -278,8 +306,10 @@ class AuthGate:
 
     # -- observability -----------------------------------------------------------------
 
-    def metric_families(self) -> Iterable[CounterMetricFamily]:
-        """``viiwork_auth_refused_total{reason}`` and ``viiwork_auth_limited_total{limit}``."""
+    def metric_families(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        """``viiwork_auth_refused_total{reason}``, ``viiwork_auth_limited_total{limit}``,
+        ``viiwork_auth_revocation_lists_refused_total{reason}`` and
+        ``viiwork_auth_revocation_list_version``."""
         refused = CounterMetricFamily("viiwork_auth_refused", "Requests refused for their client key, by reason.",
                                       labels=["reason"])
         counts = Counter(self.refused)
@@ -289,7 +319,17 @@ class AuthGate:
                                       labels=["limit"])
         for limit in ("requests", "tokens", "concurrency"):
             limited.add_metric([limit], self.limiter.refused[limit])
-        return [refused, limited]
+        lists = CounterMetricFamily("viiwork_auth_revocation_lists_refused",
+                                    "Revocation lists refused (forged, malformed, or not newer than the one held), "
+                                    "by reason.", labels=["reason"])
+        version = GaugeMetricFamily("viiwork_auth_revocation_list_version",
+                                    "Version of the revocation list this node checks keys against (0: none).")
+        if self.revocations is not None:
+            for reason, count in sorted(self.revocations.refused.items()):
+                lists.add_metric([reason.value], count)
+        held = self.held_revocations()
+        version.add_metric([], held.ver if held is not None else 0)
+        return [refused, limited, lists, version]
 
     def status(self) -> dict[str, Any]:
         """The /v1/status ``auth`` section."""
@@ -297,6 +337,8 @@ class AuthGate:
         return {"mode": "keys", "issuer_key": verifier is not None, "problem": self.unavailable,
                 "issuer_keys": len(verifier.keys) if verifier is not None else 0,
                 "revocations_version": verifier.revocations.ver if verifier is not None else 0,
+                "revocations_refused": {r.value: n for r, n in sorted(self.revocations.refused.items())}
+                if self.revocations is not None else {},
                 "refused": dict(sorted(self.refused.items())), "limited": dict(self.limiter.refused),
                 "tracked_keys": len(self.limiter)}
 

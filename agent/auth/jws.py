@@ -27,22 +27,23 @@ MAX_TOKEN_BYTES = 8 * 1024
 COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 
 
-def well_formed(token: str) -> bool:
-    """Whether ``token`` has the shape of a compact JWS within MAX_TOKEN_BYTES (no decoding)."""
-    return len(token) <= MAX_TOKEN_BYTES and COMPACT_JWS.fullmatch(token) is not None
+def well_formed(token: str, max_bytes: int = MAX_TOKEN_BYTES) -> bool:
+    """Whether ``token`` has the shape of a compact JWS within ``max_bytes`` (no decoding)."""
+    return len(token) <= max_bytes and COMPACT_JWS.fullmatch(token) is not None
 
 
 def verify_signed(token: str, keys: KeySet, *, issuer: str, audiences: Iterable[str],
-                  required: Iterable[str]) -> tuple[KeyId, dict[str, Any]]:
+                  required: Iterable[str], max_bytes: int = MAX_TOKEN_BYTES) -> tuple[KeyId, dict[str, Any]]:
     """Check ``token``'s shape, algorithm, ``kid``, signature, ``iss``, ``aud`` and required claims.
 
     ``audiences``: the names this node answers to (any one matching ``aud`` suffices).
+    ``max_bytes``: the longest token taken (a key's MAX_TOKEN_BYTES; a revocation list's is its own).
     Returns (kid, payload). Times (``exp``, ``nbf``) are the caller's to check, against its own
     clock. Raises InvalidApiKey with malformed, bad_alg, unknown_kid, bad_signature,
     wrong_issuer, wrong_audience or bad_claims; nothing else.
     """
-    if not isinstance(token, str) or not well_formed(token):
-        raise InvalidApiKey(Reason.MALFORMED, "not a compact JWS of at most 8 KiB")
+    if not isinstance(token, str) or not well_formed(token, max_bytes):
+        raise InvalidApiKey(Reason.MALFORMED, f"not a compact JWS of at most {max_bytes} bytes")
     try:
         header = jwt.get_unverified_header(token)
     except (jwt.PyJWTError, ValueError, TypeError):

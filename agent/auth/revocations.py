@@ -23,8 +23,11 @@ from viiwork.agent.auth.errors import InvalidApiKey, RevocationReason, Revocatio
 from viiwork.agent.auth.jws import verify_signed
 from viiwork.agent.auth.keyset import KeySet
 
-#: The most revoked ids one list holds (a key is ~16 characters: about 1.6 MB at the cap).
+#: The most revoked ids one list holds (a key id is 21 characters: about 3.2 MB signed at the cap).
 MAX_REVOKED = 100_000
+#: The longest signed list taken, bytes: MAX_REVOKED ids of 21 characters fit (24 bytes each in
+#: JSON, 4/3 of that in base64url); it also bounds what a peer may send or answer (docs/security.md).
+MAX_LIST_BYTES = 4 * 1024 * 1024
 MAX_VERSION = 2**53  # JSON numbers are exact integers up to here
 STATE_FILE = "revocations.json"
 
@@ -85,7 +88,7 @@ def read_revocations(token: str, keys: KeySet, *, issuer: str, audiences: Iterab
     """
     try:
         _, payload = verify_signed(token, keys, issuer=issuer, audiences=audiences,
-                                   required=("ver", "revoked", "iat"))
+                                   required=("ver", "revoked", "iat"), max_bytes=MAX_LIST_BYTES)
     except InvalidApiKey as exc:
         raise RevocationRefused(RevocationReason(exc.reason.value), exc.detail) from None
     return _list_from_payload(payload, token)

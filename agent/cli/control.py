@@ -13,6 +13,7 @@ import socket
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from rich.console import Console
 from rich.table import Table
@@ -38,14 +39,14 @@ class _UnixConnection(http.client.HTTPConnection):
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     for command in COMMANDS:
+        if command.parent is not None:  # offered by another command (keys, usage)
+            continue
         parser = subparsers.add_parser(command.name, help=command.help, description=command.help[0].upper()
                                        + command.help[1:] + ".")
         if command.takes_model:
             parser.add_argument("model", metavar="MODEL")
-        parser.add_argument("--socket", type=Path, help="admin socket (default: api.admin_socket of the config)")
-        parser.add_argument("--config", type=Path, help=f"agent config (default {DEFAULT_CONFIG_PATH}, or a running demo's)")
+        add_socket_args(parser, _timeout_help(command.name))
         parser.add_argument("--json", action="store_true", help="print the agent's JSON answer")
-        parser.add_argument("--timeout", type=float, default=120.0, help=_timeout_help(command.name))
         parser.set_defaults(func=lambda args, c=command: run(c, args))
 
 
@@ -64,33 +65,55 @@ def socket_path(args: argparse.Namespace) -> Path:
     return config.api.admin_socket if config is not None else ApiConfig().admin_socket
 
 
-def call(path: Path, command: ControlCommand, model: str | None, timeout: float) -> tuple[int, dict[str, Any]]:
-    """Send one command; returns (HTTP status, decoded JSON). Raises OSError if unreachable."""
+def call(path: Path, command: ControlCommand, model: str | None, timeout: float, *, body: bytes | None = None,
+         query: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """Send one command (``body``: its argument when it takes one; ``query``: its parameters);
+    returns (HTTP status, decoded JSON). Raises OSError if unreachable, ValueError for an answer
+    that is not JSON."""
     conn = _UnixConnection(str(path), timeout)
     try:
-        conn.request(command.method, command.url_path(model))
+        url = command.url_path(model) + (("?" + urlencode(query)) if query else "")
+        conn.request(command.method, url, body=body,
+                     headers={"Content-Type": "application/octet-stream"} if body is not None else {})
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read() or b"{}")
     finally:
         conn.close()
 
 
-def run(command: ControlCommand, args: argparse.Namespace) -> int:
+def send(command: ControlCommand, args: argparse.Namespace, *, model: str | None = None, body: bytes | None = None,
+         query: dict[str, str] | None = None) -> tuple[int, dict[str, Any]] | None:
+    """``call`` on the target agent's admin socket (``socket_path``); None when it failed (one
+    line on stderr already says why and what to do)."""
+    name = " ".join(w for w in (command.parent, command.name) if w)
     try:
         path = socket_path(args)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
-        return 1
+        return None
     try:
-        status, doc = call(path, command, getattr(args, "model", None), args.timeout)
+        return call(path, command, model, args.timeout, body=body, query=query)
     except PermissionError:
-        print(f"viiworkctl {command.name}: permission denied on {path}: run as root or as a member of "
+        print(f"viiworkctl {name}: permission denied on {path}: run as root or as a member of "
               "the viiwork-admin group", file=sys.stderr)
-        return 1
     except (OSError, ValueError) as exc:
-        print(f"viiworkctl {command.name}: cannot reach the agent's admin socket {path}: {exc} "
+        print(f"viiworkctl {name}: cannot reach the agent's admin socket {path}: {exc} "
               "(is viiwork-agent running? use --socket or --config)", file=sys.stderr)
+    return None
+
+
+def add_socket_args(parser: argparse.ArgumentParser, timeout_help: str) -> None:
+    """``--socket``, ``--config`` and ``--timeout``: how a command finds and waits for the agent."""
+    parser.add_argument("--socket", type=Path, help="admin socket (default: api.admin_socket of the config)")
+    parser.add_argument("--config", type=Path, help=f"agent config (default {DEFAULT_CONFIG_PATH}, or a running demo's)")
+    parser.add_argument("--timeout", type=float, default=120.0, help=timeout_help)
+
+
+def run(command: ControlCommand, args: argparse.Namespace) -> int:
+    sent = send(command, args, model=getattr(args, "model", None))
+    if sent is None:
         return 1
+    status, doc = sent
     if args.json:
         print(json.dumps(doc, indent=2))
     elif status >= 400:

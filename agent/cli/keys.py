@@ -1,8 +1,9 @@
 """viiworkctl keys: the issuer of client API keys (run on the operator's workstation).
 
-``issuer init --out DIR``, ``issue``, ``list``, ``inspect TOKEN``, ``revoke``. The keys are
-Ed25519-signed JWTs (agent/auth, docs/security.md "Client keys"). ``push-revocations`` (sending a
-list to a live mesh) comes with mesh-wide revocation and is not here yet.
+``issuer init --out DIR``, ``issue``, ``list``, ``inspect TOKEN``, ``revoke`` run where the
+issuer key lives; ``push-revocations FILE`` hands a signed list to a running agent through its
+admin socket, which takes it and pushes it to every live peer (agent/peering/revocation_sync.py).
+The keys are Ed25519-signed JWTs (agent/auth, docs/security.md "Client keys").
 
 Exit codes: 0 done, 1 a failure (a file that cannot be used, a token that does not verify),
 2 a usage error. Errors are one line on stderr; a token is printed only by ``issue``, once.
@@ -39,9 +40,11 @@ from viiwork.agent.auth.issuing import (
     sign_revocations,
 )
 from viiwork.agent.auth.keyset import IssuerKeyError, KeySet
-from viiwork.agent.auth.revocations import RevocationList, empty_list, read_revocations
+from viiwork.agent.auth.revocations import MAX_LIST_BYTES, RevocationList, empty_list, read_revocations
 from viiwork.agent.auth.verifier import Verifier
+from viiwork.agent.cli.control import add_socket_args, send
 from viiwork.agent.cli.tables import cell
+from viiwork.agent.control import BY_NAME
 
 DURATION = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -88,9 +91,10 @@ def _models(text: str) -> tuple[str, ...]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     keys = subparsers.add_parser(
-        "keys", help="client API keys: issuer, issue, list, inspect, revoke",
+        "keys", help="client API keys: issuer, issue, list, inspect, revoke, push-revocations",
         description="Issue and revoke client API keys (Ed25519-signed JWTs). Run on the operator's workstation, "
-                    "where the issuer key lives; nodes get issuer.pub. push-revocations is not available yet.")
+                    "where the issuer key lives; nodes get issuer.pub. push-revocations runs on a node (or "
+                    "wherever its admin socket is reachable) and spreads a list to the whole mesh.")
     keys.set_defaults(func=lambda args: _usage(keys))
     sub = keys.add_subparsers(dest="keys_command", metavar="SUBCOMMAND")
 
@@ -152,6 +156,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="address the list to AUD too (it goes to every audience of the issued keys and of "
                              "the current list already)")
     revoke.set_defaults(func=_run_revoke)
+
+    push = sub.add_parser("push-revocations", help=BY_NAME["push-revocations"].help,
+                          description="Give the signed revocation list FILE (from keys revoke) to the agent on "
+                                      "this host through its admin socket: it checks the list (signature, issuer, "
+                                      "a version above the one it holds), keeps it, and pushes it at once to every "
+                                      "live peer over mutual TLS. Prints the version taken and each peer's outcome.")
+    push.add_argument("file", type=Path, metavar="FILE", help="the signed list (keys revoke --out FILE)")
+    add_socket_args(push, "seconds to wait for the agent's answer (default 120)")
+    push.add_argument("--json", action="store_true", help="print the agent's JSON answer")
+    push.set_defaults(func=_run_push)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -325,4 +339,31 @@ def _run_revoke(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise KeysFailure(f"cannot write {path}: {exc.strerror}") from None
     print(f"revocation list version {nxt.ver}: {len(nxt.revoked)} revoked key(s), written to {args.out}")
+    return 0
+
+
+@_guard
+def _run_push(args: argparse.Namespace) -> int:
+    try:
+        with open(args.file, "rb") as f:
+            token = f.read(MAX_LIST_BYTES + 2).strip()
+    except OSError as exc:
+        raise KeysFailure(f"cannot read {args.file}: {exc.strerror}") from None
+    if not token or len(token) > MAX_LIST_BYTES:
+        raise KeysFailure(f"{args.file} is not a signed revocation list (empty, or over {MAX_LIST_BYTES} bytes)")
+    sent = send(BY_NAME["push-revocations"], args, body=token)
+    if sent is None:
+        return 1
+    status, doc = sent
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0 if status < 400 else 1
+    if status >= 400:
+        raise KeysFailure(str(doc.get("error", {}).get("message", doc)))
+    peers: dict[str, str] = doc.get("peers") or {}
+    what = "taken" if doc.get("taken") else "already held"
+    print(f"revocation list version {doc.get('version')} {what}: {doc.get('revoked')} revoked key(s); "
+          f"pushed to {len(peers)} peer(s)")
+    for name, outcome in sorted(peers.items()):
+        print(f"  {name}: {outcome}")
     return 0

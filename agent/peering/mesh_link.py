@@ -74,6 +74,8 @@ from viiwork.agent.supervision.backends import Backend, ModelRuntime
 from viiwork.engines.contract import Engine
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
+from viiwork.mesh.extensions import EMPTY as NO_EXTENSIONS
+from viiwork.mesh.extensions import SPEEDS, Extensions, ExtensionSpec
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -181,6 +183,9 @@ class MeshLink:
         self.session: aiohttp.ClientSession | None = None
         self._fingerprints: dict[str, str | None] = {}
         self.speeds = SpeedPublisher()  # the ``speeds`` extension (agent/peering/speed_ext.py)
+        # This node's extensions by spec (speeds, revocations, ...): published together, since a
+        # summary's ``ext`` is one object (MeshNode.set_local_extensions replaces it whole).
+        self._extensions: dict[ExtensionSpec[Any], Any] = {}
         self.forwards_out = 0
         self.forwards_in = 0
         self.refusals_in = 0
@@ -254,10 +259,22 @@ class MeshLink:
             self._fingerprints[runtime.name] = model_fingerprint(runtime.config.path)
         return self._fingerprints[runtime.name]
 
+    def publish_extension(self, spec: ExtensionSpec[Any], value: Any | None) -> None:
+        """Publish ``value`` as ``spec``'s extension from now on (None: leave it out), beside the
+        others this node publishes; a change is published at once (a new summary)."""
+        if value is None:
+            if self._extensions.pop(spec, None) is None:
+                return
+        elif self._extensions.get(spec) == value:
+            return
+        else:
+            self._extensions[spec] = value
+        self.node.set_local_extensions(Extensions.of(self._extensions) if self._extensions else NO_EXTENSIONS)
+
     def _capacity(self) -> tuple[list[ModelCapacity], PublishedState, list[GpuCapacity] | None]:
         ext = self.speeds.update(self.runtimes.values())
         if ext is not None:  # a speed moved by more than the step: published with this round's capacity
-            self.node.set_local_extensions(ext)
+            self.publish_extension(SPEEDS, ext.get(SPEEDS))  # None: no model measured
         models = []
         for rt in self.runtimes.values():
             cap = rt.capacity()  # the one sum (agent/supervision/backends.py): stale readings left out
