@@ -14,7 +14,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from viiwork.agent.auth.errors import RevocationReason, RevocationRefused
 from viiwork.agent.auth.issuing import Issuer, sign_revocations
 from viiwork.agent.auth.keyset import KeySet, key_id
-from viiwork.agent.auth.revocations import RevocationList, RevocationStateError, RevocationStore, newer
+from viiwork.agent.auth.revocations import (
+    MAX_LIST_BYTES,
+    RevocationList,
+    RevocationStateError,
+    RevocationStore,
+    newer,
+)
 
 ISSUER = "test-issuer"
 MESH = "mesh-a"
@@ -113,3 +119,16 @@ def test_state_survives_a_rotated_issuer_key(issuer: Issuer, tmp_path: Path) -> 
     store(issuer, tmp_path).offer(signed(issuer, 4, "k1"))
     rotated = RevocationStore(tmp_path, KeySet.of([make_issuer().key.public_key()]), issuer=ISSUER, audiences=[MESH])
     assert rotated.current.revoked == {"k1"}
+
+
+def test_a_list_longer_than_a_key_is_taken_up_to_its_own_cap(issuer: Issuer, tmp_path: Path) -> None:
+    """A key is at most 8 KiB; a list of 20,000 revoked ids (about 640 KB signed) is taken, and one
+    over MAX_LIST_BYTES is refused as malformed before it is decoded."""
+    s = store(issuer, tmp_path)
+    many = [f"k{i:020x}" for i in range(20_000)]
+    token = signed(issuer, 1, *many)
+    assert 8 * 1024 < len(token) <= MAX_LIST_BYTES
+    assert len(s.offer(token).revoked) == 20_000
+    with pytest.raises(RevocationRefused) as caught:
+        s.offer(token + "A" * (MAX_LIST_BYTES - len(token) + 1))
+    assert caught.value.reason is RevocationReason.MALFORMED
