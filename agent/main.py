@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from viiwork.agent.notify import (
     status_line,
 )
 from viiwork.agent.peering.mesh_link import MeshLink
+from viiwork.agent.peering.mesh_usage import MeshUsage, UsageQueryError
 from viiwork.agent.peering.revocation_sync import RevocationSync
 from viiwork.agent.serving import protocol_log
 from viiwork.agent.serving.api import ClientApi
@@ -180,9 +181,12 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             return 1
         mesh = None
         sync: RevocationSync | None = None
+        mesh_usage: MeshUsage | None = None
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
                             draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections)
+            # viiworkctl usage --mesh: this node's ledger for peers that ask (agent/peering/mesh_usage.py).
+            mesh_usage = MeshUsage(mesh, config.usage.file(config.node.state_dir))
             if auth is not None and auth.revocations is not None:
                 # The revocation list across the mesh: its routes go on the mesh listener before it starts.
                 sync = RevocationSync(auth, mesh)
@@ -241,7 +245,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
         actions = node_actions(supervisor=supervisor, api=api, config_path=config_path,
-                               push_revocations=_revocation_push(auth, sync))
+                               push_revocations=_revocation_push(auth, sync), usage=_usage_gather(mesh_usage))
         admin_runner = web.AppRunner(build_admin_app(actions), access_log=None)
         await admin_runner.setup()
         stack.push_async_callback(admin_runner.cleanup)
@@ -353,6 +357,20 @@ def _revocation_push(auth: AuthGate | None, sync: RevocationSync | None,
         held = await gate.offer_revocations(token.strip())
         return {"version": held.ver, "revoked": len(held.revoked), "taken": True, "peers": {}}
     return push_alone
+
+
+def _usage_gather(mesh_usage: MeshUsage | None) -> Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]] | None:
+    """The admin socket's usage: every node's ledger merged (None without a mesh)."""
+    if mesh_usage is None:
+        return None
+    gather = mesh_usage.gather
+
+    async def usage(query: Mapping[str, str]) -> dict[str, Any]:
+        try:
+            return await gather(query)
+        except UsageQueryError as exc:
+            raise ActionError(400, str(exc)) from None
+    return usage
 
 
 def _vendor_lookup(inventory: GpuInventory) -> Callable[[str], str]:

@@ -1,12 +1,12 @@
-"""viiworkctl usage [--since 1h] [--by tenant|model|node] [--json] [--db PATH]: this node's ledger.
+"""viiworkctl usage [--since 1h] [--by tenant|model|node] [--mesh] [--json] [--db PATH]: the usage ledger.
 
 Reads the usage file (``usage.path``, else ``<state_dir>/usage.sqlite3`` of the target's
 config; ``--db`` names one) read-only, so it works while the agent writes it, and prints one
 line per tenant, model or serving node: requests, errors, token sums and the median
-duration. Only this node's rows: gathering every node's (``--mesh``) needs mutual TLS to the
-peers and comes later. docs/usage.md.
+duration. ``--mesh`` asks the running agent instead (its admin socket), which gathers every
+live node's ledger over mutual TLS (agent/peering/mesh_usage.py), each row once. docs/usage.md.
 
-Exit codes: 0 done, 1 the file cannot be read, 2 a usage error.
+Exit codes: 0 done, 1 the file cannot be read (or the agent not reached), 2 a usage error.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from viiwork.agent.cli.control import send
 from viiwork.agent.cli.target import config_path
 from viiwork.agent.config.load import ConfigError, load_config
+from viiwork.agent.control import BY_NAME
 from viiwork.agent.usage.query import Grouping, SummaryRow, summarise
 from viiwork.agent.usage.store import SchemaNewer, open_read_only
 
@@ -58,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the usage file (default: usage.path of the agent's config, else "
                              "<state_dir>/usage.sqlite3)")
     parser.add_argument("--config", type=Path, default=None, help="agent config to find the usage file in")
+    parser.add_argument("--mesh", action="store_true",
+                        help="every live node's ledger, gathered by the running agent over mutual TLS (each row "
+                             "counted once; the median from 5%% duration buckets)")
+    parser.add_argument("--socket", type=Path, help="with --mesh: the agent's admin socket (default: "
+                                                     "api.admin_socket of the config)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="with --mesh: seconds to wait (default 60)")
     parser.set_defaults(func=run)
 
 
@@ -98,15 +106,43 @@ def _print_table(rows: list[SummaryRow], by: Grouping, since_s: int) -> None:
     print(f"{sum(r.requests for r in rows):,} request(s) in {window}")
 
 
+def _run_mesh(args: argparse.Namespace, by: Grouping, since_ms: int) -> int:
+    if args.db is not None:
+        print("viiworkctl usage: --mesh asks the running agent; --db reads one file (choose one)", file=sys.stderr)
+        return 2
+    sent = send(BY_NAME["usage"], args, query={"since_ms": str(since_ms), "by": by.value})
+    if sent is None:
+        return 1
+    status, doc = sent
+    if status >= 400:
+        print(f"viiworkctl usage: {doc.get('error', {}).get('message', doc)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    nodes: dict[str, str] = doc.get("nodes") or {}
+    rows = [SummaryRow(**g) for g in doc.get("groups") or []]
+    _print_table(rows, by, args.since)
+    missing = {n: why for n, why in nodes.items() if why != "ok"}
+    print(f"from {len(nodes) - len(missing)} node(s): {', '.join(sorted(n for n in nodes if n not in missing))}")
+    for name, why in sorted(missing.items()):
+        print(f"viiworkctl usage: incomplete: {name} did not answer ({why}); its rows are missing", file=sys.stderr)
+    if doc.get("left_out"):
+        print(f"viiworkctl usage: {doc['left_out']} group(s) left out (at most 2000 a node)", file=sys.stderr)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    by = Grouping(args.by)
+    since_ms = 0 if args.since == 0 else int((time.time() - args.since) * 1000)
+    if args.mesh:
+        return _run_mesh(args, by, since_ms)
     try:
         path = _db_path(args)
     except ConfigError as exc:
         print(f"viiworkctl usage: cannot read the config to find the usage file (give --db PATH):\n{exc}",
               file=sys.stderr)
         return 1
-    by = Grouping(args.by)
-    since_ms = 0 if args.since == 0 else int((time.time() - args.since) * 1000)
     try:
         conn = open_read_only(path)
         try:

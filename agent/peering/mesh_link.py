@@ -108,16 +108,16 @@ class PeerTarget:
         return cls(id=view.name, base_url=f"https://{view.mesh}", node_id=view.node_id)
 
 
-async def _read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes:
+async def read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes:
     """A body up to ``limit`` bytes, or ``limit + 1`` bytes when it is longer (the caller
     refuses it). One ``read(n)`` returns only what has arrived: read until the end."""
-    body = b""
+    body = bytearray()  # (appending to bytes would copy the whole body per chunk)
     while len(body) <= limit:
         chunk = await stream.read(limit + 1 - len(body))
         if not chunk:
             break
         body += chunk
-    return body
+    return bytes(body)
 
 
 def _forward_ok(result: web.StreamResponse | Refused | Failed) -> bool | None:
@@ -492,7 +492,7 @@ class MeshLink:
         try:
             async with self.session.post(target.base_url + path, json=doc, headers=expect_node(target.node_id),
                                          timeout=aiohttp.ClientTimeout(total=MESSAGE_TIMEOUT_S)) as resp:
-                raw = await _read_bounded(resp.content, MESSAGE_MAX_BYTES)
+                raw = await read_bounded(resp.content, MESSAGE_MAX_BYTES)
                 if resp.status == 204:
                     return {}
                 if resp.status != 200:

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily
 from viiwork.agent.auth.errors import RevocationReason, RevocationRefused
 from viiwork.agent.auth.gate import AuthGate
 from viiwork.agent.auth.revocations import MAX_LIST_BYTES, RevocationList
-from viiwork.agent.peering.mesh_link import MeshLink, PeerTarget
+from viiwork.agent.peering.mesh_link import MeshLink, PeerTarget, read_bounded
 from viiwork.agent.serving.body import BodyError, read_body
 from viiwork.agent.serving.errors import ErrorCode, error_response
 from viiwork.mesh.dialing import expect_node
@@ -228,7 +228,7 @@ class RevocationSync:
             async with session.post(target.base_url + REVOCATIONS_PATH, data=token.encode(),
                                     headers={"Content-Type": CONTENT_TYPE, **expect_node(target.node_id)},
                                     timeout=aiohttp.ClientTimeout(total=PUSH_TIMEOUT_S)) as resp:
-                raw = await resp.content.read(64 * 1024)
+                raw = await read_bounded(resp.content, 64 * 1024)
                 if resp.status != 200:
                     raise PushFailed(f"answered {resp.status}: {raw[:200].decode(errors='replace')}")
                 answer = _json_object(raw)
@@ -338,11 +338,11 @@ class RevocationSync:
                 if resp.content_length is not None and resp.content_length > MAX_LIST_BYTES:
                     log.debug("revocation list fetch from %s: %d bytes, over the cap", target.id, resp.content_length)
                     return None
-                raw = await _read_at_most(resp.content, MAX_LIST_BYTES)
+                raw = await read_bounded(resp.content, MAX_LIST_BYTES)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.debug("revocation list fetch from %s failed: %s", target.id, exc)
             return None
-        if raw is None:
+        if len(raw) > MAX_LIST_BYTES:
             log.debug("revocation list fetch from %s: over %d bytes", target.id, MAX_LIST_BYTES)
             return None
         return raw.decode("ascii", errors="replace")
@@ -376,16 +376,3 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
         return None
     return doc if isinstance(doc, dict) else None
 
-
-async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The whole body, or None when it is longer than ``limit`` (nothing more is read)."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await stream.read(limit + 1 - size)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            return None

@@ -5,7 +5,8 @@ A list pushed at one node (``viiworkctl keys push-revocations`` on its admin soc
 it to the two others over mutual TLS: all three refuse the key within 2 s. A node stopped at the
 time fetches it from a peer when it starts again (the peers publish a higher version in their
 summaries), and its own list survives its restart. A forged list (another issuer's key) and an
-older one sent by a member over mutual TLS are dropped and counted.
+older one sent by a member over mutual TLS are dropped and counted. On the same three agents,
+``viiworkctl usage --mesh`` at one node gathers every node's ledger, each row once.
 
 viiworkctl runs in this process (``cli``: the same code as the command, without a Python start
 per call), the agents as processes.
@@ -31,6 +32,7 @@ from support.agent import Agent, run_agent
 from support.client_keys import bearer, jti_of, request
 from viiwork.agent.cli import main as viiworkctl
 from viiwork.agent.peering.revocation_sync import REVOCATIONS_PATH
+from viiwork.agent.usage.store import UsageRow, insert_rows, open_for_writing
 from viiwork.mesh.tls import client_context
 
 pytestmark = pytest.mark.timeout(180)
@@ -261,3 +263,45 @@ def test_a_forged_or_older_list_from_a_member_is_dropped_and_counted(mesh3: Mesh
     assert refused.returncode == 1 and "unknown_kid" in refused.stderr, refused.stderr
     stale = push(b.state_dir / "admin.sock", mesh3.tmp / f"revocations-{held - 1}.jwt")
     assert stale.returncode == 1 and "stale" in stale.stderr, stale.stderr
+
+
+def _usage_row(i: int, node: str, tenant: str, duration_ms: float) -> UsageRow:
+    return UsageRow(finished_at_ms=int(time.time() * 1000) - 1000, request_id=f"req-{i}", tenant=tenant, jti="k",
+                    model="m", origin_node="", serving_node=node, prompt_tokens=10, completion_tokens=i,
+                    cached_tokens=None, status=500 if i == 4 else 200, queued_ms=0.0, ttft_ms=None,
+                    duration_ms=duration_ms)
+
+
+def test_usage_mesh_gathers_every_node_and_counts_each_row_once(mesh3: Mesh3) -> None:
+    # Rows as each serving node's ledger holds them, written through the ledger's own store while the
+    # agents run (the request path writes them in production). The same request id at two nodes is
+    # two requests (a retry served elsewhere is a row at each server).
+    plan = {"node-a": [("acme", 100.0)] * 3, "node-b": [("acme", 200.0), ("acme", 200.0), ("globex", 50.0)],
+            "node-c": [("globex", 400.0)] * 4}
+    i = 0
+    for name, wanted in plan.items():
+        conn = open_for_writing(mesh3.agents[name].state_dir / "usage.sqlite3")
+        try:
+            batch = []
+            for tenant, ms in wanted:
+                batch.append(_usage_row(i, name, tenant, ms))
+                i += 1
+            insert_rows(conn, batch)
+        finally:
+            conn.close()
+    a = mesh3.agents["node-a"]
+    done = cli("usage", "--mesh", "--json", "--since", "1h", "--socket", str(a.state_dir / "admin.sock"))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["nodes"] == {"node-a": "ok", "node-b": "ok", "node-c": "ok"}, doc
+    groups = {g["key"]: g for g in doc["groups"]}
+    assert {k: g["requests"] for k, g in groups.items()} == {"acme": 5, "globex": 5}
+    assert groups["acme"]["errors"] == 1 and groups["acme"]["prompt_tokens"] == 50
+    assert groups["acme"]["completion_tokens"] == sum(range(5))
+    assert abs(groups["acme"]["p50_duration_ms"] / 100.0 - 1) <= 0.05  # the middle of 100,100,100,200,200
+    assert abs(groups["globex"]["p50_duration_ms"] / 400.0 - 1) <= 0.05
+    by_node = cli("usage", "--mesh", "--by", "node", "--since", "1h", "--socket", str(a.state_dir / "admin.sock"))
+    assert by_node.returncode == 0, by_node.stderr
+    lines = {line.split()[0]: line.split()[1] for line in by_node.stdout.splitlines()[1:4]}
+    assert lines == {"node-a": "3", "node-b": "3", "node-c": "4"}, by_node.stdout
+    assert "from 3 node(s): node-a, node-b, node-c" in by_node.stdout
