@@ -208,6 +208,18 @@ def revocation_action(push: Callable[[str], Awaitable[dict[str, Any]]]) -> Calla
     return push_revocations
 
 
+def usage_action(gather: Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]],
+                 ) -> Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]]:
+    """The usage action over ``gather``: a query it refuses (ValueError: a bad ``since_ms`` or
+    ``by``) is a 400."""
+    async def usage(query: Mapping[str, str]) -> dict[str, Any]:
+        try:
+            return await gather(query)
+        except ValueError as exc:
+            raise ActionError(400, str(exc)) from None
+    return usage
+
+
 def node_actions(*, supervisor: Supervisor, api: ClientApi, config_path: Path | None,
                  on_reloaded: Callable[[Config], None] | None = None,
                  push_revocations: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
@@ -277,4 +289,4 @@ def node_actions(*, supervisor: Supervisor, api: ClientApi, config_path: Path | 
     return AdminActions(reload=reload, drain=drain, undrain=undrain, down=down, up=up, models=models,
                         push_revocations=_no_revocation_sync if push_revocations is None
                         else revocation_action(push_revocations),
-                        usage=usage or _no_mesh_usage)
+                        usage=_no_mesh_usage if usage is None else usage_action(usage))

@@ -5,6 +5,10 @@ mesh listener, the admin socket and the client API -> start the supervisor (back
 loading, or are adopted) -> serve until SIGTERM/SIGINT -> stop admitting, tell peers, let requests in
 flight end (at most ``health.drain_timeout_s``), close the mesh listener, stop (or hand
 over) the engines: docs/architecture.md, "Stopping".
+
+One module (over 400 lines) because it is the one place where the subsystems are wired, in
+the order the lifecycle needs (bind before starting engines, stop in reverse); each subsystem
+lives in its own module, and what is here is the order and the hand-offs between them.
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -43,8 +46,8 @@ from viiwork.agent.notify import (
     status_line,
 )
 from viiwork.agent.peering.mesh_link import MeshLink
-from viiwork.agent.peering.mesh_usage import MeshUsage, UsageQueryError
-from viiwork.agent.peering.revocation_sync import RevocationSync
+from viiwork.agent.peering.mesh_usage import MeshUsage
+from viiwork.agent.peering.revocation_sync import RevocationSync, operator_push
 from viiwork.agent.serving import protocol_log
 from viiwork.agent.serving.api import ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
@@ -245,7 +248,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
         actions = node_actions(supervisor=supervisor, api=api, config_path=config_path,
-                               push_revocations=_revocation_push(auth, sync), usage=_usage_gather(mesh_usage))
+                               push_revocations=operator_push(auth, sync),
+                               usage=mesh_usage.gather if mesh_usage is not None else None)
         admin_runner = web.AppRunner(build_admin_app(actions), access_log=None)
         await admin_runner.setup()
         stack.push_async_callback(admin_runner.cleanup)
@@ -341,36 +345,6 @@ async def _stop_serving(api: ClientApi, runner: Runner, notifier: Notifier, conf
              outcome.cut_unstarted)
     if api.mesh is not None:
         await api.mesh.stop()
-
-
-def _revocation_push(auth: AuthGate | None, sync: RevocationSync | None,
-                     ) -> Callable[[str], Awaitable[dict[str, Any]]] | None:
-    """push-revocations' work: through the mesh (``sync``), or on this node alone (keys on, no
-    mesh); None when client keys are off or no issuer key is installed (the command says so)."""
-    if sync is not None:
-        return sync.push_from_operator
-    if auth is None or auth.revocations is None:
-        return None
-    gate = auth
-
-    async def push_alone(token: str) -> dict[str, Any]:
-        held = await gate.offer_revocations(token.strip())
-        return {"version": held.ver, "revoked": len(held.revoked), "taken": True, "peers": {}}
-    return push_alone
-
-
-def _usage_gather(mesh_usage: MeshUsage | None) -> Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]] | None:
-    """The admin socket's usage: every node's ledger merged (None without a mesh)."""
-    if mesh_usage is None:
-        return None
-    gather = mesh_usage.gather
-
-    async def usage(query: Mapping[str, str]) -> dict[str, Any]:
-        try:
-            return await gather(query)
-        except UsageQueryError as exc:
-            raise ActionError(400, str(exc)) from None
-    return usage
 
 
 def _vendor_lookup(inventory: GpuInventory) -> Callable[[str], str]:

@@ -27,7 +27,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,6 +367,23 @@ class RevocationSync:
         for event, count in sorted(self.counters.items()):
             family.add_metric([event], count)
         return [family]
+
+
+def operator_push(gate: AuthGate | None, sync: RevocationSync | None,
+                  ) -> Callable[[str], Awaitable[dict[str, Any]]] | None:
+    """The admin socket's push-revocations: through the mesh (``sync``), or on this node alone
+    (keys on, no mesh: ``peers`` is empty); None when client keys are off or no issuer key is
+    installed (the command then says so)."""
+    if sync is not None:
+        return sync.push_from_operator
+    if gate is None or gate.revocations is None:
+        return None
+    alone = gate
+
+    async def push_alone(token: str) -> dict[str, Any]:
+        held = await alone.offer_revocations(token.strip())
+        return {"version": held.ver, "revoked": len(held.revoked), "taken": True, "peers": {}}
+    return push_alone
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

@@ -79,6 +79,8 @@ KNOWN: list[Bench] = [
     Bench("bench_floods.py", 150, [], title="Connection floods (issue 14)"),
     # Four runs of 2000 rows on a temporary SQLite file: ~5 s here.
     Bench("bench_usage.py", 60, ["-n", "2000"], title="Usage ledger"),
+    # Three real agents in CA mode, 20 lists pushed at one, a node restarted: ~15 s here.
+    Bench("bench_revocations.py", 120, ["--rounds", "20"], takes_out=False, title="Revocation spread time"),
 ]
 DEFAULT_BUDGET_S = 90
 
