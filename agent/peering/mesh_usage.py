@@ -131,7 +131,7 @@ class MeshUsage:
                     raise RuntimeError(f"answered {resp.status}: {raw[:200].decode(errors='replace')}")
                 if len(raw) > MAX_ANSWER_BYTES:
                     raise RuntimeError(f"answer over {MAX_ANSWER_BYTES} bytes")
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:  # RuntimeError: session closed
             raise RuntimeError(str(exc) or type(exc).__name__) from None
         try:
             doc = json.loads(raw)

@@ -232,7 +232,7 @@ class RevocationSync:
                 if resp.status != 200:
                     raise PushFailed(f"answered {resp.status}: {raw[:200].decode(errors='replace')}")
                 answer = _json_object(raw)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:  # RuntimeError: session closed
             raise PushFailed(str(exc) or type(exc).__name__) from None
         if answer is None:
             raise PushFailed("the answer is not a JSON object")
@@ -263,6 +263,10 @@ class RevocationSync:
             self.counters["pushes_in_dropped"] += 1
             self._log_refused("pushed by", self.mesh.peer_name(peer), exc)
             return web.json_response({"taken": False, "version": self.held(), "reason": exc.reason.value})
+        except OSError as exc:  # the state file could not be written: the list is not taken
+            log.warning("revocation list pushed by %s not taken: cannot write the state file: %s",
+                        self.mesh.peer_name(peer), exc)
+            return error_response(503, f"this node cannot keep the list: {exc}")
         self.counters["pushes_in_taken"] += 1
         return web.json_response({"taken": True, "version": self.held(), "reason": None})
 
@@ -295,7 +299,8 @@ class RevocationSync:
         """Start a fetch when a peer publishes a higher version than the one held (and none
         runs; back-off: :class:`Refetches`). Called on every new peer summary and each
         CHECK_INTERVAL_S; never blocks."""
-        if self._stopped or self.mesh.session is None:
+        session = self.mesh.session
+        if self._stopped or session is None or session.closed:  # (the mesh stops before this does)
             return
         views = {v.node_id: v for v in self.mesh.node.peers() if v.liveness in PUSH_LIVENESS and v.mesh}
         self.refetches.forget(v.node_id for v in self.mesh.node.peers())
@@ -339,7 +344,7 @@ class RevocationSync:
                     log.debug("revocation list fetch from %s: %d bytes, over the cap", target.id, resp.content_length)
                     return None
                 raw = await read_bounded(resp.content, MAX_LIST_BYTES)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:  # RuntimeError: session closed
             log.debug("revocation list fetch from %s failed: %s", target.id, exc)
             return None
         if len(raw) > MAX_LIST_BYTES:

@@ -1,10 +1,11 @@
 """Client keys between two real agents on loopback: a forward carries the key, and the serving
 node verifies it again with its own Verifier (issue 17 item 5; docs/security.md, "Client keys").
 
-Node B serves the only model; node A is the origin. B holds a revocation list that A does not
-(given to B's store before it starts; spreading lists mesh-wide is not this test's): a key
-revoked there passes A's check, and B refuses the forward with 401 ``revoked``, which A relays.
-A good key runs on B, and B's engine never sees the key.
+Node B serves the only model; node A is the origin. B holds a revocation list that A cannot
+take: mid-rotation, the list is signed by the issuer's next key, which only B has installed yet
+(A fetches it from B, as every node fetches a newer list a peer publishes, and refuses it as
+``unknown_kid``). A key revoked there passes A's check, and B refuses the forward with 401
+``revoked``, which A relays. A good key runs on B, and B's engine never sees the key.
 """
 
 from __future__ import annotations
@@ -43,19 +44,26 @@ def mesh2() -> Iterator[tuple[Agent, Agent, dict[str, str]]]:
         key, pub = tmp / "issuer" / "issuer.key", tmp / "issuer" / "issuer.pub"
         tokens = {"good": issue(key, "--scope", "inference,read", audience=MESH_ID),
                   "revoked_at_b": issue(key, audience=MESH_ID)}
+        # The issuer's next key (a rotation): B has its public half installed, A not yet.
+        ctl("keys", "issuer", "init", "--out", str(tmp / "next"))
+        keys_b = tmp / "keys-b"
+        keys_b.mkdir()
+        shutil.copy(pub, keys_b / "current.pub")
+        shutil.copy(tmp / "next" / "issuer.pub", keys_b / "next.pub")
         revocations = tmp / "revocations.jwt"
-        ctl("keys", "revoke", "--issuer-key", str(key), "--id", jti_of(tokens["revoked_at_b"]),
-            "--out", str(revocations))
+        ctl("keys", "revoke", "--issuer-key", str(tmp / "next" / "issuer.key"), "--id", jti_of(tokens["revoked_at_b"]),
+            "--out", str(revocations), "--audience", MESH_ID)
         (tmp / "node-b").mkdir(mode=0o700)
-        RevocationStore(tmp / "node-b", KeySet.from_path(pub), issuer="viiwork-issuer",
+        RevocationStore(tmp / "node-b", KeySet.from_path(keys_b), issuer="viiwork-issuer",
                         audiences=[MESH_ID]).offer(revocations.read_text().strip())
         binary = fake_engine_binary(tmp / "bin")
         auth = {"mode": "keys", "issuer_keys": str(pub), "allow_open_mesh": True}
+        auth_b = {**auth, "issuer_keys": str(keys_b)}
         with ExitStack() as stack:
             b = stack.enter_context(run_agent(
                 tmp, [{"name": "only-b", "engine": "llamacpp", "path": "/dev/null", "parallel": 2, "backends": 1,
                        "llamacpp": {"binary": str(binary)}}],
-                name="node-b", extra={"mesh": mesh_section([]), "auth": auth}, api_key=tokens["good"]))
+                name="node-b", extra={"mesh": mesh_section([]), "auth": auth_b}, api_key=tokens["good"]))
             seed = b.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
             a = stack.enter_context(run_agent(tmp, [], name="node-a",
                                               extra={"mesh": mesh_section([seed]), "auth": auth},
@@ -81,6 +89,9 @@ def test_a_forward_carries_the_key_and_runs_on_the_peer(mesh2: tuple[Agent, Agen
 
 def test_the_serving_node_verifies_the_key_again(mesh2: tuple[Agent, Agent, dict[str, str]]) -> None:
     a, b, tokens = mesh2
+    # A fetched B's list (B publishes a higher version) and refused it: signed by a key A lacks.
+    a.wait_for(lambda d: d["revocations"]["refused"].get("unknown_kid", 0) >= 1, 10, "A refused B's list")
+    assert a.status()["revocations"]["version"] == 0
     # B knows the key is revoked; A does not, admits it and forwards it: B refuses.
     status, body, _ = request(f"{a.url}/v1/chat/completions", chat("only-b"), bearer(tokens["revoked_at_b"]))
     assert status == 401, body
