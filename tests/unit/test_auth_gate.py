@@ -222,6 +222,22 @@ def test_the_openai_sdk_with_api_key(keyed: tuple[Agent, Keys]) -> None:
         refused.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
 
 
+def test_a_node_alone_takes_a_pushed_list_at_once(keyed: tuple[Agent, Keys]) -> None:
+    """keys push-revocations on a node without a mesh: taken without a restart, nothing to push to."""
+    agent, keys = keyed
+    token = issue(keys.key)
+    assert request(f"{agent.url}/v1/models", None, bearer(token))[0] == 200
+    listed = keys.key.parent / "next.jwt"
+    ctl("keys", "revoke", "--issuer-key", str(keys.key), "--id", jti_of(token), "--out", str(listed))
+    assert agent.state_dir is not None
+    out = ctl("keys", "push-revocations", str(listed), "--socket", str(agent.state_dir / "admin.sock"))
+    assert "revocation list version 2 taken: 2 revoked key(s); pushed to 0 peer(s)" in out, out
+    for revoked in (token, keys.revoked):
+        status, body, _ = request(f"{agent.url}/v1/models", None, bearer(revoked))
+        assert status == 401 and "(revoked)" in body["error"]["message"], body
+    assert agent.status()["auth"]["revocations_version"] == 2
+
+
 def test_no_issuer_key_starts_and_says_how_to_install_one(tmp_path: Path) -> None:
     binary = fake_engine_binary(tmp_path / "bin")
     models = [{"name": "m", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "backends": 1,
@@ -236,6 +252,14 @@ def test_no_issuer_key_starts_and_says_how_to_install_one(tmp_path: Path) -> Non
         status, doc, _ = request(f"{agent.url}/v1/status")
         assert status == 200 and doc["auth"]["issuer_key"] is False
         assert request(f"{agent.url}/health")[0] in (200, 503)
+        # Nor can it take a revocation list: the command says why.
+        listed = tmp_path / "list.jwt"
+        listed.write_text("a.b.c\n")
+        assert agent.state_dir is not None
+        done = subprocess.run([sys.executable, "-m", "viiwork.agent.cli", "keys", "push-revocations", str(listed),
+                               "--socket", str(agent.state_dir / "admin.sock")], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 1 and "takes no revocation list" in done.stderr, done.stderr
 
 
 def test_mode_none_beyond_loopback_warns_at_start(tmp_path: Path) -> None:
