@@ -47,6 +47,8 @@ from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
 from viiwork.mesh.persist import PendingWrites, state_dir_fault
 from viiwork.mesh.pins import PINS_FILE, PinStore
+from viiwork.mesh.probe_transport import PROBE_PATH, ProbeTransport
+from viiwork.mesh.probing import ProbeNode, ProbeSettings
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import NodeSigner
 from viiwork.mesh.summary import PROTOCOL_VERSION, GpuCapacity, ModelCapacity, PublishedState
@@ -103,6 +105,9 @@ class MeshSettings:
     (``mesh_id`` required); ``node_certificate``/``node_key`` default to the state dir.
     ``connect_timeout_s`` / ``exchange_timeout_s``: one gossip exchange's TCP connect and
     whole deadline; ``seed_dials_at_once``: dials of discovered addresses in flight at once.
+    ``detector``: "heartbeat" (all-to-all heartbeats, liveness from their age) or "probe"
+    (SWIM probing and change-only dissemination, :mod:`viiwork.mesh.probing`, timed by
+    ``probe``; docs/mesh.md, "Probe mode").
     """
 
     state_dir: Path
@@ -123,6 +128,8 @@ class MeshSettings:
     connect_timeout_s: float = 1.0
     exchange_timeout_s: float = 2.0
     seed_dials_at_once: int = SEED_DIALS_AT_ONCE
+    detector: Literal["heartbeat", "probe"] = "heartbeat"
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
 
     @classmethod
     def from_config(cls, mesh: Any, node: Any, api_listen: str, version: str) -> MeshSettings:
@@ -136,7 +143,7 @@ class MeshSettings:
             gossip=GossipSettings(gossip_interval_ms=mesh.gossip_interval_ms, fanout=mesh.fanout,
                                   suspect_after_ms=mesh.suspect_after_ms, dead_after_ms=mesh.dead_after_ms,
                                   max_peers=mesh.max_peers),
-            version=version,
+            version=version, detector=mesh.detector,
         )
 
 
@@ -185,6 +192,10 @@ class MeshNode:
         self._started_at = 0.0
         self._pending: tuple[tuple[ModelCapacity, ...], PublishedState] | None = None
         self._pending_extensions: Extensions | None = None
+        # Probe mode (settings.detector == "probe"): the sans-IO core and its wire.
+        self.probe: ProbeNode | None = None
+        self._probe_wire: ProbeTransport | None = None
+        self._provided_at = -float("inf")
         # Set when another running agent publishes this node's id and this boot is the one
         # that leaves (mesh/clones.py): gossip stops at once, stop() announces nothing, and
         # ``on_refuse`` callbacks get the one line to exit with (the agent stops, non-zero).
@@ -275,6 +286,10 @@ class MeshNode:
         for route in gossip_routes(membership):
             self.app.router.add_route(route.method, route.path, route.handler)
         membership.on_identity_conflict.append(self._identity_conflict)
+        if s.detector == "probe":
+            self._probe_wire = ProbeTransport(membership, self.client_ssl_context, self._probe_exchange,
+                                              timeout_s=s.exchange_timeout_s, connect_timeout_s=s.connect_timeout_s)
+            self.app.router.add_post(PROBE_PATH, self._probe_wire.handle)
 
         listen_host, listen_port = _hostport(s.listen, "mesh.listen")
         # handler_cancellation: a peer that closes its connection cancels the handler, so a
@@ -314,16 +329,25 @@ class MeshNode:
         self.publisher = LocalPublisher(
             membership, NodeSigner(identity, cert_der), s.name, api=self.advertised_api,
             mesh=self.advertised_mesh or _join("0.0.0.0", self.listen_port), version=s.version, boot=boot,
-            heartbeat_ms=s.gossip.heartbeat_ms,
+            # Probe mode publishes on change: without one the summary is re-signed every republish_ms.
+            heartbeat_ms=s.probe.republish_ms if self._probe_wire is not None else s.gossip.heartbeat_ms,
             store_generation=self._store_generation)
         if self._pending_extensions is not None:
             self.publisher.set_extensions(self._pending_extensions)
             self._pending_extensions = None
+        if self._probe_wire is not None:
+            self.probe = ProbeNode(membership, self.publisher, s.probe, random.Random(self.rng.random()))
+            self._probe_wire.attach(self.probe)
         self._refresh_local()
-        self.publisher.maybe_publish(force=True)
+        if self.probe is not None:
+            self.probe.publish(force=True)
+        else:
+            self.publisher.maybe_publish(force=True)
 
         self._client = GossipClient(membership, self.client_ssl_context, s.connect_timeout_s, s.exchange_timeout_s)
         await self._client.start()
+        if self._probe_wire is not None:
+            await self._probe_wire.start()
         if "seeds" in s.discovery:
             for seed in s.seeds:
                 membership.add_candidate(seed, source="seed")
@@ -339,9 +363,10 @@ class MeshNode:
                 await self.stop(leave=False)
                 raise MeshStartError(f"mDNS: {exc}") from None
         self._started_at = time.monotonic()
-        self._loop_task = asyncio.get_running_loop().create_task(self._gossip_loop(), name="mesh-gossip")
-        log.info("mesh: node %s (%s) in mesh %s (%s trust), listening on %s, advertising %s",
-                 s.name, identity.node_id, policy.mesh_id, s.trust, _join(listen_host, self.listen_port),
+        loop = self._probe_loop() if self.probe is not None else self._gossip_loop()
+        self._loop_task = asyncio.get_running_loop().create_task(loop, name="mesh-gossip")
+        log.info("mesh: node %s (%s) in mesh %s (%s trust, %s detector), listening on %s, advertising %s",
+                 s.name, identity.node_id, policy.mesh_id, s.trust, s.detector, _join(listen_host, self.listen_port),
                  self.advertised_mesh or "nothing")
 
     def _advertise(self, listen_host: str) -> tuple[str | None, int | None]:
@@ -416,6 +441,8 @@ class MeshNode:
                         await asyncio.gather(*(self._client.exchange(t) for t in targets))
                 except TimeoutError:
                     log.info("mesh: leave announcement timed out; peers will notice by silence")
+        if self._probe_wire is not None:
+            await self._probe_wire.close()
         pending: list[asyncio.Task[Any]] = [*self._exchanges, *self._dials]
         for task in pending:
             task.cancel()
@@ -473,6 +500,42 @@ class MeshNode:
             # Jitter keeps nodes started together from gossiping in lockstep.
             await asyncio.sleep(interval_s * self.rng.uniform(0.9, 1.1))
 
+    async def _probe_loop(self) -> None:
+        """Probe mode's loop: the core's timers (:meth:`ProbeNode.poll` at its next wake-up,
+        or sooner when a message arrived), the capacity provider once per
+        ``gossip_interval_ms``, and the state dir's chores (docs/mesh.md, "Probe mode on the wire")."""
+        m, probe, wire = self.membership, self.probe, self._probe_wire
+        assert m is not None and probe is not None and wire is not None
+        chores_at = 0.0
+        while True:
+            self._refresh_local()
+            wire.send(probe.poll())
+            now = time.monotonic()
+            if now >= chores_at:
+                chores_at = now + self.settings.gossip.gossip_interval_ms / 1000.0
+                if self._pins is not None and self._pins.dirty and not self.writes.pending("name pins"):
+                    await asyncio.to_thread(self._save_pins)
+                if self.writes.due():
+                    await asyncio.to_thread(self.writes.retry_due)
+            delay_ms = min(probe.next_wakeup() - m.clock(), float(self.settings.gossip.gossip_interval_ms))
+            await wire.wait(max(0.0, delay_ms) / 1000.0)
+
+    def _probe_exchange(self, target: GossipTarget) -> None:
+        """A digest exchange the probe core asked for (anti-entropy, seeds): seeds and mDNS
+        addresses through the dials (their backoff), members as one exchange task."""
+        if target.candidate:
+            if target.address not in self._dialing:
+                self._start_dials([target])
+            return
+        client = self._client
+        if client is None or len(self._exchanges) >= 4 * self.settings.gossip.fanout + 4:
+            if self.membership is not None:
+                self.membership.counters.transport["exchange_skipped_busy"] += 1
+            return
+        task = asyncio.get_running_loop().create_task(client.exchange(target))
+        self._exchanges.add(task)
+        task.add_done_callback(self._exchanges.discard)
+
     def _start_dials(self, targets: list[GossipTarget]) -> None:
         """Start the dials of this round's candidate targets (each a task, bounded by
         ``seed_dials_at_once``); the first round that dials seeds is watched for the line."""
@@ -521,15 +584,37 @@ class MeshNode:
         if self.publisher is None:
             return
         if self.provider is not None:
+            if self.probe is not None:  # probe mode wakes more often than once a round
+                now = time.monotonic()
+                if now - self._provided_at < self.settings.gossip.gossip_interval_ms / 1000.0:
+                    return
+                self._provided_at = now
             try:
                 provided = self.provider()
-                models, state = provided[0], provided[1]
-                self.publisher.set_local(models, state, provided[2] if len(provided) > 2 else None)
+                self._set_local(provided[0], provided[1], provided[2] if len(provided) > 2 else None)
             except Exception:  # noqa: BLE001 - a failing provider must not stop gossip
                 log.exception("mesh: the capacity provider failed; publishing the last known capacity")
         elif self._pending is not None:
-            self.publisher.set_local(*self._pending)
+            self._set_local(*self._pending)
             self._pending = None
+
+    def _set_local(self, models: Iterable[ModelCapacity], state: PublishedState | str,
+                   gpus: Iterable[GpuCapacity] | None = None) -> None:
+        """New local content. Heartbeat mode: published at the next round. Probe mode: the
+        load goes through the core's quantiser and rate limit; a new state or GPU list is
+        published at once (a GPU's free memory alone rides on the next publication)."""
+        pub, probe = self.publisher, self.probe
+        assert pub is not None
+        if probe is None:
+            pub.set_local(models, state, gpus)
+            return
+        probe.set_load(tuple(models))
+        state = PublishedState(state)
+        new_gpus = None if gpus is None else tuple(sorted(gpus, key=lambda g: g.index))
+        structural = state is not pub.state or (new_gpus is not None and _gpu_shape(new_gpus) != _gpu_shape(pub.gpus))
+        pub.set_local(pub.models, state, new_gpus)
+        if structural and pub.last is not None:
+            probe.publish(force=True)
 
     def set_local_summary(self, models: Iterable[ModelCapacity], state: PublishedState | str = "serving") -> None:
         """New local capacity; published at once (before the next round) when started."""
@@ -537,8 +622,11 @@ class MeshNode:
         if self.publisher is None:
             self._pending = (models, state)
             return
-        self.publisher.set_local(models, state)
-        self.publisher.maybe_publish()
+        self._set_local(models, state)
+        if self.probe is not None:
+            self.probe.publish()  # now when the quantiser and the rate limit allow, else at a later poll
+        else:
+            self.publisher.maybe_publish()
 
     def set_local_extensions(self, extensions: Extensions) -> None:
         """This node's ``ext`` fields (mesh/extensions.py), published with its next summary in
@@ -546,8 +634,13 @@ class MeshNode:
         if self.publisher is None:
             self._pending_extensions = extensions
             return
+        if extensions == self.publisher.extensions:
+            return
         self.publisher.set_extensions(extensions)
-        self.publisher.maybe_publish()
+        if self.probe is not None:
+            self.probe.publish(force=True)  # queues the news of the new version
+        else:
+            self.publisher.maybe_publish()
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -581,6 +674,8 @@ class MeshNode:
         if policy is not None:
             out["verifications"] = {"certificate_chain": policy.chain_verifications,
                                     "signature": policy.signature_verifications}
+        if self.probe is not None:
+            out["probe"] = {**self.probe.counters, **{f"detector_{k}": v for k, v in self.probe.detector.counters.items()}}
         return out
 
     def view(self) -> dict[str, Any]:
@@ -609,7 +704,7 @@ class MeshNode:
             "id": own.node_id, "name": own.name, "api": own.api, "mesh": own.mesh, "mesh_id": m.mesh_id,
             "trust": trust, "protocol": own.protocol, "speaks": own.speaks, "version": own.version,
             "generation": own.generation, "boot": own.boot, "seq": own.seq, "state": own.state.value,
-            "listen_port": self.listen_port, "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
+            "listen_port": self.listen_port, "detector": self.settings.detector, "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
             "identity_conflict": _conflict_doc(m.identity_conflict, self.refused),
             "models": [_model_doc(x, own.node_id, conflicts, own.extensions.get(SPEEDS)) for x in own.models],
             "gpus": [_gpu_doc(g) for g in own.gpus],
@@ -662,6 +757,11 @@ def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any
 def _gpu_doc(gpu: GpuCapacity) -> dict[str, Any]:
     return {"index": gpu.index, "name": gpu.name, "memory_total_mib": gpu.memory_total_mib,
             "memory_free_mib": gpu.memory_free_mib}
+
+
+def _gpu_shape(gpus: Iterable[GpuCapacity]) -> list[tuple[int, str, int | None]]:
+    """What of a GPU list is structural (probe mode publishes a change of it at once)."""
+    return [(g.index, g.name, g.memory_total_mib) for g in gpus]
 
 
 def _iso(value: dt.datetime | None) -> str | None:

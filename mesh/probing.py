@@ -325,6 +325,13 @@ class ProbeNode:
             self._syncs[t.address] = t
             out.append((t.address, self.m.make_digest(t)))
 
+    def sync_target(self, address: str) -> GossipTarget | None:
+        """The anti-entropy target a ``Digest`` returned by :meth:`poll` for ``address`` was
+        made for (once; None when unknown): a transport that runs the digest exchange over
+        its own request/response (:mod:`viiwork.mesh.probe_transport`) hands it to
+        :meth:`~viiwork.mesh.membership.Membership.on_reply_bytes` with the reply."""
+        return self._syncs.pop(address, None)
+
     def _gossip_targets(self) -> list[NodeId]:
         members = self._members
         picked: dict[NodeId, None] = {}

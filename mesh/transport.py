@@ -46,7 +46,7 @@ round in parallel: a dead or slow peer costs one timed-out task, never the round
 event loop. When the target's node id is known (a peer from the table, an mDNS
 advertisement naming one; not a seed), the TLS peer must be that node before the digest is
 sent (:mod:`viiwork.mesh.dialing`). The node that answered (read when the response starts:
-:class:`_PeerResponse`) gets the exchange's round trip (``Membership.note_rtt``: ``rtt_ms``,
+:class:`PeerResponse`) gets the exchange's round trip (``Membership.note_rtt``: ``rtt_ms``,
 which the router uses to prefer near peers, docs/routing.md) and names a seed's node.
 """
 
@@ -443,7 +443,7 @@ class GossipClient:
                                    lookup_timeout_s=min(NAME_LOOKUP_TIMEOUT_S, self.exchange_timeout_s / 2))
         timeout = aiohttp.ClientTimeout(total=self.exchange_timeout_s, sock_connect=self.connect_timeout_s)
         self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False,
-                                              response_class=_PeerResponse)
+                                              response_class=PeerResponse)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -475,7 +475,7 @@ class GossipClient:
                     headers.update(expect_node(target.node_id))
                 async with self._session.post(self._url(target.address, EXCHANGE_PATH), data=digest,
                                               headers=headers) as resp:
-                    peer = _response_peer(resp)
+                    peer = response_peer(resp)
                     body = await resp.read()
                     status = resp.status
                 rtt_ms = (time.monotonic() - started) * 1000.0
@@ -532,7 +532,7 @@ def _fault(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class _PeerResponse(aiohttp.ClientResponse):
+class PeerResponse(aiohttp.ClientResponse):
     """A gossip response that keeps the node id of the TLS peer that answered (:attr:`peer`),
     read from its connection when the response starts. It cannot be read later: a small
     answer arrives whole with its head, and aiohttp releases the connection to the pool at
@@ -550,6 +550,6 @@ class _PeerResponse(aiohttp.ClientResponse):
         return await super().start(connection)
 
 
-def _response_peer(resp: aiohttp.ClientResponse) -> NodeId | None:
+def response_peer(resp: aiohttp.ClientResponse) -> NodeId | None:
     """The node that answered ``resp`` (None: unknown), for the RTT and a seed's node id."""
-    return resp.peer if isinstance(resp, _PeerResponse) else None
+    return resp.peer if isinstance(resp, PeerResponse) else None

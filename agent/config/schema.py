@@ -310,6 +310,10 @@ class MeshConfig(_Strict):
     suspect_after_ms: int = Field(default=2000, ge=20, le=MAX_DURATION_MS)
     dead_after_ms: int = Field(default=10000, ge=30, le=MAX_DURATION_MS)
     max_peers: int = Field(default=1024, ge=1, le=65536)
+    # How members find out who is alive (docs/mesh.md, "Probe mode"): "heartbeat" (every node
+    # re-signs its summary every round; liveness from its age) or "probe" (SWIM probing,
+    # summaries re-signed on change only; gossip_interval_ms then paces the capacity reads).
+    detector: Literal["heartbeat", "probe"] = "heartbeat"
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
 

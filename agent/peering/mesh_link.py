@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -212,8 +213,10 @@ class MeshLink:
     async def start(self) -> None:
         """Start the mesh node (raises viiwork.mesh.node.MeshStartError naming the fix)."""
         await self.node.start()
-        self.router = Router(self.node.node_id, self.config.node.name,
-                             stale_after_ms=self.config.routing.stale_after_ms,
+        # Probe mode publishes on change only: a live peer's summary is current whatever its
+        # age, so liveness (the detector's) is the freshness rule (docs/mesh.md, "Probe mode").
+        stale_after_ms = math.inf if self.config.mesh.detector == "probe" else self.config.routing.stale_after_ms
+        self.router = Router(self.node.node_id, self.config.node.name, stale_after_ms=stale_after_ms,
                              reservations=self.reservations, rng=random.Random(self.rng.random()))
         assert self.node.membership is not None and self.node.client_ssl_context is not None
         self.session = aiohttp.ClientSession(

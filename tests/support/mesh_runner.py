@@ -3,7 +3,7 @@
 
     python tests/support/mesh_runner.py --state DIR --name n1 --trust open --mesh-id lab \
         --discovery mdns,seeds [--seeds 127.0.0.1:P] [--ca CA.crt] [--model m] [--interval-ms 200] \
-        [--connect-timeout-s 0.5] [--exchange-timeout-s 1.0]
+        [--connect-timeout-s 0.5] [--exchange-timeout-s 1.0] [--detector probe]
 
 Everything binds 127.0.0.1 only (mDNS too), or ``--host`` (a namespace's address). When ready it prints one JSON line
 ``{"node_id", "mesh_port", "api_port"}``. SIGTERM stops gracefully (publishes ``leaving``);
@@ -63,7 +63,7 @@ async def main(args: argparse.Namespace) -> int:
         advertise=args.host, api_listen=f"{args.host}:{api_port}", interfaces=(args.host,),
         discovery=tuple(args.discovery.split(",")), seeds=tuple(s for s in args.seeds.split(",") if s),
         mesh_id=args.mesh_id, ca_certificate=Path(args.ca) if args.ca else None, gossip=gossip, version="runner",
-        connect_timeout_s=args.connect_timeout_s, exchange_timeout_s=args.exchange_timeout_s)
+        connect_timeout_s=args.connect_timeout_s, exchange_timeout_s=args.exchange_timeout_s, detector=args.detector)
     state["model"] = ModelCapacity(args.model, "llamacpp", "chat", 4, 0, None, 4096, 1, 1, f"fp-{args.model}")
     node = MeshNode(settings, provider=lambda: ([state["model"]], PublishedState.SERVING))
     node_ref["node"] = node
@@ -105,6 +105,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connect-timeout-s", type=float, default=0.5)
     ap.add_argument("--exchange-timeout-s", type=float, default=1.0)
     ap.add_argument("--host", default="127.0.0.1", help="listen, advertise and run mDNS on this address")
+    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="heartbeat")
     ap.add_argument("--view-file", help="write the /v1/mesh document here every 200 ms")
     ap.add_argument("--log-level", default="WARNING")
     return ap.parse_args(argv)
