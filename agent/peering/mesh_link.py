@@ -215,7 +215,8 @@ class MeshLink:
         await self.node.start()
         # Probe mode publishes on change only: a live peer's summary is current whatever its
         # age, so liveness (the detector's) is the freshness rule (docs/mesh.md, "Probe mode").
-        stale_after_ms = math.inf if self.config.mesh.detector == "probe" else self.config.routing.stale_after_ms
+        probing = self.config.mesh is not None and self.config.mesh.detector == "probe"
+        stale_after_ms = math.inf if probing else self.config.routing.stale_after_ms
         self.router = Router(self.node.node_id, self.config.node.name, stale_after_ms=stale_after_ms,
                              reservations=self.reservations, rng=random.Random(self.rng.random()))
         assert self.node.membership is not None and self.node.client_ssl_context is not None

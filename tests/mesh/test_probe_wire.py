@@ -26,7 +26,7 @@ import pytest
 
 from viiwork.mesh import tls
 from viiwork.mesh.identity import load_or_create_identity
-from viiwork.mesh.messages import Claim, Ping, PingReq, claim_signing_input
+from viiwork.mesh.messages import Claim, Ping, PingReq
 from viiwork.mesh.probe_codec import encode_probe_message
 from viiwork.mesh.probe_transport import PROBE_PATH
 from viiwork.mesh.summary import PROTOCOL_VERSION
