@@ -932,6 +932,11 @@ class Membership:
         address = rec.summary.payload.mesh
         return GossipTarget(address, nid, self._target_protocol(address, rec))
 
+    def target_of(self, node_id: NodeId) -> GossipTarget:
+        """The exchange target of a node in the table (KeyError when unknown): probe mode
+        runs exchanges with heartbeat-mode peers itself (:mod:`viiwork.mesh.probing`)."""
+        return self._target_of(node_id)
+
     def note_rtt(self, node_id: str, rtt_ms: float) -> None:
         """Record an exchange's round trip time (transport)."""
         rec = self.records.get(NodeId(node_id))

@@ -24,7 +24,7 @@ wire"), the same one gossip and forwarded requests use, with the same peer check
   (:mod:`viiwork.mesh.dialing`). At most ``max_in_flight`` requests at once: beyond that a
   message is not sent (``probe_skipped_busy``; the core's timers treat it as lost). A peer
   that answers 404 speaks no probe mode (an older agent, or one in heartbeat mode):
-  ``probe_unsupported``.
+  ``probe_unsupported``, and the core heartbeats for it (:meth:`ProbeNode.heartbeat_only`).
 - **Anti-entropy** digests from the core run as the existing digest-first exchange
   (``/mesh/v1/exchange``, :class:`~viiwork.mesh.transport.GossipClient`) through the
   ``exchange`` callback, so seeds and heartbeat-mode peers answer them.
@@ -222,8 +222,14 @@ class ProbeTransport:
             self.counters["probe_failed"] += 1
             log.debug("probe to %s: %s: %s", address, type(exc).__name__, exc)
             return
+        if status == 404:  # no probe endpoint there: a heartbeat-mode node (rolling upgrade)
+            self.counters["probe_unsupported"] += 1
+            speaker = peer or node_id
+            if self.node is not None and speaker is not None:
+                self.node.heartbeat_only(speaker)
+            return
         if status != 200:
-            self.counters["probe_unsupported" if status == 404 else "probe_refused"] += 1
+            self.counters["probe_refused"] += 1
             return
         if body is None:
             self.counters["probe_reply_oversized"] += 1

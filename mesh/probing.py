@@ -29,6 +29,12 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
 - **Anti-entropy** at a low rate: one digest exchange with one random live member (and the
   due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
   probe interval while no member is known.
+- **Heartbeat-mode peers** (a rolling upgrade, docs/mesh.md "Rolling upgrade"): a member the
+  transport reports as not speaking probe mode (:meth:`ProbeNode.heartbeat_only`) is judged
+  as heartbeat mode judges it (by the age of its newest summary against the membership's
+  ``suspect_after_ms`` / ``dead_after_ms``), never probed, and while one is live this node
+  heartbeats for it: re-signs its summary every ``heartbeat_ms`` (without news: probe-mode
+  peers need no new version) and runs a digest exchange with ``fanout`` of them each round.
 
 One module (about 600 lines, a third of them docstrings) because :class:`ProbeNode` is one
 state machine: the probe in flight, the relays served, the pulls in flight, the claims seen
@@ -172,7 +178,8 @@ class ProbeNode:
         self.counters: Counter[str] = Counter()
         """claims_made, claims_verified, claims_accepted, claims_forged (bad signature, also
         the table's ``bad_signature`` drop), claims_unknown_signer, claims_seen (duplicates and
-        this node's own, not verified again), pulls_sent, refutations."""
+        this node's own, not verified again), pulls_sent, refutations, heartbeat_peers
+        (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them)."""
         self._wanted: tuple[ModelCapacity, ...] | None = None
         self._ping_ids = 0
         self._run: _Run | None = None
@@ -183,9 +190,11 @@ class ProbeNode:
         self._claims: dict[NodeId, Claim] = {}  # the latest claim held per suspected member
         self._syncs: dict[str, GossipTarget] = {}
         self._members: list[NodeId] = []
+        self._heartbeaters: dict[NodeId, str] = {}  # heartbeat-mode member -> the boot that said so
         now = membership.clock()
         self._next_gossip = now
         self._next_sync = now
+        self._next_heartbeat = now
         membership.liveness_hook = self._liveness
         membership.on_update.append(self._on_update)
 
@@ -241,7 +250,39 @@ class ProbeNode:
 
     # --- the table's view ---------------------------------------------------------------------
 
+    def heartbeat_only(self, node_id: NodeId) -> None:
+        """``node_id`` does not speak probe mode (the transport's probe was answered "no
+        such endpoint": an agent from before probe mode, or one with ``detector =
+        "heartbeat"``): from now on, until it publishes under another boot, it is judged by
+        the age of its summaries and heartbeated to (module doc). Unknown nodes are ignored."""
+        rec = self.m.records.get(node_id)
+        if rec is None or node_id in self._heartbeaters:
+            return
+        self._heartbeaters[node_id] = rec.summary.payload.boot
+        run = self._run
+        if run is not None and run.probe.target == node_id:
+            self._finish(run)
+        self.detector.remove(node_id)
+        self._claims.pop(node_id, None)
+        self.counters["heartbeat_peers"] += 1
+        self._next_heartbeat = self.m.clock()
+        self.m.tick()
+
+    @property
+    def heartbeat_peers(self) -> frozenset[NodeId]:
+        """The members this node heartbeats for (:meth:`heartbeat_only`)."""
+        return frozenset(self._heartbeaters)
+
+    def _age_liveness(self, node_id: NodeId) -> Liveness:
+        """Heartbeat mode's rule, for a heartbeat-mode member."""
+        age = self.m.clock() - self.m.records[node_id].heard_at
+        if age >= self.m.dead_ms:
+            return Liveness.DEAD
+        return Liveness.SUSPECT if age >= self.m.suspect_ms else Liveness.ALIVE
+
     def _liveness(self, node_id: NodeId) -> Liveness:
+        if node_id in self._heartbeaters:
+            return self._age_liveness(node_id)
         state = self.detector.state(node_id)
         return Liveness.ALIVE if state is None else _LIVENESS[state]
 
@@ -253,8 +294,14 @@ class ProbeNode:
             del self._pulls[node_id]
         self.queue.put(node_id, News(node_id, order), NEWS_BYTES, order)
         if rec.summary.payload.state is PublishedState.LEAVING:
+            self._heartbeaters.pop(node_id, None)
             self.detector.remove(node_id)
             return
+        boot = self._heartbeaters.get(node_id)
+        if boot is not None:
+            if boot == rec.summary.payload.boot:
+                return  # still the heartbeat-mode boot: judged by age
+            del self._heartbeaters[node_id]  # restarted (upgraded?): probed again, until it says otherwise
         if self.detector.state(node_id) is None:
             self._members.append(node_id)
         if isinstance(self.detector.add(node_id, order), Alive):
@@ -310,7 +357,28 @@ class ProbeNode:
                     out.append((self._address(nid), Gossip(self.m.protocol, self.m.mesh_id, items)))
         if now >= self._next_sync:
             self._sync(now, out)
+        if self._heartbeaters and now >= self._next_heartbeat:
+            self._heartbeat_round(now, out)  # after _sync: its targets are read from _syncs
         return out
+
+    def _heartbeat_round(self, now: float, out: list[Outgoing]) -> None:
+        """For heartbeat-mode members: re-sign this node's summary when a heartbeat is due
+        and open an exchange with ``fanout`` of the live ones (module doc)."""
+        heartbeat_ms = float(self.m.settings.heartbeat_ms)
+        self._next_heartbeat = now + heartbeat_ms * self.rng.uniform(0.9, 1.1)
+        live = [nid for nid in self._heartbeaters
+                if nid in self.m.records and self._age_liveness(nid) in (Liveness.ALIVE, Liveness.SUSPECT)]
+        if not live:
+            return
+        if now - self.m.self_published_at >= heartbeat_ms * HEARTBEAT_SLACK:
+            summary = self.pub.maybe_publish(force=True)
+            if summary is not None:
+                self.detector.set_incarnation(self.m.node_id, summary.payload.order)
+                self.counters["heartbeats"] += 1
+        for nid in self.rng.sample(live, min(self.m.settings.fanout, len(live))):
+            target = self.m.target_of(nid)
+            self._syncs[target.address] = target
+            out.append((target.address, self.m.make_digest(target)))
 
     def _sync(self, now: float, out: list[Outgoing]) -> None:
         self._publish_now()  # a peer that speaks only an older protocol: publish in it

@@ -5,7 +5,8 @@ The probes ride the mutual-TLS listener (``POST /mesh/v1/probe``, mesh/probe_tra
 One mesh for the module, the tests in order: membership forms and summaries spread, a new
 capacity reaches the peers, messages a member forges or floods are dropped and counted, a
 SIGSTOPped node is suspected, declared dead and comes back by refuting on SIGCONT, a
-SIGKILLed node stops being routable within the goal.
+SIGKILLed node stops being routable within the goal. Last, a rolling upgrade's mixed mesh:
+a probe-mode node beside a heartbeat-mode one (the runner's suspect/dead: 1 s / 3 s).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ MESH_ID = "probe-wire"
 
 
 class Node:
-    def __init__(self, tmp: Path, name: str, seeds: list[str]):
+    def __init__(self, tmp: Path, name: str, seeds: list[str], detector: str = "probe"):
         argv = [sys.executable, str(RUNNER), "--state", str(tmp / name), "--name", name, "--trust", "open",
                 "--mesh-id", MESH_ID, "--discovery", "seeds", "--seeds", ",".join(seeds), "--model", f"model-{name}",
-                "--detector", "probe"]
+                "--detector", detector]
         self.name = name
         self.log = open(tmp / f"{name}.log", "wb")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log)
@@ -121,7 +122,7 @@ def test_membership_forms_over_probes_and_summaries_spread(mesh):
     # b and c joined through a only: each learned the other's summary from the news on
     # probes (a pull and a push) or a's digest exchange.
     assert {m["name"] for m in b.peer(c)["models"]} == {"model-c"}
-    time.sleep(2.0)  # a few probe rounds
+    time.sleep(1.0)  # a few probe rounds
     counters = a.get("/v1/counters")
     assert counters["transport"]["probe_ok"] > 0
     assert counters["probe"]["detector_probes"] >= 2
@@ -223,3 +224,28 @@ def test_a_killed_node_stops_being_routable_within_the_goal(mesh):
                       "the killed node no longer alive at a and b")
     assert took < 6
     wait_until(lambda: a.liveness_of(c) == "dead" and b.liveness_of(c) == "dead", 15, "the killed node dead")
+
+
+def test_a_probe_mode_node_heartbeats_for_a_heartbeat_mode_peer(tmp_path):
+    old = Node(tmp_path, "old", [], detector="heartbeat")
+    new = None
+    try:
+        new = Node(tmp_path, "new", [old.mesh])
+        pair = [old, new]
+        wait_until(lambda: everyone_alive(pair), 20, "the heartbeat-mode and the probe-mode node to meet")
+        # Longer than dead_after (3 s) after meeting: neither ever sees the other anything but alive.
+        started = time.monotonic()
+        while time.monotonic() - started < 3.2:
+            assert old.liveness_of(new) == "alive", "the heartbeat-mode node stopped hearing the probe-mode one"
+            assert new.liveness_of(old) == "alive"
+            time.sleep(0.2)
+        counters = new.get("/v1/counters")
+        assert counters["probe"]["heartbeat_peers"] == 1
+        assert counters["transport"]["probe_unsupported"] >= 1
+        old.proc.send_signal(signal.SIGKILL)
+        old.proc.wait(10)
+        wait_until(lambda: new.liveness_of(old) == "dead", 10, "the killed heartbeat-mode node dead by age")
+    finally:
+        old.stop()
+        if new is not None:
+            new.stop()
