@@ -133,15 +133,17 @@ def test_membership_forms_over_probes_and_summaries_spread(mesh):
 
 def test_a_new_capacity_reaches_the_peers(mesh):
     a, b, c = mesh
+    wait_until(lambda: everyone_alive(mesh), 20, "everyone alive")
     b.set_busy(4)  # 0 of 4 slots free: the bucket 0 is published exactly
 
     def seen_full() -> bool:
         return all((p := x.peer(b)) is not None and p["models"][0]["busy"] == 4 for x in (a, c))
 
-    took = wait_until(seen_full, 5, "b's full capacity at a and c")
-    assert took < 5
+    # The goal at 10 nodes is 1 s p99; 3 s leaves room for a loaded test machine, and is
+    # below the anti-entropy interval (5 s): the news on probes and gossip carried it.
+    wait_until(seen_full, 3, "b's full capacity at a and c")
     b.set_busy(0)
-    wait_until(lambda: all(x.peer(b)["models"][0]["busy"] == 0 for x in (a, c)), 5, "b's free capacity at a and c")
+    wait_until(lambda: all(x.peer(b)["models"][0]["busy"] == 0 for x in (a, c)), 3, "b's free capacity at a and c")
 
 
 async def _client_post(node_dir: Path, address: str, bodies: list[bytes], at_once: bool = False) -> list[tuple[int, bytes]]:
@@ -165,6 +167,7 @@ async def _client_post(node_dir: Path, address: str, bodies: list[bytes], at_onc
 
 def test_forged_and_flooding_probe_messages_are_dropped_and_counted(mesh, tmp_path):
     a, b, c = mesh
+    wait_until(lambda: everyone_alive(mesh), 20, "everyone alive")
     before = a.get("/v1/counters")
     view = a.view()
     c_order = next((n["generation"], n["seq"]) for n in view["nodes"] if n["id"] == c.node_id)
@@ -200,6 +203,7 @@ def test_forged_and_flooding_probe_messages_are_dropped_and_counted(mesh, tmp_pa
 
 def test_a_stopped_node_is_suspected_then_dead_and_refutes_on_sigcont(mesh):
     a, b, c = mesh
+    wait_until(lambda: everyone_alive(mesh), 20, "everyone alive")
     seq_before = a.peer(b)["seq"]
     b.proc.send_signal(signal.SIGSTOP)
     try:
