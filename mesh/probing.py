@@ -179,7 +179,8 @@ class ProbeNode:
         """claims_made, claims_verified, claims_accepted, claims_forged (bad signature, also
         the table's ``bad_signature`` drop), claims_unknown_signer, claims_seen (duplicates and
         this node's own, not verified again), pulls_sent, refutations, heartbeat_peers
-        (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them)."""
+        (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them),
+        relay_acks / relay_nacks (ping-reqs served: the target answered / did not)."""
         self._wanted: tuple[ModelCapacity, ...] | None = None
         self._ping_ids = 0
         self._run: _Run | None = None
@@ -337,6 +338,7 @@ class ProbeNode:
                     self._relay_ping(relay.requester, relay.request_id, relay.address,
                                      relay.attempts_left - 1, now, out)
                 else:
+                    self.counters["relay_nacks"] += 1
                     out.append((relay.requester, Nack(self.m.protocol, self.m.mesh_id, relay.request_id,
                                                       self._items(None))))
         run = self._run
@@ -555,6 +557,7 @@ class ProbeNode:
     def _acked(self, ping_id: int, now: float, out: list[Outgoing]) -> None:
         relay = self._relays.pop(ping_id, None)
         if relay is not None:
+            self.counters["relay_acks"] += 1
             out.append((relay.requester, Ack(self.m.protocol, self.m.mesh_id, relay.request_id, self._items(None))))
             return
         kind = self._pings.get(ping_id)
