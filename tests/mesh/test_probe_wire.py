@@ -140,8 +140,8 @@ def test_a_new_capacity_reaches_the_peers(mesh):
     # within it were carried by the news on probes and gossip.
     for busy in (4, 0, 4, 0, 4, 0):
         b.set_busy(busy)
-        wait_until(lambda: all((p := x.peer(b)) is not None and p["models"][0]["busy"] == busy for x in (a, c)),
-                   2, f"b's busy = {busy} at a and c")
+        wait_until(lambda busy=busy: all((p := x.peer(b)) is not None and p["models"][0]["busy"] == busy
+                                         for x in (a, c)), 2, f"b's busy = {busy} at a and c")
 
 
 async def _client_post(node_dir: Path, address: str, bodies: list[bytes], at_once: bool = False) -> list[tuple[int, bytes]]:
