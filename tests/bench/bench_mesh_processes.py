@@ -12,7 +12,12 @@ unless overridden. Prints:
   share of CPU those verifications cost (Ed25519 verify timed here);
 - not-alive / dead: from SIGKILL of one node until each other node shows it suspect / dead.
 
+``--detector probe`` runs probe mode (docs/mesh.md, "Probe mode"): the load changes are then
+3 and 4 busy of 4 slots (1 and 0 free: buckets the quantiser publishes exactly) and the
+suspect/dead settings do not apply.
+
 Usage: .venv/bin/python tests/bench/bench_mesh_processes.py [--nodes 10] [--steady-s 20]
+       [--detector heartbeat|probe]
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=int, default=500)
     ap.add_argument("--suspect-ms", type=int, default=2000)
     ap.add_argument("--dead-ms", type=int, default=10000)
+    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="heartbeat")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
     seed_port = free_port()
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             argv_i = [sys.executable, str(RUNNER), "--state", str(tmp / f"n{i}"), "--name", f"n{i}", "--trust", "open",
                       "--mesh-id", "bench", "--discovery", "seeds", "--model", f"m{i}",
                       "--interval-ms", str(args.interval_ms), "--suspect-ms", str(args.suspect_ms),
-                      "--dead-ms", str(args.dead_ms)]
+                      "--dead-ms", str(args.dead_ms), "--detector", args.detector]
             if i == 0:
                 argv_i += ["--mesh-port", str(seed_port)]
             else:
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         change_ms: list[float] = []
         for k, origin in enumerate([1, args.nodes // 2, args.nodes - 1, 2, 3]):
             origin %= args.nodes
-            busy = 1 + k % 3
+            busy = 3 + k % 2 if args.detector == "probe" else 1 + k % 3
             post(urls[origin] + "/v1/busy", {"busy": busy})
             t0 = time.monotonic()
             pending = {i for i in range(args.nodes) if i != origin}
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         t_kill = time.monotonic()
         not_alive: dict[int, float] = {}
         dead: dict[int, float] = {}
-        while len(dead) < args.nodes - 1 and time.monotonic() - t_kill < args.dead_ms / 1000 + 30:
+        while len(dead) < args.nodes - 1 and time.monotonic() - t_kill < max(args.dead_ms / 1000, 15) + 30:
             for i in range(args.nodes - 1):
                 for n in get(urls[i] + "/v1/mesh")["nodes"]:
                     if n["id"] != victim_id:
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
 
         rows = {
-            "nodes": args.nodes, "join_s": round(join_s, 2),
+            "detector": args.detector, "nodes": args.nodes, "join_s": round(join_s, 2),
             "change_p50_ms": round(pct(change_ms, 0.5)), "change_p99_ms": round(pct(change_ms, 0.99)),
             "cpu_per_node_%": round(100 * statistics.mean(cpu), 2),
             "bytes_sent_per_node_s": round(statistics.mean(sent)),

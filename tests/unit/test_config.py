@@ -129,6 +129,18 @@ def test_mesh_with_ca_trust_is_accepted() -> None:
     assert cfg.mesh.dead_after_ms == 10000
 
 
+def test_mesh_detector_defaults_to_heartbeat_and_takes_probe() -> None:
+    base = '[mesh]\ntrust = "open"\nmesh_id = "lab"\n'
+    cfg = parse_config(base)
+    assert cfg.mesh is not None and cfg.mesh.detector == "heartbeat"
+    cfg = parse_config(base + 'detector = "probe"\n')
+    assert cfg.mesh is not None and cfg.mesh.detector == "probe"
+    issue = only_error(base + 'detector = "swim"\n')
+    assert issue.path == ("mesh", "detector")
+    assert "heartbeat" in issue.message and "probe" in issue.message
+    assert issue.line == 4
+
+
 def test_error_format_matches_the_documented_example() -> None:
     """The exact shape quoted in docs/configuration.md and docs/configuration.md."""
     text = VALID + textwrap.dedent("""\
