@@ -72,6 +72,8 @@ KNOWN: list[Bench] = [
     Bench("bench_offers_agents.py", 200, [], takes_out=False, title="Slot offers with real agents"),
     Bench("bench_mesh_processes.py", 120, ["--nodes", "10", "--steady-s", "15"], takes_out=False,
           title="Mesh with real processes"),
+    # Two MeshNodes in one process, 2 x 1000 pings at 80/s: ~30 s here.
+    Bench("bench_probe_wire.py", 90, [], takes_out=False, title="Probe mode's wire: a ping over mutual TLS (issue 16)"),
     Bench("bench_crash_detection.py", 120, ["-n", "10"], title="Crash detection"),
     # Three real agents (SIGTERM, SIGSTOP, client disconnects x 3 rounds) and one on llama-server: ~40 s here.
     Bench("bench_reliability.py", 120, ["-n", "3"], title="Reliability: faults and bad inputs (issue 13)"),
