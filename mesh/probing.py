@@ -368,6 +368,9 @@ class ProbeNode:
         and open an exchange with ``fanout`` of the live ones (module doc)."""
         heartbeat_ms = float(self.m.settings.heartbeat_ms)
         self._next_heartbeat = now + heartbeat_ms * self.rng.uniform(0.9, 1.1)
+        self.m.tick()  # their liveness moves with time (age), not with the detector's events
+        for gone in [nid for nid in self._heartbeaters if nid not in self.m.records]:
+            del self._heartbeaters[gone]  # reaped from the table (a tombstone's time ran out)
         live = [nid for nid in self._heartbeaters
                 if nid in self.m.records and self._age_liveness(nid) in (Liveness.ALIVE, Liveness.SUSPECT)]
         if not live:
