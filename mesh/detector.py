@@ -31,7 +31,10 @@ configuration):
   1``. +1 for a probe that ends without an ack, +1 for each relay that stayed silent
   (neither ack nor nack: our own path is the likely fault), +1 for each refuted claim about
   this node; -1 for a direct ack. A slow node thus probes less and waits longer before it
-  accuses anyone.
+  accuses anyone. A silent relay that is itself found suspect or dead before it is next
+  acked gives its +1 back (counted ``relay_refunds``): its silence is explained by its own
+  crash, not by this node's path (with three of ten nodes crashing at once the crashed
+  ones are often picked as relays, and the charges slowed the prober's detection of them).
 - A successful probe of a suspect does not clear it: only a newer incarnation does (SWIM).
   Dead members stay known (and are not probed) until removed; a newer incarnation of a dead
   member makes it alive again.
@@ -58,7 +61,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -245,15 +248,17 @@ class Detector:
         self._last_probe_at: float | None = None
         self._in_flight: _InFlight | None = None
         self._probe_ids = 0
+        self._charged: dict[NodeId, int] = {}  # silent relays -> health charged, until acked or suspected
         self.passes = 0
         """Completed passes over the probe order (each ends with a reshuffle)."""
         self.counters: dict[str, int] = dict.fromkeys((
             "probes", "probe_misses", "indirect_probes", "suspicions_raised", "confirmations",
             "refutations", "refutes", "claims_ignored", "deaths", "probes_abandoned",
-            "results_ignored"), 0)
+            "results_ignored", "relay_refunds"), 0)
         """For /metrics: probes started, direct misses, indirect probes, suspicions raised by
         this node's probes, confirmations counted, suspicions refuted, Refute events, claims
-        ignored, members declared dead, probes abandoned, results for no current probe."""
+        ignored, members declared dead, probes abandoned, results for no current probe,
+        health charges given back for silent relays found suspect or dead."""
 
     # -- members --------------------------------------------------------------------------
 
@@ -275,6 +280,7 @@ class Detector:
         """Forget ``node_id`` (no-op when unknown); a probe of it in flight is dropped."""
         if self._members.pop(node_id, None) is None:
             return
+        self._charged.pop(node_id, None)
         self._suspects.discard(node_id)
         self._dead.discard(node_id)
         at = self._order.index(node_id)
@@ -335,6 +341,10 @@ class Detector:
         for held, named in ((self._suspects, "suspect"), (self._dead, "dead")):
             (held.add if state == named else held.discard)(node_id)
         member.state = state
+        refund = self._charged.pop(node_id, 0) if state != "alive" else 0
+        if refund:
+            self.counters["relay_refunds"] += refund
+            self._adjust_health(-refund)
         if state == "alive":
             member.suspected_at, member.suspectors = None, ()
 
@@ -435,6 +445,7 @@ class Detector:
         if ok:
             self._in_flight = None
             self._adjust_health(-1)
+            self._charged.pop(flight.probe.target, None)  # alive: its silence as a relay was ours
             return None
         self.counters["probe_misses"] += 1
         target = flight.probe.target
@@ -444,12 +455,14 @@ class Detector:
         return IndirectPlan(probe_id, target, relays,
                             self.settings.indirect_timeout_ms * (self._score + 1))
 
-    def indirect_result(self, probe_id: int, acks: int, nacks: int) -> Suspected | None:
+    def indirect_result(self, probe_id: int, acks: int, nacks: int,
+                        silent: Collection[NodeId] | None = None) -> Suspected | None:
         """Report the relays' answers within the plan's timeout: ``acks`` relays reached the
         target, ``nacks`` answered without reaching it, the rest were silent (each silent
-        relay: health +1). Any ack: the target is alive. None: it becomes suspect (health
-        +1) and :class:`Suspected` ``by_self`` is returned, unless this node already suspects
-        it. Raises ValueError when the counts are negative or exceed the relays."""
+        relay: health +1; ``silent`` names them, so that the charge is given back if one is
+        found suspect or dead first). Any ack: the target is alive. None: it becomes suspect
+        (health +1) and :class:`Suspected` ``by_self`` is returned, unless this node already
+        suspects it. Raises ValueError when the counts are negative or exceed the relays."""
         flight = self._current(probe_id, direct=False)
         if flight is None:
             return None
@@ -458,6 +471,9 @@ class Detector:
             raise ValueError(f"acks={acks}, nacks={nacks} for {len(flight.relays)} relays")
         self._in_flight = None
         self._adjust_health(len(flight.relays) - acks - nacks)
+        for relay in silent or ():
+            if relay in flight.relays and relay in self._members:
+                self._charged[relay] = self._charged.get(relay, 0) + 1
         if acks > 0:
             return None
         self._adjust_health(1)

@@ -138,6 +138,8 @@ class _Run:
     acks: int = 0
     nacks: int = 0
     ping_ids: set[int] = field(default_factory=set)
+    relay_of: dict[int, NodeId] = field(default_factory=dict)  # ping-req id -> the relay asked
+    answered: set[NodeId] = field(default_factory=set)  # relays that acked or nacked
 
 
 @dataclass(slots=True)
@@ -461,6 +463,7 @@ class ProbeNode:
             for relay in plan.relays:
                 pid = self._new_ping("indirect")
                 run.ping_ids.add(pid)
+                run.relay_of[pid] = relay
                 out.append((self._address(relay), PingReq(self.m.protocol, self.m.mesh_id, pid, run.probe.target,
                                                           run.address, self._items(relay))))
             if plan.relays:
@@ -468,7 +471,8 @@ class ProbeNode:
         self._report(run, now)
 
     def _report(self, run: _Run, now: float) -> None:
-        event = self.detector.indirect_result(run.probe.probe_id, run.acks, run.nacks)
+        silent = [r for r in run.relays or () if r not in run.answered]
+        event = self.detector.indirect_result(run.probe.probe_id, run.acks, run.nacks, silent)
         self._finish(run)
         if isinstance(event, Suspected):
             self._suspected_here(event.node_id, event.incarnation)
@@ -536,6 +540,7 @@ class ProbeNode:
             if self._pings.get(msg.ping_id) == "indirect" and run is not None and msg.ping_id in run.ping_ids:
                 self._pings.pop(msg.ping_id)
                 run.nacks += 1
+                run.answered.add(run.relay_of.get(msg.ping_id, sender))
                 if run.relays is not None and run.acks + run.nacks >= len(run.relays):
                     self._report(run, now)
         return out
@@ -573,6 +578,7 @@ class ProbeNode:
         elif kind == "indirect":
             self._pings.pop(ping_id)
             run.acks += 1
+            run.answered.add(run.relay_of[ping_id])
             self._report(run, now)
 
     def _take_items(self, sender: NodeId, address: str, items: tuple[News | Claim, ...], now: float,

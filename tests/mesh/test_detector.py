@@ -258,6 +258,41 @@ def test_local_health_scales_interval_and_timeouts_and_decays_on_acks():
     assert det.health_score == DEFAULTS.awareness_max_multiplier - 1
 
 
+def test_a_silent_relay_found_suspect_gives_its_health_charge_back():
+    det, now = _detector(5)
+    probe = det.next_probe()
+    assert probe is not None
+    plan = det.direct_result(probe.probe_id, False)
+    assert plan is not None and len(plan.relays) == 4
+    crashed, *answering = plan.relays
+    # Three relays nack, one stays silent (+1), no ack (+1).
+    assert det.indirect_result(plan.probe_id, 0, 3, silent=[crashed]) is not None
+    assert det.health_score == 2
+    # The silent relay turns out to have crashed (another node's claim): its silence was its
+    # own, not this node's path: the +1 it cost is given back, once.
+    assert isinstance(det.suspect(crashed, (1, 0), by="other"), Suspected)
+    assert det.health_score == 1 and det.counters["relay_refunds"] == 1
+    det.suspect(crashed, (1, 0), by="third")
+    assert det.health_score == 1
+    # A silent relay acked later keeps its charge (the fault was on this node's side).
+    now[0] += 10_000
+    probe = det.next_probe()
+    assert probe is not None
+    plan = det.direct_result(probe.probe_id, False)
+    assert plan is not None
+    quiet = plan.relays[0]
+    det.indirect_result(plan.probe_id, 1, 0, silent=[quiet])
+    while True:  # probe until the quiet relay's own probe is acked
+        now[0] += 10_000
+        probe = det.next_probe()
+        assert probe is not None
+        det.direct_result(probe.probe_id, True)
+        if probe.target == quiet:
+            break
+    det.suspect(quiet, (1, 0), by="other")
+    assert det.counters["relay_refunds"] == 1
+
+
 def test_an_unreported_probe_is_abandoned_after_its_budget():
     det, now = _detector(3)
     first = det.next_probe()
