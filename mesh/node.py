@@ -634,13 +634,13 @@ class MeshNode:
         if self.publisher is None:
             self._pending_extensions = extensions
             return
-        if extensions == self.publisher.extensions:
+        if self.probe is not None:
+            if extensions != self.publisher.extensions:
+                self.publisher.set_extensions(extensions)
+                self.probe.publish(force=True)  # queues the news of the new version
             return
         self.publisher.set_extensions(extensions)
-        if self.probe is not None:
-            self.probe.publish(force=True)  # queues the news of the new version
-        else:
-            self.publisher.maybe_publish()
+        self.publisher.maybe_publish()
 
     # --- views ----------------------------------------------------------------------------------
 
