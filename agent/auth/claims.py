@@ -16,6 +16,9 @@ from typing import Any
 
 from viiwork.agent.auth.errors import InvalidApiKey, Reason
 
+# One enum for the claim and for the wire (a want's ``priority`` extension, mesh/extensions.py).
+from viiwork.mesh.extensions import Priority as Priority
+
 #: tenant and jti: 1..64 characters, a letter or digit first, then letters, digits, ``._-``.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: A model name in ``models``: 1..128 printable ASCII characters without spaces.
@@ -27,11 +30,6 @@ MAX_LIMIT = 10**9
 MAX_TIME = 2**40
 MAX_AUDIENCES = 16
 
-
-class Priority(str, Enum):
-    HIGH = "high"
-    NORMAL = "normal"
-    LOW = "low"
 
 
 class Scope(str, Enum):

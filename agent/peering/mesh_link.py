@@ -22,8 +22,9 @@ supervisor's models and to the pure router (``viiwork.agent.serving.router``):
   waiting requests are the shared origin queues (``viiwork.agent.serving.waitqueue``), which it
   wakes when a forward ends or a fresher summary arrives;
 - slot offers (``viiwork.agent.peering.offers``): the origin tells the peers serving a model when
-  its oldest waiter changes (``want``), and a node whose slot frees offers it to the origin
-  with the oldest waiter it knows of, keeping it until that origin's request claims it;
+  its queue's head changes (``want``: its highest priority waiting, and the oldest waiter of
+  it), and a node whose slot frees offers it to the origin with the first want it knows of
+  (priority, then age), keeping it until that origin's request claims it;
 - outlier ejection of peers (``viiwork.agent.serving.ejections``): every forward's outcome
   is counted per (peer, model); the router leaves a peer ejected for a model out, and the
   peer stays a member.
@@ -52,7 +53,17 @@ from viiwork import __version__
 from viiwork.agent.auth.gate import forward_headers
 from viiwork.agent.config.schema import Config
 from viiwork.agent.host.gpus import GpuInventory
-from viiwork.agent.peering.offers import OFFER_HEADER, WANT_FANOUT, Hold, Holds, Want, WantBook, WantError, parse_offer
+from viiwork.agent.peering.offers import (
+    OFFER_HEADER,
+    WANT_FANOUT,
+    Hold,
+    Holds,
+    Offer,
+    Want,
+    WantBook,
+    WantError,
+    parse_offer,
+)
 from viiwork.agent.peering.speed_ext import SpeedPublisher
 from viiwork.agent.serving.body import BodyError, parse_json, read_body
 from viiwork.agent.serving.drain import InFlight
@@ -76,7 +87,7 @@ from viiwork.engines.contract import Engine
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.extensions import EMPTY as NO_EXTENSIONS
-from viiwork.mesh.extensions import SPEEDS, Extensions, ExtensionSpec
+from viiwork.mesh.extensions import SPEEDS, Extensions, ExtensionSpec, Priority
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -202,7 +213,7 @@ class MeshLink:
                               max_age_ms=config.routing.queue_timeout_s * 1000.0)
         self.holds = Holds(clock=clock_ms)
         self.offer_counters: Counter[str] = Counter()
-        self._announced: dict[str, float | None] = {}
+        self._announced: dict[str, tuple[Priority, float] | None] = {}
         self._announce_due: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         # Forwards in flight by peer: the events `watch_peer` handed out.
@@ -467,10 +478,12 @@ class MeshLink:
         self.reservations.mark_full(to.node_id, model)
         return result
 
-    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None) -> Backend | None:
-        """The slot for a forward from ``origin``: the one held for its offer, else a free
-        one; a receiver never queues (None: refused, the origin tries elsewhere)."""
-        backend = self.claim(queue.model, offer_id, origin) or queue.take()
+    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None,
+                      priority: Priority = Priority.NORMAL) -> Backend | None:
+        """The slot for a forward from ``origin`` (its key's verified ``priority``): the one
+        held for its offer, else a free one; a receiver never queues (None: refused, the
+        origin tries elsewhere)."""
+        backend = self.claim(queue.model, offer_id, origin, priority) or queue.take()
         runtime = self.runtimes.get(queue.model)
         if backend is None and runtime is not None:  # every backend ejected: the last resort
             last = runtime.most_free_outside(())
@@ -524,12 +537,13 @@ class MeshLink:
     def _announce(self, model: str) -> None:
         self._announce_due.discard(model)
         q = self.queues.get(model)
-        oldest = q.oldest() if q is not None else None
-        if oldest == self._announced.get(model) or self._stopped:
+        head = q.head_want() if q is not None else None
+        if head == self._announced.get(model) or self._stopped:
             return
-        self._announced[model] = oldest
+        self._announced[model] = head
         want = Want(model, len(q) if q is not None else 0,
-                    0.0 if oldest is None else (time.monotonic() - oldest) * 1000.0)
+                    0.0 if head is None else (time.monotonic() - head[1]) * 1000.0,
+                    Priority.NORMAL if head is None else head[0])
         targets = []
         assert self.router is not None
         for view in self.node.peers():
@@ -580,11 +594,14 @@ class MeshLink:
         try:
             if peer is None:
                 raise WantError("no verified peer certificate")
-            model, offer_id = parse_offer(await self._read_message(request))
+            offer = parse_offer(await self._read_message(request))
         except WantError as exc:
             return self._bad_message("offer", peer, exc)
-        q = self.queues.get(model)
-        taking = q is not None and not self._stopped and q.give_offer(peer, self.peer_name(peer), offer_id)
+        q = self.queues.get(offer.model)
+        # Only a waiter of at least the priority the offer was made for: the holder checks the
+        # claim's key against it (an older holder states none: any waiter).
+        taking = q is not None and not self._stopped and q.give_offer(peer, self.peer_name(peer), offer.offer_id,
+                                                                      offer.priority or Priority.LOW)
         self.offer_counters["offers_in_taken" if taking else "offers_in_declined"] += 1
         return web.json_response({"taking": taking})
 
@@ -596,14 +613,16 @@ class MeshLink:
 
     def slot_freed(self, queue: WaitQueue) -> None:
         """A local slot of ``queue``'s model freed (a request ended, an offer was declined, a
-        want arrived): offer it to the origin with the oldest waiter this node knows of when
-        that one is older than this node's own; else it goes to this node's oldest waiter."""
+        want arrived): offer it to the origin whose want comes first (a higher priority, then
+        an older waiter) when it comes before this node's own queue's head; else it goes to
+        this node's first waiter."""
         model = queue.model
-        oldest = queue.oldest()
-        own_ms = None if oldest is None else (time.monotonic() - oldest) * 1000.0
+        head = queue.head_want()
+        own_ms = None if head is None else (time.monotonic() - head[1]) * 1000.0
+        own_priority = Priority.NORMAL if head is None else head[0]
         peer = None
         if model in self.runtimes and not self._stopped and not self.draining() and self.config.routing.slot_offers:
-            peer = self.wants.pick(model, own_ms, self._offerable)
+            peer = self.wants.pick(model, own_ms, self._offerable, own_priority)
         if peer is None:
             queue.grant()
             return
@@ -612,8 +631,9 @@ class MeshLink:
         if backend is None or target is None:
             queue.grant()
             return
+        stated = self.wants.priority_of(peer, model)
         self.wants.offered(peer, model)
-        hold = self.holds.add(model, peer, backend)
+        hold = self.holds.add(model, peer, backend, stated)
         self.offer_counters["offers_out"] += 1
         self._spawn(self._offer(hold, target))
 
@@ -625,7 +645,7 @@ class MeshLink:
         before the slot is offered again (``WantBook.unclaimed``: its wants are ignored a
         while), so it cannot keep the slot held for ever."""
         try:
-            answer = await self._post(target, OFFER_PATH, {"model": hold.model, "offer": hold.offer_id})
+            answer = await self._post(target, OFFER_PATH, Offer(hold.model, hold.offer_id, hold.priority).doc())
             if answer is not None and answer.get("taking") is True:
                 self.offer_counters["offers_taken"] += 1
                 await asyncio.sleep(self.holds.hold_ms / 1000.0)
@@ -660,14 +680,25 @@ class MeshLink:
         if reoffer and hold.model in self.runtimes:  # (a reload may have removed the model)
             self.slot_freed(self.queues.of(hold.model))
 
-    def claim(self, model: str, offer_id: str | None, peer: NodeId | None) -> Backend | None:
-        """The backend of the slot held for ``offer_id`` when this forward (from ``peer``)
-        claims it, else None (admit it like any other forward)."""
+    def claim(self, model: str, offer_id: str | None, peer: NodeId | None,
+              priority: Priority | None = None) -> Backend | None:
+        """The backend of the slot held for ``offer_id`` when this forward (from ``peer``, its
+        key's verified ``priority``; None: not checked) claims it, else None (admit it like
+        any other forward). A claim below the priority its origin's want stated is refused:
+        the origin inflated its want (docs/security.md, "Priorities"); it gets a strike and
+        the slot goes to the next in line before this forward is admitted like any other."""
         if not offer_id:
             return None
         hold = self.holds.claim(offer_id, peer, model)
         if hold is None:
             self.offer_counters["claims_unknown"] += 1
+            return None
+        if priority is not None and hold.below(priority):
+            self.offer_counters["claims_below_priority"] += 1
+            assert hold.priority is not None
+            self._strike(hold, f"claimed an offer made for its {hold.priority.value}-priority want with a "
+                               f"{priority.value}-priority key")
+            self._free_hold(hold)
             return None
         self.offer_counters["claims"] += 1
         self.wants.claimed(hold.peer)

@@ -1,4 +1,4 @@
-"""Slot offers: a slot that frees goes to the oldest request waiting anywhere in the mesh.
+"""Slot offers: a slot that frees goes to the first request waiting anywhere in the mesh.
 
 Pure: no asyncio, no I/O; an injected monotonic clock in milliseconds. The agent's glue is
 ``viiwork.agent.peering.mesh_link`` (messages over the mesh listener's mutual TLS, so the sender of
@@ -9,19 +9,29 @@ Why: capacity summaries are up to a second old, so an origin with queued request
 that a slot freed elsewhere up to a second late, while the slot stays idle. In the routing
 simulation (8 nodes x 4 slots, 80% load, docs/benchmarks-routing.md) that lag alone put
 the p99 queueing delay at 1.7x an ideal global FIFO queue. With offers, a freed slot is
-handed to the oldest waiter the freeing node knows of within about one round trip.
+handed to the first waiter the freeing node knows of (the highest priority, then the
+oldest) within about one round trip.
 
 The exchange, for model ``M``:
 
-1. **want**: an origin whose queue for ``M`` gets a new oldest waiter (or empties) tells
-   the peers serving ``M``: ``{"model": M, "waiting": n, "oldest_ms": age}``. The receiver
-   keeps it in its :class:`WantBook` (``waiting`` 0 removes the entry).
+1. **want**: an origin whose queue for ``M`` gets a new head (its highest priority waiting,
+   or the oldest waiter of it, changes; or it empties) tells the peers serving ``M``:
+   ``{"model": M, "waiting": n, "oldest_ms": age, "ext": {"priority": [1, p]}}``, ``age``
+   that of the oldest waiter of the highest priority ``p`` waiting (``ext``: the
+   ``priority`` extension of mesh/extensions.py; older nodes read the first three fields
+   only, and a want without it ranks ``normal``). The receiver keeps it in its
+   :class:`WantBook` (``waiting`` 0 removes the entry).
 2. **offer**: a node whose slot for ``M`` frees asks :meth:`WantBook.pick`; when a remote
-   waiter is older than its own oldest, it keeps the slot (a :class:`Hold`) and offers it
-   to that origin; otherwise its own queue takes the slot as before.
-3. **claim**: the origin answers ``taking`` and forwards its oldest waiting request with
-   the offer's id; the holder admits it into the held slot (:meth:`Holds.claim`, only
-   from the peer the offer went to). An origin with nothing waiting any more answers
+   want comes first (a higher priority than its own queue's head, or the same and older),
+   it keeps the slot (a :class:`Hold`, noting the priority it was made for) and offers it
+   to that origin, ``{"model": M, "offer": id, "ext": {"priority": [1, p]}}``; otherwise
+   its own queue takes the slot as before.
+3. **claim**: the origin answers ``taking`` and forwards its first waiting request of at
+   least priority ``p`` with the offer's id; the holder admits it into the held slot
+   (:meth:`Holds.claim`, only from the peer the offer went to) once the forward's key,
+   verified again there, has at least that priority (agent/peering/mesh_link.py: a claim
+   below it is a strike, and the slot goes to the next in line). An origin with nothing
+   (of that priority) waiting any more answers
    ``not taking``; the holder frees the slot and asks :meth:`WantBook.pick` again (the
    origin that declined is forgotten until it announces again).
 4. A hold that is not claimed within :data:`HOLD_MS` of the origin's answer (the answer
@@ -44,7 +54,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from viiwork.agent.config.schema import MAX_DURATION_S
+from viiwork.agent.serving.turns import RANK
 from viiwork.agent.supervision.backends import Backend
+from viiwork.mesh.extensions import PRIORITY, ExtensionError, Extensions, Priority, decode_extensions
 from viiwork.mesh.identity import NodeId
 
 OFFER_HEADER = "X-Viiwork-Offer"  # on a forward: the id of the offer whose held slot it claims
@@ -62,14 +74,35 @@ class WantError(ValueError):
     """A malformed want or offer message; the message names the field."""
 
 
+def _priority_ext(doc: dict[str, Any], what: str) -> Priority | None:
+    """The ``priority`` extension of a want or offer message (mesh/extensions.py): None when
+    ``ext`` is absent or does not carry one this node understands (ignored, as in a
+    summary); :class:`WantError` when ``ext`` breaks the extensions' bounds."""
+    if "ext" not in doc:
+        return None
+    try:
+        return decode_extensions(doc["ext"], where=f"{what}.ext").get(PRIORITY)
+    except ExtensionError as exc:
+        raise WantError(str(exc)) from None
+
+
+def _with_priority(doc: dict[str, Any], priority: Priority | None) -> dict[str, Any]:
+    if priority is not None:
+        doc["ext"] = Extensions.of({PRIORITY: priority}).encode()
+    return doc
+
+
 @dataclass(frozen=True, slots=True)
 class Want:
     """A want message: ``model``, ``waiting`` (requests queued at the origin, 0 = none),
-    ``oldest_ms`` (age of the oldest, ms; 0 when none)."""
+    ``oldest_ms`` (age of the oldest of the highest priority waiting, ms; 0 when none),
+    ``priority`` (that priority; None: the origin did not say, an older node, ranked
+    ``normal`` and never checked)."""
 
     model: str
     waiting: int
     oldest_ms: float
+    priority: Priority | None = None
 
     @classmethod
     def parse(cls, doc: Any) -> Want:
@@ -83,14 +116,33 @@ class Want:
             raise WantError(f"want.waiting must be an integer from 0 to {MAX_WAITING}")
         if isinstance(oldest, bool) or not isinstance(oldest, int | float) or not 0 <= oldest <= MAX_OLDEST_MS:
             raise WantError(f"want.oldest_ms must be a number of milliseconds from 0 to {MAX_OLDEST_MS:.0f}")
-        return cls(model, waiting, float(oldest))
+        return cls(model, waiting, float(oldest), _priority_ext(doc, "want"))
+
+    @property
+    def rank(self) -> int:
+        """Its priority's rank (``agent/serving/turns.py``; ``normal`` when not stated)."""
+        return RANK[self.priority or Priority.NORMAL]
 
     def doc(self) -> dict[str, Any]:
-        return {"model": self.model, "waiting": self.waiting, "oldest_ms": round(self.oldest_ms, 1)}
+        doc = {"model": self.model, "waiting": self.waiting, "oldest_ms": round(self.oldest_ms, 1)}
+        return _with_priority(doc, self.priority)
 
 
-def parse_offer(doc: Any) -> tuple[str, str]:
-    """An offer message ``{"model": M, "offer": id}`` -> (model, offer id); raises
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """An offer message: ``model``, ``offer_id``, and ``priority``: the priority of the want
+    it was made for (None: not stated, an older node; any waiter may take it)."""
+
+    model: str
+    offer_id: str
+    priority: Priority | None = None
+
+    def doc(self) -> dict[str, Any]:
+        return _with_priority({"model": self.model, "offer": self.offer_id}, self.priority)
+
+
+def parse_offer(doc: Any) -> Offer:
+    """An offer message ``{"model": M, "offer": id, "ext"?: {"priority": [1, p]}}``; raises
     :class:`WantError` naming the bad field."""
     if not isinstance(doc, dict):
         raise WantError("offer must be a JSON object")
@@ -99,14 +151,20 @@ def parse_offer(doc: Any) -> tuple[str, str]:
         raise WantError("offer.model must be a non-empty string of at most 256 characters")
     if not isinstance(offer, str) or not 1 <= len(offer) <= 64:
         raise WantError("offer.offer must be a string of 1 to 64 characters")
-    return model, offer
+    return Offer(model, offer, _priority_ext(doc, "offer"))
 
 
 @dataclass(slots=True)
 class _Entry:
-    oldest_at_ms: float  # when the origin's oldest waiter arrived, by this node's clock
+    oldest_at_ms: float  # when the origin's oldest waiter (of its priority) arrived, by this node's clock
     waiting: int
     heard_at_ms: float
+    priority: Priority | None  # as the want stated it (None: not stated, ranks normal)
+
+    @property
+    def key(self) -> tuple[int, float]:
+        """Smaller comes first: the priority's rank, then when the waiter arrived."""
+        return RANK[self.priority or Priority.NORMAL], self.oldest_at_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,29 +219,36 @@ class WantBook:
                 del self._models[want.model]
             return
         now = self.clock()
-        book[peer] = _Entry(now - min(want.oldest_ms, self.max_age_ms), want.waiting, now)
+        book[peer] = _Entry(now - min(want.oldest_ms, self.max_age_ms), want.waiting, now, want.priority)
 
     def pick(self, model: str, own_oldest_ms: float | None,
-             eligible: Callable[[NodeId], bool] = lambda _peer: True) -> NodeId | None:
+             eligible: Callable[[NodeId], bool] = lambda _peer: True,
+             own_priority: Priority = Priority.NORMAL) -> NodeId | None:
         """The origin that should get a slot of ``model`` that just freed here: the one
-        whose oldest waiter is older than this node's own oldest (``own_oldest_ms``: its
-        age, None when nothing waits here); None: this node's own queue (or nobody) takes
-        it. Ties go to this node (no round trip). Only peers for which ``eligible`` is true
-        (alive, still serving the model) and whose wants are not ignored for a strike
-        (:meth:`unclaimed`) are considered."""
+        whose want comes before this node's own queue's head (``own_priority``, and
+        ``own_oldest_ms``: the age of its oldest waiter of that priority, None when nothing
+        waits here): a higher priority, or the same and an older waiter. None: this node's
+        own queue (or nobody) takes it. Ties go to this node (no round trip). Only peers
+        for which ``eligible`` is true (alive, still serving the model) and whose wants are
+        not ignored for a strike (:meth:`unclaimed`) are considered."""
         book = self._models.get(model)
         if not book:
             return None
         now = self.clock()
         best: NodeId | None = None
-        best_at = now - own_oldest_ms if own_oldest_ms is not None else float("inf")
+        best_key = (RANK[own_priority], now - own_oldest_ms) if own_oldest_ms is not None else (len(RANK), 0.0)
         for peer, entry in list(book.items()):
             if now - entry.heard_at_ms > self.ttl_ms:
                 del book[peer]
                 continue
-            if entry.oldest_at_ms < best_at and not self.ignored(peer, now) and eligible(peer):
-                best, best_at = peer, entry.oldest_at_ms
+            if entry.key < best_key and not self.ignored(peer, now) and eligible(peer):
+                best, best_key = peer, entry.key
         return best
+
+    def priority_of(self, peer: NodeId, model: str) -> Priority | None:
+        """The priority ``peer``'s want for ``model`` stated (None: none stated, or no want)."""
+        entry = self._models.get(model, {}).get(peer)
+        return None if entry is None else entry.priority
 
     def ignored(self, peer: NodeId, now: float | None = None) -> bool:
         """Are ``peer``'s wants ignored now (a strike's time not yet over)?"""
@@ -235,14 +300,21 @@ class WantBook:
 @dataclass(frozen=True, slots=True)
 class Hold:
     """A slot kept for an offer: ``offer_id``, ``model``, the ``peer`` it was offered to,
-    the ``backend`` whose slot is taken (the one the caller's admission returned), and
-    ``made_at_ms``."""
+    the ``backend`` whose slot is taken (the one the caller's admission returned),
+    ``made_at_ms``, and ``priority``: what the want it answers stated (None: not stated;
+    the claim is then not checked)."""
 
     offer_id: str
     model: str
     peer: NodeId
     backend: Backend
     made_at_ms: float
+    priority: Priority | None = None
+
+    def below(self, priority: Priority) -> bool:
+        """Would a claim whose key has ``priority`` be below what the want stated (a member
+        that inflated its want's priority)?"""
+        return self.priority is not None and RANK[priority] > RANK[self.priority]
 
 
 class Holds:
@@ -257,8 +329,8 @@ class Holds:
     def __len__(self) -> int:
         return len(self._holds)
 
-    def add(self, model: str, peer: NodeId, backend: Backend) -> Hold:
-        hold = Hold(secrets.token_hex(8), model, peer, backend, self.clock())
+    def add(self, model: str, peer: NodeId, backend: Backend, priority: Priority | None = None) -> Hold:
+        hold = Hold(secrets.token_hex(8), model, peer, backend, self.clock(), priority)
         self._holds[hold.offer_id] = hold
         return hold
 

@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from viiwork import __version__
-from viiwork.agent.auth.gate import AuthGate
+from viiwork.agent.auth.gate import AuthGate, claims_of
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
@@ -236,7 +236,8 @@ class ClientApi:
             return self._refused_early(started, refusal, "client key refused")
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
-                    affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"))
+                    affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"),
+                    **_queue_place(request))
         outcome = await self.pipeline.run(call)
         response = _render(outcome)
         # A model no node serves is counted as "-": a client cannot grow /metrics at will
@@ -270,7 +271,7 @@ class ClientApi:
         if self.auth is not None and (refusal := self.auth.check_forwarded(request, model)) is not None:
             return refusal
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
-                    request_id)
+                    request_id, **_queue_place(request))
         return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
 
     def _refused_early(self, started: float, response: web.StreamResponse, message: str) -> web.StreamResponse:
@@ -375,6 +376,13 @@ class ClientApi:
         """GET /metrics: Prometheus text (OpenMetrics when ``Accept`` asks), docs/metrics.md."""
         body, content_type = exposition(self.registry, request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+def _queue_place(request: web.Request) -> dict[str, Any]:
+    """A :class:`Call`'s ``priority`` and ``tenant``: its verified key's (for a forward, as this
+    node verified it again); none without keys (``normal``, one tenant: plain FIFO)."""
+    claims = claims_of(request)
+    return {} if claims is None else {"priority": claims.priority, "tenant": claims.tenant}
+
 
 def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:
     """The pipeline's outcome as the client's answer: a refusal as an OpenAI-shaped error

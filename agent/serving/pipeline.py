@@ -46,6 +46,7 @@ from viiwork.agent.serving.proxy import BROKE, Failed, Refused, Upstream
 from viiwork.agent.serving.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
 from viiwork.agent.serving.waitqueue import Queues, Waiter, WaitQueue
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
+from viiwork.mesh.extensions import Priority
 from viiwork.mesh.identity import NodeId
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,10 @@ class Call:
     # Seconds from admission to its last dispatch to a backend or peer (X-Viiwork-Queued-Ms);
     # None while it has not been dispatched (refused, or timed out in the queue).
     queued_s: float | None = None
+    # Its key's priority and tenant (agent/auth; normal and "" without keys): its place in the
+    # origin queue (agent/serving/turns.py), and on a forward the priority a claim is checked at.
+    priority: Priority = Priority.NORMAL
+    tenant: str = ""
 
 
 class Peers(Protocol):
@@ -108,9 +113,10 @@ class Peers(Protocol):
     def claim(self, model: str, offer_id: str | None, origin: NodeId | None) -> Backend | None:
         """The slot held for ``origin``'s offer ``offer_id``, or None."""
 
-    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None) -> Backend | None:
-        """The slot for a request ``origin`` forwarded: the one held for its offer, else a
-        free one (never queued); None when there is none."""
+    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None,
+                      priority: Priority = Priority.NORMAL) -> Backend | None:
+        """The slot for a request ``origin`` forwarded (its key's verified ``priority``): the
+        one held for its offer, else a free one (never queued); None when there is none."""
 
     def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
         """Serve ``handler`` for forwards from peers at ``paths`` (counted in ``in_flight``)."""
@@ -170,7 +176,8 @@ class NoPeers:
     def claim(self, model: str, offer_id: str | None, origin: NodeId | None) -> Backend | None:
         return None
 
-    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None) -> Backend | None:
+    def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None,
+                      priority: Priority = Priority.NORMAL) -> Backend | None:
         return None
 
     def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
@@ -222,10 +229,11 @@ class Pipeline:
         # Its failures before the first byte, counted for outlier ejection when it ends (_settle).
         held: list[_Held] | None = None
         here = self.peers.is_here(call.host)
-        if queue.ahead(call.host, here):  # never overtake a waiting request: wait behind it
+        # Never overtake a waiting request served before it (agent/serving/turns.py): wait behind it.
+        if queue.ahead(call.host, here, priority=call.priority, tenant=call.tenant):
             if queue.full():
                 return self._queue_full(queue)
-            waiter = queue.enter(call.host, here)
+            waiter = queue.enter(call.host, here, priority=call.priority, tenant=call.tenant)
         behind = waiter is not None
         try:
             while True:
@@ -316,7 +324,8 @@ class Pipeline:
                     # In its place by arrival: a request refused elsewhere first is not
                     # put behind those that came after it.
                     arrived = time.monotonic() - (loop.time() - started)
-                    waiter = queue.enter(call.host, here and not avoid, arrived)
+                    waiter = queue.enter(call.host, here and not avoid, arrived, priority=call.priority,
+                                         tenant=call.tenant)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return self._give_up(call, held, failed) if failed is not None else self._queue_timeout(queue)
@@ -348,7 +357,7 @@ class Pipeline:
         refusal = self._gate(model, call)
         if refusal is not None:
             return refusal
-        backend = self.peers.admit_forward(queue, offer_id, origin)
+        backend = self.peers.admit_forward(queue, offer_id, origin, call.priority)
         if backend is None:
             return _refusal(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
         log.debug("request %s for %s forwarded by %s runs on %s", call.request_id, model,

@@ -1,19 +1,23 @@
-"""The origin queue: one FIFO of waiting requests per model, and the local slots they take.
+"""The origin queue: the waiting requests of one model, and the local slots they take.
 
 A request that finds no free slot anywhere waits here (``agent/serving/pipeline.py``), on a node
-with or without ``[mesh]`` alike. A slot that frees goes to the oldest waiter, one waiter
-per slot:
+with or without ``[mesh]`` alike. Waiters are served in the order of
+``agent/serving/turns.py``: higher priority first, tenants taking turns within a priority,
+FIFO within a tenant (plain FIFO with keys off: one priority, one tenant). A slot that frees
+goes to the first waiter in that order that may take it, one waiter per slot:
 
-- a local slot: :meth:`WaitQueue.grant` takes it for the oldest waiter that may run here
+- a local slot: :meth:`WaitQueue.grant` takes it for the first waiter that may run here
   (not pinned to another node) and wakes only that one;
 - a peer's held slot (slot offers, ``agent/peering/offers.py``): :meth:`WaitQueue.give_offer`
-  hands it to the oldest waiter that may run on that peer;
+  hands it to the first waiter that may run on that peer (of at least the priority the
+  offer was made for);
 - news that may free capacity elsewhere (a fresher peer summary, a backend that changed
-  state): :meth:`WaitQueue.wake` lets every waiter route again, in arrival order (the event
+  state): :meth:`WaitQueue.wake` lets every waiter route again, in serving order (the event
   loop resumes woken tasks in the order they were woken); a parked waiter also routes again
   at least every :data:`REROUTE_S`.
 
-A new arrival never overtakes a waiter (the pipeline makes it wait behind). While its
+A new arrival never overtakes a waiter that comes before it in that order (the pipeline
+makes it wait behind). While its
 forward to a peer is in flight a waiter is ``dispatched``: it does not count as waiting and
 is back in its place if the peer refuses. ``routing.queue_max`` and
 ``routing.queue_timeout_s`` are enforced here (:meth:`WaitQueue.full`, the deadline of
@@ -26,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from viiwork.agent.serving.turns import RANK, Turns
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
+from viiwork.mesh.extensions import Priority
 from viiwork.mesh.identity import NodeId
 
 REROUTE_S = 0.5  # a parked waiter routes again at least this often
@@ -42,7 +47,9 @@ class Waiter:
     ``arrived`` (monotonic s); ``host``: its pinned node (id or name) or None; ``here``:
     it may run on this node; ``grant``: a local slot taken for it; ``offer``: ``(peer,
     offer id)`` when a peer offered it a held slot; ``parked`` while it waits;
-    ``dispatched`` while it is being forwarded (it waits no more unless the peer refuses)."""
+    ``dispatched`` while it is being forwarded (it waits no more unless the peer refuses);
+    ``priority`` and ``tenant``: its key's (``normal`` and ``""`` without keys), its place in
+    ``agent/serving/turns.py``'s order."""
 
     event: asyncio.Event
     arrived: float
@@ -52,10 +59,12 @@ class Waiter:
     offer: tuple[NodeId, str] | None = None
     parked: bool = False
     dispatched: bool = False
+    priority: Priority = Priority.NORMAL
+    tenant: str = ""
 
 
 class WaitQueue:
-    """The origin's FIFO for one model, and the model's local slots (see the module doc).
+    """The origin's queue for one model, and the model's local slots (see the module doc).
 
     ``runtimes``: the node's models by name, read at each use (a reload may replace them);
     ``on_head_change``: called when the oldest waiting request changes (to announce it).
@@ -68,7 +77,7 @@ class WaitQueue:
         self.queue_max = queue_max
         self.timeout_s = timeout_s
         self.on_head_change = on_head_change
-        self._waiters: deque[Waiter] = deque()
+        self._waiters: Turns[Waiter] = Turns()
 
     # -- local slots ---------------------------------------------------------------------
 
@@ -95,8 +104,8 @@ class WaitQueue:
         backend.end_request()
 
     def grant(self) -> None:
-        """Hand free local slots to the oldest waiters that may run here, one slot each."""
-        for waiter in self._waiters:
+        """Hand free local slots to the first waiters that may run here, one slot each."""
+        for waiter in self._waiters.order():
             if waiter.here and not waiter.dispatched and waiter.grant is None and waiter.offer is None:
                 backend = self.take()
                 if backend is None:
@@ -117,44 +126,46 @@ class WaitQueue:
     def full(self) -> bool:
         return len(self) >= self.queue_max
 
-    def _head(self) -> Waiter | None:
-        return next((w for w in self._waiters if not w.dispatched), None)
+    def _head(self) -> tuple[Priority, float] | None:
+        return self.head_want()
 
-    def _changed(self, head: Waiter | None) -> None:
-        if self._head() is not head and self.on_head_change is not None:
+    def _changed(self, head: tuple[Priority, float] | None) -> None:
+        if self._head() != head and self.on_head_change is not None:
             self.on_head_change()
 
-    def ahead(self, host: str | None, here: bool) -> bool:
-        """A request waits here that a new one (pinned to ``host``, None: not pinned) must not
-        overtake: one that could take the slot the new one would, i.e. an unpinned waiter, or
-        one pinned to the same node. A waiter pinned to a node waits only while that node is
-        busy (a slot freed there is handed to it first), so it holds back no request that can
-        run elsewhere. ``here`` (the new request may run on this node) is for the caller's
-        records; it does not change the answer."""
-        for w in self._waiters:
+    def ahead(self, host: str | None, here: bool, *, priority: Priority = Priority.NORMAL, tenant: str = "") -> bool:
+        """A request waits here that a new one (pinned to ``host``, None: not pinned; of
+        ``priority`` and ``tenant``) must not overtake: one that comes before it in serving
+        order (``agent/serving/turns.py``: a higher priority, or its tenant's turn first) and
+        could take the slot the new one would, i.e. an unpinned waiter, or one pinned to the
+        same node. A waiter pinned to a node waits only while that node is busy (a slot freed
+        there is handed to it first), so it holds back no request that can run elsewhere.
+        ``here`` (the new request may run on this node) is for the caller's records; it does
+        not change the answer."""
+        place = self._waiters.place_for(priority, tenant, time.monotonic())
+        for at, w in self._waiters.ranked():
+            if at >= place:
+                return False
             if not w.dispatched and (w.host is None or w.host == host):
                 return True
         return False
 
-    def enter(self, host: str | None = None, here: bool = True, arrived: float | None = None) -> Waiter:
-        """A new waiter, in arrival order: ``arrived`` (monotonic s; default now) places a
-        request that arrived earlier (it was refused elsewhere first) before later ones."""
+    def enter(self, host: str | None = None, here: bool = True, arrived: float | None = None, *,
+              priority: Priority = Priority.NORMAL, tenant: str = "") -> Waiter:
+        """A new waiter, in its place (``agent/serving/turns.py``): ``arrived`` (monotonic s;
+        default now) places a request that arrived earlier (it was refused elsewhere first)
+        before later ones of its priority and tenant."""
         head = self._head()
-        waiter = Waiter(asyncio.Event(), time.monotonic() if arrived is None else arrived, host, here)
-        if arrived is None or not self._waiters or self._waiters[-1].arrived <= arrived:
-            self._waiters.append(waiter)
-        else:
-            at = next(i for i, w in enumerate(self._waiters) if w.arrived > arrived)
-            self._waiters.insert(at, waiter)
+        waiter = Waiter(asyncio.Event(), time.monotonic() if arrived is None else arrived, host, here,
+                        priority=priority, tenant=tenant)
+        self._waiters.add(waiter, priority, tenant, waiter.arrived)
         self._changed(head)
         return waiter
 
     def leave(self, waiter: Waiter) -> Backend | None:
         """``waiter`` leaves; returns the slot granted to it and not used (the caller frees it)."""
         head = self._head()
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
+        if not self._waiters.remove(waiter):
             return None
         self._changed(head)
         unused, waiter.grant = waiter.grant, None
@@ -167,21 +178,39 @@ class WaitQueue:
         self._changed(head)
 
     def wake(self) -> None:
-        for waiter in self._waiters:
+        for waiter in self._waiters.order():
             if not waiter.dispatched:
                 waiter.event.set()
 
-    def oldest(self) -> float | None:
-        """When the oldest waiting request arrived (monotonic s), or None."""
-        head = self._head()
-        return None if head is None else head.arrived
+    def head_want(self) -> tuple[Priority, float] | None:
+        """What this queue asks of a freed slot (a want, agent/peering/offers.py): the highest
+        priority waiting (not dispatched), and when the oldest request of that priority
+        arrived (monotonic s); None when nothing waits."""
+        best: tuple[int, float] | None = None
+        for w in self._waiters.order():
+            if not w.dispatched:
+                key = (RANK[w.priority], w.arrived)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            return None
+        return next(p for p, r in RANK.items() if r == best[0]), best[1]
 
-    def give_offer(self, peer: NodeId, peer_name: str, offer_id: str) -> bool:
-        """Hand a slot offered by ``peer`` to the oldest parked waiter that may run there
-        (not pinned to another node); False when none can take it."""
-        for waiter in self._waiters:
+    def oldest(self) -> float | None:
+        """When the oldest waiting request of the highest priority waiting arrived
+        (monotonic s), or None (:meth:`head_want` without the priority)."""
+        head = self.head_want()
+        return None if head is None else head[1]
+
+    def give_offer(self, peer: NodeId, peer_name: str, offer_id: str,
+                   at_least: Priority = Priority.LOW) -> bool:
+        """Hand a slot offered by ``peer`` to the first parked waiter in serving order that may
+        run there (not pinned to another node) and whose priority is ``at_least`` (the
+        priority the offer was made for: the holder checks the claim's key against it); False
+        when none can take it."""
+        for waiter in self._waiters.order():
             if (waiter.parked and not waiter.dispatched and waiter.offer is None and waiter.grant is None
-                    and waiter.host in (None, peer, peer_name)):
+                    and waiter.host in (None, peer, peer_name) and RANK[waiter.priority] <= RANK[at_least]):
                 waiter.offer = (peer, offer_id)
                 waiter.parked = False
                 waiter.event.set()
@@ -207,9 +236,10 @@ class WaitQueue:
 class Queues:
     """Every model's :class:`WaitQueue` on this node, made on first use.
 
-    ``head_listeners``: called with the model's name when its oldest waiter changes (the
-    mesh link announces it to peers). A backend that changes state or capacity hands free
-    slots to the oldest waiters and lets the others route again.
+    ``head_listeners``: called with the model's name when its head changes
+    (:meth:`WaitQueue.head_want`; the mesh link announces it to peers). A backend that
+    changes state or capacity hands free slots to the first waiters and lets the others
+    route again.
     """
 
     def __init__(self, runtimes: Mapping[str, ModelRuntime], queue_max: int, queue_timeout_s: float) -> None:

@@ -165,3 +165,27 @@ async def test_a_request_refused_elsewhere_waits_in_its_arrival_place() -> None:
     assert first.grant is held
     assert all(w.grant is None for w in later)
     assert q.oldest() == first.arrived
+
+
+async def test_a_freed_slot_goes_by_priority_then_tenant_turns() -> None:
+    """Issue 17 item 7: with keys, a higher priority first, tenants in turn within one
+    (agent/serving/turns.py); a new request waits only behind waiters served before it."""
+    from viiwork.mesh.extensions import Priority
+
+    rt = runtime(1)
+    q = queues(rt, queue_max=16).of("m")
+    held = q.take()
+    assert held is not None
+    burst = [q.enter(priority=Priority.LOW, tenant="bulk") for _ in range(5)]
+    assert not q.ahead(None, True, priority=Priority.HIGH, tenant="web")  # low waiters do not hold it back
+    assert q.ahead(None, True, priority=Priority.LOW, tenant="other")  # the burst's first does
+    urgent = q.enter(priority=Priority.HIGH, tenant="web")
+    other = q.enter(priority=Priority.LOW, tenant="other")
+    served = []
+    for _ in range(4):
+        q.release(held)
+        q.grant()
+        (winner,) = [w for w in [*burst, urgent, other] if w.grant is not None]
+        served.append(winner)
+        q.leave(winner)
+    assert served == [urgent, burst[0], other, burst[1]]

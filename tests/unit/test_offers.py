@@ -12,11 +12,13 @@ from viiwork.agent.peering.offers import (
     STRIKE_LOG_MS,
     STRIKE_MAX_MS,
     Holds,
+    Offer,
     Want,
     WantBook,
     WantError,
     parse_offer,
 )
+from viiwork.mesh.extensions import Priority
 from viiwork.mesh.identity import NodeId
 
 A, B, C = NodeId("a" * 16), NodeId("b" * 16), NodeId("c" * 16)
@@ -275,7 +277,65 @@ def test_malformed_wants_name_the_field(doc: object, field: str) -> None:
 
 
 def test_offer_parses() -> None:
-    assert parse_offer({"model": "m", "offer": "0123abcd"}) == ("m", "0123abcd")
+    assert parse_offer({"model": "m", "offer": "0123abcd"}) == Offer("m", "0123abcd")
+    offer = Offer("m", "0123abcd", Priority.HIGH)
+    assert offer.doc() == {"model": "m", "offer": "0123abcd", "ext": {"priority": [1, "high"]}}
+    assert parse_offer(offer.doc()) == offer
+
+
+def test_a_wants_priority_travels_as_an_extension_and_older_fields_stay() -> None:
+    want = Want("m", 2, 50.0, Priority.LOW)
+    doc = want.doc()
+    assert doc == {"model": "m", "waiting": 2, "oldest_ms": 50.0, "ext": {"priority": [1, "low"]}}
+    assert Want.parse(doc) == want
+    # What an older node reads (it takes the three fields and ignores the rest): the same want, unranked.
+    assert Want.parse({k: v for k, v in doc.items() if k != "ext"}) == Want("m", 2, 50.0)
+    # An extension this node does not understand is ignored, as in a summary: no priority stated.
+    for ext in ({"priority": [2, "urgent"]}, {"priority": [1, "urgent"]}, {"later": [1, {"x": 1}]}):
+        assert Want.parse({**doc, "ext": ext}).priority is None
+
+
+@pytest.mark.parametrize("ext", [[], {}, {"priority": "high"}, {"Priority": [1, "high"]}, {"priority": [1, 0.5]},
+                                 {"priority": [1, "x" * 2000]}])
+def test_an_ext_that_breaks_the_bounds_is_a_malformed_want(ext: object) -> None:
+    with pytest.raises(WantError, match="want.ext"):
+        Want.parse({"model": "m", "waiting": 1, "oldest_ms": 5, "ext": ext})
+    with pytest.raises(WantError, match="offer.ext"):
+        parse_offer({"model": "m", "offer": "o", "ext": ext})
+
+
+def test_a_higher_priority_want_beats_an_older_lower_one(book: WantBook, clock: Clock) -> None:
+    book.note(A, Want("m", 5, 9000.0, Priority.LOW))
+    book.note(B, Want("m", 1, 10.0, Priority.HIGH))
+    assert book.pick("m", None) == B
+    assert book.priority_of(B, "m") is Priority.HIGH and book.priority_of(A, "m") is Priority.LOW
+    # This node's own head competes by the same rule: its high waiter keeps the slot here ...
+    assert book.pick("m", 5.0, own_priority=Priority.HIGH) == B  # ... unless the remote one is older
+    assert book.pick("m", 20.0, own_priority=Priority.HIGH) is None
+    # ... and its normal waiter, however old, yields to the remote high one.
+    assert book.pick("m", 60_000.0, own_priority=Priority.NORMAL) == B
+    book.offered(B, "m")
+    assert book.pick("m", 60_000.0, own_priority=Priority.NORMAL) is None  # A's is low
+    assert book.pick("m", 1.0, own_priority=Priority.LOW) == A
+
+
+def test_a_want_without_priority_ranks_normal(book: WantBook) -> None:
+    book.note(A, Want("m", 1, 100.0))  # an older origin
+    assert book.pick("m", 50.0, own_priority=Priority.NORMAL) == A
+    assert book.pick("m", 5.0, own_priority=Priority.HIGH) is None
+    assert book.pick("m", 500.0, own_priority=Priority.LOW) == A
+    assert book.priority_of(A, "m") is None
+
+
+def test_a_hold_knows_which_claims_fall_below_its_want(clock: Clock) -> None:
+    holds = Holds(clock)
+    backend = object()
+    high = holds.add("m", A, backend, Priority.HIGH)  # type: ignore[arg-type]
+    assert high.below(Priority.NORMAL) and high.below(Priority.LOW) and not high.below(Priority.HIGH)
+    normal = holds.add("m", A, backend, Priority.NORMAL)  # type: ignore[arg-type]
+    assert normal.below(Priority.LOW) and not normal.below(Priority.HIGH)
+    unstated = holds.add("m", A, backend)  # type: ignore[arg-type]
+    assert not unstated.below(Priority.LOW)
 
 
 @pytest.mark.parametrize(("doc", "field"), [
@@ -334,6 +394,22 @@ def test_an_offer_goes_to_the_oldest_parked_waiter_that_may_run_there() -> None:
     assert pinned.offer is None
     assert q.give_offer(NodeId("e" * 16), "elsewhere", "o4")
     assert pinned.offer == (NodeId("e" * 16), "o4")
+
+
+def test_an_offer_goes_to_the_first_waiter_of_at_least_its_priority() -> None:
+    from viiwork.agent.serving.waitqueue import WaitQueue
+
+    q = WaitQueue("m", {}, 8, 1.0)
+    low = q.enter(priority=Priority.LOW, tenant="t")
+    normal = q.enter(priority=Priority.NORMAL, tenant="t")
+    low.parked = normal.parked = True
+    assert q.head_want() == (Priority.NORMAL, normal.arrived)
+    assert not q.give_offer(A, "node-a", "o1", Priority.HIGH)  # made for a high want: nobody here
+    assert q.give_offer(A, "node-a", "o2", Priority.LOW) and normal.offer == (A, "o2") and low.offer is None
+    high = q.enter(priority=Priority.HIGH, tenant="u")
+    high.parked = True
+    assert q.head_want() == (Priority.HIGH, high.arrived)
+    assert q.give_offer(A, "node-a", "o3", Priority.HIGH) and high.offer == (A, "o3")
 
 
 def test_a_dispatched_waiter_does_not_wait_unless_refused() -> None:
