@@ -28,9 +28,9 @@ forgotten (its next waiter starts at the virtual time: having waited is no debt)
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from viiwork.mesh.extensions import Priority
 
@@ -40,11 +40,10 @@ T = TypeVar("T", bound=Hashable)
 RANK: dict[Priority, int] = {Priority.HIGH: 0, Priority.NORMAL: 1, Priority.LOW: 2}
 
 
-@dataclass(frozen=True, order=True, slots=True)
-class Place:
+class Place(NamedTuple):
     """Where a waiter stands: compared as a tuple, the smaller is served first. ``rank`` of
     its priority (:data:`RANK`), its tenant's ``turn``, ``arrived`` (the caller's clock,
-    e.g. monotonic s), ``seq`` (entry order: ties)."""
+    e.g. monotonic s), ``seq`` (entry order: ties; unique per waiter)."""
 
     rank: int
     turn: int
@@ -65,15 +64,18 @@ class _Line(Generic[T]):
 class Turns(Generic[T]):
     """Waiters (any hashable items, each at most once) in serving order (see the module doc).
 
-    ``tenant`` is an opaque string (``""`` without keys). Every operation is O(n) at most in
-    the waiters of one tenant, except :meth:`order`, O(n log n) after a change (cached).
+    ``tenant`` is an opaque string (``""`` without keys). The order is kept as it changes: an
+    entry or a departure costs a binary search and a list insertion or deletion (a memmove) in
+    the waiters of its tenant and in all of them, plus a pass over the tenants waiting at its
+    priority (the virtual time); iterating is lazy (do not change the structure meanwhile).
     """
 
     def __init__(self) -> None:
         self._lines: dict[int, dict[str, _Line[T]]] = {}  # rank -> tenant -> line
-        self._where: dict[T, tuple[int, str]] = {}  # item -> (rank, tenant)
+        self._where: dict[T, tuple[str, Place]] = {}  # item -> (tenant, its place)
+        self._ranked: list[Place] = []  # every place, ascending
+        self._items: dict[int, T] = {}  # seq -> item
         self._seq = 0
-        self._ranked: list[tuple[Place, T]] | None = None
 
     def __len__(self) -> int:
         return len(self._where)
@@ -105,21 +107,30 @@ class Turns(Generic[T]):
             turn = line.turns[at]
         return Place(rank, turn, arrived, self._seq)
 
+    def _unrank(self, place: Place) -> None:
+        del self._ranked[bisect.bisect_left(self._ranked, place)]
+
     def add(self, item: T, priority: Priority, tenant: str, arrived: float) -> Place:
         """Enter ``item``; returns its place now. ValueError when it is already in."""
         if item in self._where:
             raise ValueError("already waiting")
-        place = self.place_for(priority, tenant, arrived)
         rank, line, at, turn = self._slot(priority, tenant, arrived)
         if line is None:
             line = self._lines.setdefault(rank, {})[tenant] = _Line()
+        # The turns stay with the places: the tenant's waiters from ``at`` on (later arrivals,
+        # when this one arrived earlier) each move one turn on.
+        for k in range(at, len(line.items)):
+            self._unrank(self._where[line.items[k]][1])
         line.items.insert(at, item)
         line.keys.insert(at, (arrived, self._seq))
         line.turns.append(turn)  # >= every turn in the line: the turns stay ascending
-        self._where[item] = (rank, tenant)
+        self._items[self._seq] = item
         self._seq += 1
-        self._ranked = None
-        return place
+        for k in range(at, len(line.items)):
+            place = Place(rank, line.turns[k], *line.keys[k])
+            self._where[line.items[k]] = (tenant, place)
+            bisect.insort(self._ranked, place)
+        return self._where[item][1]
 
     def remove(self, item: T) -> bool:
         """Take ``item`` out (served, gone or given up); False when it was not in. The turn of
@@ -127,48 +138,53 @@ class Turns(Generic[T]):
         where = self._where.pop(item, None)
         if where is None:
             return False
-        rank, tenant = where
-        lines = self._lines[rank]
+        tenant, place = where
+        lines = self._lines[place.rank]
         line = lines[tenant]
-        at = line.items.index(item)
+        at = bisect.bisect_left(line.keys, (place.arrived, place.seq))
         del line.items[at], line.keys[at], line.turns[at]
         if not line.items:
             del lines[tenant]
             if not lines:
-                del self._lines[rank]
-        self._ranked = None
+                del self._lines[place.rank]
+        self._unrank(place)
+        del self._items[place.seq]
         return True
 
     def place_of(self, item: T) -> Place:
         """``item``'s place now (KeyError when it is not in)."""
-        rank, tenant = self._where[item]
-        line = self._lines[rank][tenant]
-        at = line.items.index(item)
-        arrived, seq = line.keys[at]
-        return Place(rank, line.turns[at], arrived, seq)
+        return self._where[item][1]
 
     def priority_of(self, item: T) -> Priority:
         """``item``'s priority (KeyError when it is not in)."""
-        return _PRIORITY_OF_RANK[self._where[item][0]]
+        return _PRIORITY_OF_RANK[self._where[item][1].rank]
 
-    def ranked(self) -> list[tuple[Place, T]]:
-        """Every item with its place, the one to serve first first (a copy)."""
-        if self._ranked is None:
-            ranked: list[tuple[Place, T]] = []
-            for rank, lines in self._lines.items():
-                for line in lines.values():
-                    for item, (arrived, seq), turn in zip(line.items, line.keys, line.turns, strict=True):
-                        ranked.append((Place(rank, turn, arrived, seq), item))
-            ranked.sort(key=lambda pair: pair[0])
-            self._ranked = ranked
-        return list(self._ranked)
+    def ranked(self) -> Iterator[tuple[Place, T]]:
+        """Every item with its place, the one to serve first first (lazy)."""
+        items = self._items
+        return ((place, items[place.seq]) for place in self._ranked)
 
     def order(self) -> list[T]:
         """Every item, the one to serve first first (a copy)."""
-        return [item for _, item in self.ranked()]
+        return [self._items[place.seq] for place in self._ranked]
 
     def __iter__(self) -> Iterator[T]:
-        return iter(self.order())
+        items = self._items
+        return (items[place.seq] for place in self._ranked)
+
+    def first_by_arrival(self, rank: int, wanted: Callable[[T], bool]) -> Place | None:
+        """The place of the earliest arrival at ``rank`` among the items ``wanted`` accepts
+        (None when none): each tenant's line is in arrival order, so this reads only up to
+        the first wanted item of each tenant."""
+        best: Place | None = None
+        for line in self._lines.get(rank, {}).values():
+            for item in line.items:
+                if wanted(item):
+                    place = self._where[item][1]
+                    if best is None or (place.arrived, place.seq) < (best.arrived, best.seq):
+                        best = place
+                    break
+        return best
 
 
 _PRIORITY_OF_RANK = {rank: priority for priority, rank in RANK.items()}

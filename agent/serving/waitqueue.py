@@ -105,7 +105,7 @@ class WaitQueue:
 
     def grant(self) -> None:
         """Hand free local slots to the first waiters that may run here, one slot each."""
-        for waiter in self._waiters.order():
+        for waiter in self._waiters:
             if waiter.here and not waiter.dispatched and waiter.grant is None and waiter.offer is None:
                 backend = self.take()
                 if backend is None:
@@ -178,7 +178,7 @@ class WaitQueue:
         self._changed(head)
 
     def wake(self) -> None:
-        for waiter in self._waiters.order():
+        for waiter in self._waiters:
             if not waiter.dispatched:
                 waiter.event.set()
 
@@ -186,15 +186,12 @@ class WaitQueue:
         """What this queue asks of a freed slot (a want, agent/peering/offers.py): the highest
         priority waiting (not dispatched), and when the oldest request of that priority
         arrived (monotonic s); None when nothing waits."""
-        best: tuple[int, float] | None = None
-        for w in self._waiters.order():
-            if not w.dispatched:
-                key = (RANK[w.priority], w.arrived)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+        first = next((w for w in self._waiters if not w.dispatched), None)
+        if first is None:
             return None
-        return next(p for p, r in RANK.items() if r == best[0]), best[1]
+        oldest = self._waiters.first_by_arrival(RANK[first.priority], lambda w: not w.dispatched)
+        assert oldest is not None  # ``first`` is one
+        return first.priority, oldest.arrived
 
     def oldest(self) -> float | None:
         """When the oldest waiting request of the highest priority waiting arrived
@@ -208,7 +205,7 @@ class WaitQueue:
         run there (not pinned to another node) and whose priority is ``at_least`` (the
         priority the offer was made for: the holder checks the claim's key against it); False
         when none can take it."""
-        for waiter in self._waiters.order():
+        for waiter in self._waiters:
             if (waiter.parked and not waiter.dispatched and waiter.offer is None and waiter.grant is None
                     and waiter.host in (None, peer, peer_name) and RANK[waiter.priority] <= RANK[at_least]):
                 waiter.offer = (peer, offer_id)
