@@ -22,7 +22,9 @@ docs/routing.md, "The origin queue"):
 
 With keys off every waiter is ``normal`` and of one tenant: the order is plain FIFO by
 arrival (ties by entry). Memory: one entry per waiter; a tenant with nobody waiting is
-forgotten (its next waiter starts at the virtual time: having waited is no debt).
+forgotten (its next waiter starts at the virtual time: having waited is no debt). Cost: 30-60
+µs more per queued request than the deque it replaced, flat in the queue's length
+(docs/benchmarks-routing.md, "The origin queue's serving order").
 """
 
 from __future__ import annotations

@@ -136,6 +136,10 @@ def test_higher_priorities_first_and_fifo_within_a_priority_and_tenant(ops: list
             mine = [i for i in order if info[i][:2] == (priority, tenant)]
             assert mine == sorted(mine, key=lambda i: (info[i][2], info[i][3]))
     assert len(turns) == len(order) == len(set(order))
+    # The order kept as it changes is the order of the places, and each item's place is its own.
+    ranked = list(turns.ranked())
+    assert [place for place, _ in ranked] == sorted(turns.place_of(i) for i in order)
+    assert all(turns.place_of(item) == place for place, item in ranked)
 
 
 @settings(max_examples=300, deadline=None)
