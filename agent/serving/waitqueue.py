@@ -189,9 +189,10 @@ class WaitQueue:
         first = next((w for w in self._waiters if not w.dispatched), None)
         if first is None:
             return None
-        oldest = self._waiters.first_by_arrival(RANK[first.priority], lambda w: not w.dispatched)
+        rank = self._waiters.place_of(first).rank
+        oldest = self._waiters.first_by_arrival(rank, lambda w: not w.dispatched)
         assert oldest is not None  # ``first`` is one
-        return first.priority, oldest.arrived
+        return self._waiters.priority_of(first), oldest.arrived
 
     def oldest(self) -> float | None:
         """When the oldest waiting request of the highest priority waiting arrived

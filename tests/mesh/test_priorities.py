@@ -44,6 +44,7 @@ pytestmark = pytest.mark.timeout(120)
 MESH_ID = "priority-mesh"
 TOKEN_S = 0.05
 SERVICE_S = 0.25  # a "service time": how long each request of the burst holds the slot
+OCCUPY_S = 1.0  # the request in flight when the others queue
 
 
 def chat(seconds: float) -> dict:
@@ -149,33 +150,39 @@ async def test_a_low_priority_burst_does_not_delay_a_high_priority_request_beyon
     b = mesh.b
     await wait(b, idle, "node-b idle")
     runs = Finishes(http)
-    for i in range(20):
+    # The burst's first holds the slot long enough (OCCUPY_S) for the others to queue, on a loaded host too.
+    runs.send("low-running", b.url, mesh.keys["bulk_low"], OCCUPY_S)
+    await wait(b, lambda d: sum(x.get("busy", 0) for x in shared(d)["backends"]) == 1, "B's slot busy")
+    for i in range(19):
         runs.send(f"low{i}", b.url, mesh.keys["bulk_low"], SERVICE_S)
     await wait(b, lambda d: shared(d)["queued"] == 19, "the burst queued behind the one in flight")
-    sent = time.monotonic()
+    ended_before = len(runs.order)
     runs.send("high", b.url, mesh.keys["web_high"], SERVICE_S)
     await runs.all()
-    before = runs.order[:runs.order.index("high")]
-    assert len(before) <= 1, f"the high-priority request ended after {before}"
+    before = runs.order[ended_before:runs.order.index("high")]
+    assert before in ([], ["low-running"]), f"the high-priority request ended after {before}"
+    # It waited for the request in flight only: at most its service time (and a margin for a loaded host).
     queued_ms = float(runs.answers["high"][1]["X-Viiwork-Queued-Ms"])
-    # It waited for the request in flight only (<= one service time; twice that leaves room for a loaded host).
-    assert queued_ms <= 2 * SERVICE_S * 1000, (queued_ms, time.monotonic() - sent)
+    assert queued_ms <= OCCUPY_S * 1000 + 500, queued_ms
 
 
 async def test_two_tenants_of_one_priority_take_turns(mesh: Mesh, http: aiohttp.ClientSession) -> None:
     b = mesh.b
     await wait(b, idle, "node-b idle")
     runs = Finishes(http)
-    for i in range(8):
+    runs.send("x-running", b.url, mesh.keys["x"], OCCUPY_S)
+    await wait(b, lambda d: sum(x.get("busy", 0) for x in shared(d)["backends"]) == 1, "B's slot busy")
+    for i in range(7):
         runs.send(f"x{i}", b.url, mesh.keys["x"], 0.2)
     await wait(b, lambda d: shared(d)["queued"] == 7, "x's burst queued")
+    ended_before = len(runs.order)
     for i in range(3):
         runs.send(f"y{i}", b.url, mesh.keys["y"], 0.2)
     await runs.all()
-    tenants = "".join(label[0] for label in runs.order)
+    tenants = "".join(label[0] for label in runs.order[ended_before:])
     # y arrived behind x's 7 waiting: it waits one of x's turns per request, not the burst.
     first, last = tenants.index("y"), tenants.rindex("y")
-    assert first <= 3 and tenants[first:last + 1] == "yxyxy", tenants
+    assert first <= 3 and tenants[first:last + 1] == "yxyxy", runs.order
 
 
 async def test_a_high_priority_want_beats_an_older_normal_waiter_for_a_freed_slot(
