@@ -205,7 +205,7 @@ class MeshLink:
         self._stopped = False
         # Set by begin_stop: the state published while the agent stops (leaving/restarting).
         self.leaving: PublishedState | None = None
-        # Slot offers (viiwork.agent.peering.offers): a new oldest waiter is announced to peers.
+        # Slot offers (viiwork.agent.peering.offers): a new head of a queue is announced to peers.
         queues.head_listeners.append(self._announce_soon)
         clock_ms = lambda: time.monotonic() * 1000.0  # noqa: E731
         # A want's age counts as at most this node's queue timeout (WantBook: why not the bound).
@@ -526,7 +526,7 @@ class MeshLink:
             return None
 
     def _announce_soon(self, model: str) -> None:
-        """The oldest waiter for ``model`` changed: announce once this loop turn ends (a
+        """The head of ``model``'s queue changed: announce once this loop turn ends (a
         burst of queue changes sends one message per peer)."""
         if (model in self._announce_due or self.session is None or self._stopped
                 or not self.config.routing.slot_offers):
@@ -570,7 +570,7 @@ class MeshLink:
         return error_response(400, str(exc), code=ErrorCode.INVALID_MESSAGE)
 
     async def handle_want(self, request: web.Request) -> web.Response:
-        """POST /mesh/v1/want from a peer (mutual TLS): its oldest waiter for a model."""
+        """POST /mesh/v1/want from a peer (mutual TLS): its queue's head for a model."""
         peer = peer_of(request)
         try:
             if peer is None:
@@ -588,8 +588,8 @@ class MeshLink:
         return web.Response(status=204)
 
     async def handle_offer(self, request: web.Request) -> web.Response:
-        """POST /mesh/v1/offer from a peer (mutual TLS): it keeps a slot for our oldest
-        waiter; answers ``{"taking": bool}``."""
+        """POST /mesh/v1/offer from a peer (mutual TLS): it keeps a slot for our first
+        waiter (of at least the offer's priority); answers ``{"taking": bool}``."""
         peer = peer_of(request)
         try:
             if peer is None:

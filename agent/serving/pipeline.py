@@ -10,8 +10,8 @@ request a peer forwarded here enters at "run locally" (``Pipeline.run_forwarded`
 without ``[mesh]`` runs the same pipeline with :class:`NoPeers`; with ``[mesh]`` the
 :class:`Peers` are ``viiwork.agent.peering.mesh_link.MeshLink`` (routing over the mesh table,
 forwarding over its mutual TLS, slot offers). Waiting is the model's origin queue
-(``agent/serving/waitqueue.py``): a freed slot, local or offered by a peer, goes to its oldest
-waiter. The HTTP layer (``agent/serving/api.py``) parses and validates the request before, and
+(``agent/serving/waitqueue.py``): a freed slot, local or offered by a peer, goes to its first
+waiter (the key's priority, then tenants in turn, then arrival). The HTTP layer (``agent/serving/api.py``) parses and validates the request before, and
 renders what this returns after: an upstream response, or a :class:`Refuse`.
 
 A failure before the first byte reached the client (an engine 5xx that is not the client's
@@ -106,7 +106,7 @@ class Peers(Protocol):
 
     def slot_freed(self, queue: WaitQueue) -> None:
         """A local slot of ``queue``'s model freed: hold it for an older waiter elsewhere,
-        or ``queue.grant()`` it to the oldest waiter here."""
+        or ``queue.grant()`` it to the first waiter here."""
 
     def peer_name(self, node_id: NodeId | None) -> str: ...
 
@@ -463,7 +463,7 @@ class Pipeline:
         return True
 
     def _free(self, queue: WaitQueue, backend: Backend) -> None:
-        """A local slot frees: it goes to the oldest waiter, here or (offers) elsewhere (an
+        """A local slot frees: it goes to the first waiter, here or (offers) elsewhere (an
         ejected backend's slot to no one: the waiters route again)."""
         queue.release(backend)
         self.peers.slot_freed(queue)

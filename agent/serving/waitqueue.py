@@ -67,7 +67,7 @@ class WaitQueue:
     """The origin's queue for one model, and the model's local slots (see the module doc).
 
     ``runtimes``: the node's models by name, read at each use (a reload may replace them);
-    ``on_head_change``: called when the oldest waiting request changes (to announce it).
+    ``on_head_change``: called when :meth:`head_want` changes (to announce it).
     """
 
     def __init__(self, model: str, runtimes: Mapping[str, ModelRuntime], queue_max: int, timeout_s: float,
