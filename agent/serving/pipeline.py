@@ -11,8 +11,9 @@ without ``[mesh]`` runs the same pipeline with :class:`NoPeers`; with ``[mesh]``
 :class:`Peers` are ``viiwork.agent.peering.mesh_link.MeshLink`` (routing over the mesh table,
 forwarding over its mutual TLS, slot offers). Waiting is the model's origin queue
 (``agent/serving/waitqueue.py``): a freed slot, local or offered by a peer, goes to its first
-waiter (the key's priority, then tenants in turn, then arrival). The HTTP layer (``agent/serving/api.py``) parses and validates the request before, and
-renders what this returns after: an upstream response, or a :class:`Refuse`.
+waiter (the key's priority, then tenants in turn, then arrival). The HTTP layer
+(``agent/serving/api.py``) parses and validates the request before, and renders what this
+returns after: an upstream response, or a :class:`Refuse`.
 
 A failure before the first byte reached the client (an engine 5xx that is not the client's
 fault, a reset, silence: ``Failed``) is retried on another backend, here or on a peer, within
