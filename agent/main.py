@@ -213,6 +213,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             ejections=ejections,
             browser=BrowserGuard(browser_policy),
             auth=auth,
+            ledger=ledger,
         )
         if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status

@@ -46,6 +46,7 @@ from viiwork.agent.auth.revocations import RevocationList, RevocationStore
 from viiwork.agent.auth.verifier import Verifier
 from viiwork.agent.config.schema import Config, auth_audience, is_loopback
 from viiwork.agent.serving.errors import error_response
+from viiwork.agent.serving.tokens import USAGE, Usage
 
 log = logging.getLogger(__name__)
 
@@ -348,9 +349,15 @@ MAX_USAGE_BODY_BYTES = 1 << 20
 
 
 def _used_tokens(response: web.StreamResponse | None) -> int | None:
-    """``usage.total_tokens`` of a whole (non-streamed) 2xx JSON answer, as the engine counted
-    them; None for a stream (its usage event reaches only a client that asked for it), an
-    error, or an answer without usage."""
+    """The tokens the engine counted for an answer: those the relay read (``USAGE``: a
+    stream's usage event, which the agent asks for on every stream, agent/serving/tokens.py;
+    a whole answer this node's engine gave), else ``usage.total_tokens`` of a whole 2xx JSON
+    answer; None for an error, or an answer without usage."""
+    if response is None:
+        return None
+    usage: Usage | None = response.get(USAGE)
+    if usage is not None and usage.total_tokens is not None:
+        return usage.total_tokens
     if not isinstance(response, web.Response) or not 200 <= response.status < 300:
         return None
     body = response.body

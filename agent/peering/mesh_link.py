@@ -448,8 +448,9 @@ class MeshLink:
             # expect_node: refused before a byte is sent unless the TLS peer is that node
             # (viiwork.mesh.dialing); a refusal routes it again.
             # The client's key travels with the request: the peer verifies it again (agent/auth/gate.py).
+            # Its wait here goes with it, for the serving node's usage row (docs/usage.md).
             extra = {"X-Viiwork-Origin": self.config.node.name, **expect_node(target.node_id),
-                     **forward_headers(call.request)}
+                     **forward_headers(call.request), "X-Viiwork-Queued-Ms": headers.get("X-Viiwork-Queued-Ms", "0")}
             if offer_id is not None:
                 extra[OFFER_HEADER] = offer_id
             try:
@@ -460,7 +461,7 @@ class MeshLink:
                         call.request, target, call.body, call.stream, headers, call.request_id,
                         session=self.session, extra_headers=extra,
                         relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
-                        lost=lost, engine=self.peer_engine(to.node_id, model))
+                        lost=lost, engine=self.peer_engine(to.node_id, model), strip_usage=call.strip_usage)
             finally:
                 self.reservations.release(token)
                 self.wake(model)

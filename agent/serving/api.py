@@ -36,6 +36,8 @@ from viiwork import __version__
 from viiwork.agent.auth.gate import AuthGate, claims_of
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
+from viiwork.agent.serving.accounting import Accounting
+from viiwork.agent.serving.assemble import ASSEMBLED_PATHS
 from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
 from viiwork.agent.serving.browser_guard import BrowserGuard
 from viiwork.agent.serving.dashboard import Dashboard, RequestStats
@@ -47,8 +49,10 @@ from viiwork.agent.serving.observe import Observers
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
 from viiwork.agent.serving.proxy import BROKE, FIRST_CHUNK_AT, REFUSED_HEADER, Upstream
 from viiwork.agent.serving.router import Refuse
+from viiwork.agent.serving.tokens import ask_stream_usage
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.backends import ModelRuntime
+from viiwork.agent.usage.ledger import Ledger
 from viiwork.engines.contract import Kind
 from viiwork.mesh.transport import peer_of
 
@@ -73,6 +77,8 @@ class ClientApi:
     default: no api.allowed_hosts or api.allowed_origins); its ``browser`` section and counter too.
     auth: the client-key checks (agent/auth/gate.py: a middleware, ``admit`` once the body names
     the model, ``check_forwarded`` on a peer's forward); None when ``[auth] mode`` is ``none``.
+    ledger: the usage ledger the requests run on this node's backends are recorded in
+    (agent/serving/accounting.py; None: no rows, the /metrics usage counters still count).
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class ClientApi:
         ejections: Ejections | None = None,
         browser: BrowserGuard | None = None,
         auth: AuthGate | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
@@ -111,9 +118,12 @@ class ClientApi:
         # The origin queues (shared with the mesh link, which offers freed slots to peers).
         self.queues = queues or Queues(runtimes, queue_max, queue_timeout_s)
         self.ejections = ejections or (mesh.ejections if mesh is not None else Ejections(runtimes))
+        # Rows of the requests this node serves, by its node id in a mesh (agent/serving/accounting.py).
+        self.accounting = Accounting(ledger, str(mesh.node.node_id) if mesh is not None else node_name)
+        self.metric_sources.append(self.accounting.metric_families)
         self.pipeline = Pipeline(node_name=node_name, runtimes=runtimes, queues=self.queues,
                                  peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry,
-                                 ejections=self.ejections)
+                                 ejections=self.ejections, accounting=self.accounting)
         self.status_source = status_source
         self.extra_status = {"outliers": self._outliers_status, "browser": self.browser.status,
                              **(extra_status or {})}
@@ -237,7 +247,8 @@ class ClientApi:
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"),
-                    **_queue_place(request))
+                    arrived=started, **_queue_place(request))
+        _for_usage(call, payload)
         outcome = await self.pipeline.run(call)
         response = _render(outcome)
         # A model no node serves is counted as "-": a client cannot grow /metrics at will
@@ -255,6 +266,7 @@ class ClientApi:
         pipeline at "run locally" (``Pipeline.run_forwarded``: never queued, never forwarded
         again; otherwise 429/503 with ``X-Viiwork-Refused`` so the origin can try another
         peer before the first byte)."""
+        arrived = asyncio.get_running_loop().time()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
         # listener's client_max_size, which bounds gossip's request.read()).
@@ -271,7 +283,9 @@ class ClientApi:
         if self.auth is not None and (refusal := self.auth.check_forwarded(request, model)) is not None:
             return refusal
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
-                    request_id, **_queue_place(request))
+                    request_id, queued_s=_queued_s(request.headers.get("X-Viiwork-Queued-Ms")),
+                    origin=str(peer_of(request) or ""), arrived=arrived, **_queue_place(request))
+        _for_usage(call, payload)
         return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
 
     def _refused_early(self, started: float, response: web.StreamResponse, message: str) -> web.StreamResponse:
@@ -382,6 +396,31 @@ def _queue_place(request: web.Request) -> dict[str, Any]:
     node verified it again); none without keys (``normal``, one tenant: plain FIFO)."""
     claims = claims_of(request)
     return {} if claims is None else {"priority": claims.priority, "tenant": claims.tenant}
+
+
+def _for_usage(call: Call, payload: dict[str, Any]) -> None:
+    """Fill ``call``'s usage fields: its key's tenant and id (none with keys off: the key itself
+    is never kept), and for a stream whose client did not ask for usage, a body that asks
+    (agent/serving/tokens.py; the usage event is removed from the client's stream)."""
+    claims = claims_of(call.request)
+    if claims is not None:
+        call.tenant, call.jti = claims.tenant, claims.jti
+    if call.stream and call.request.path in ASSEMBLED_PATHS:
+        body = ask_stream_usage(payload)
+        if body is not None:
+            call.body, call.strip_usage = body, True
+
+
+def _queued_s(header: str | None) -> float | None:
+    """A forward's ``X-Viiwork-Queued-Ms`` (the origin's wait) in seconds; None when absent or
+    not a finite number from 0 to one day."""
+    if not header:
+        return None
+    try:
+        ms = float(header)
+    except ValueError:
+        return None
+    return ms / 1000 if 0 <= ms <= 86_400_000 else None
 
 
 def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:

@@ -40,6 +40,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from viiwork.agent.serving.accounting import Accounting
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode
@@ -68,12 +69,21 @@ class Call:
     host: str | None = None  # ?host= / X-Viiwork-Host
     affinity: str | None = None  # X-Session-Id / X-Session-Affinity
     # Seconds from admission to its last dispatch to a backend or peer (X-Viiwork-Queued-Ms);
-    # None while it has not been dispatched (refused, or timed out in the queue).
+    # None while it has not been dispatched (refused, or timed out in the queue). A forward
+    # from a peer: the origin's (its X-Viiwork-Queued-Ms).
     queued_s: float | None = None
     # Its key's priority and tenant (agent/auth; normal and "" without keys): its place in the
     # origin queue (agent/serving/turns.py), and on a forward the priority a claim is checked at.
     priority: Priority = Priority.NORMAL
     tenant: str = ""
+    # For its usage row (agent/serving/accounting.py): the client key's tenant and id ("" with
+    # keys off), the peer that forwarded it ("" for this node's client), the loop time it arrived.
+    jti: str = ""
+    origin: str = ""
+    arrived: float = 0.0
+    # A stream whose client did not ask for usage: the agent asked (agent/serving/tokens.py)
+    # and removes the usage event from the client's stream.
+    strip_usage: bool = False
 
 
 class Peers(Protocol):
@@ -192,11 +202,13 @@ class Pipeline:
     admitted or queued finish. ``forward_retry``: peers that refuse, and backends (local or
     peers) that fail, before the first byte are tried elsewhere this many times in all before
     the request waits (a refusal) or gets the error (a failure). ``ejections``: the node's
-    outlier ejection (default: enabled, with default settings, nobody told).
+    outlier ejection (default: enabled, with default settings, nobody told). ``accounting``:
+    the usage rows of the requests run here (agent/serving/accounting.py; None: none recorded).
     """
 
     def __init__(self, *, node_name: str, runtimes: Mapping[str, ModelRuntime], queues: Queues, peers: Peers,
-                 upstream: Upstream, forward_retry: int = 1, ejections: Ejections | None = None) -> None:
+                 upstream: Upstream, forward_retry: int = 1, ejections: Ejections | None = None,
+                 accounting: Accounting | None = None) -> None:
         self.node_name = node_name
         self.runtimes = runtimes
         self.queues = queues
@@ -204,6 +216,7 @@ class Pipeline:
         self.upstream = upstream
         self.forward_retry = forward_retry
         self.ejections = ejections if ejections is not None else Ejections(runtimes)
+        self.accounting = accounting
         self.draining = False
         self.retries = 0  # runs again elsewhere after a failure before the first byte
 
@@ -391,9 +404,14 @@ class Pipeline:
         client went away: the handler is cancelled), a ``Failed`` only when not ``hold`` (the
         caller holds it until the request ends: ``_settle``)."""
         answer: web.StreamResponse | Failed | None = None
+        accounting = self.accounting
+        end = None if accounting is None else accounting.end_of(
+            request_id=call.request_id, tenant=call.tenant, jti=call.jti, model=call.model, origin_node=call.origin,
+            queued_s=call.queued_s, arrived=call.arrived)
         try:
+            # The request's row is recorded before its end reaches the client (``end``).
             response = await self.upstream.forward(call.request, backend, call.body, call.stream, headers,
-                                                   call.request_id)
+                                                   call.request_id, strip_usage=call.strip_usage, end=end)
             assert not isinstance(response, Refused)  # only a refusable forward (to a peer) is refused
             answer = response
             return response

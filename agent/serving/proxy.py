@@ -55,6 +55,7 @@ from typing import Literal, Protocol
 import aiohttp
 from aiohttp import web
 
+from viiwork.agent.serving.accounting import CLIENT_GONE, RequestEnd
 from viiwork.agent.serving.assemble import (
     ASSEMBLED_PATHS,
     ErrorEventWatch,
@@ -74,6 +75,7 @@ from viiwork.agent.serving.errors import (
     error_response,
     sse_error_event,
 )
+from viiwork.agent.serving.tokens import USAGE, StreamTail, usage_in_body, usage_of
 from viiwork.agent.supervision.backends import Backend
 from viiwork.agent.supervision.engine_keys import auth_headers
 from viiwork.engines.contract import Engine, stops_nonstream_on_disconnect
@@ -227,6 +229,8 @@ class Upstream:
         refusable: bool = False,
         lost: asyncio.Event | None = None,
         engine: Engine | None = None,
+        strip_usage: bool = False,
+        end: RequestEnd | None = None,
     ) -> web.StreamResponse | Refused | Failed:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
@@ -241,6 +245,11 @@ class Upstream:
         ``engine``: the adapter of the engine behind a peer ``backend`` (None: unknown), which
         tells whether an error event in its stream is the client's fault (a local Backend's
         is ``engine_of(backend)``).
+        ``strip_usage``: the client did not ask for a stream's usage (the agent did, for it:
+        agent/serving/tokens.py); the usage event is removed from what it gets. ``end``: this
+        node's backend runs the request: its usage row is recorded (awaited) before the end
+        is reported, a stream's ``[DONE]`` held back until then (agent/serving/accounting.py).
+        The engine's usage, when read, is set on the response (``USAGE``).
         Returns the response to give the client (already prepared and finished when
         streamed; ``BROKE`` set when its stream broke), or ``Failed`` before the first byte:
         the 502/504 JSON error of an engine or peer that failed, could not be reached or
@@ -309,15 +318,18 @@ class Upstream:
                     headers[name] = value
             content_type = upstream.headers.get("Content-Type", "application/json")
             if assembled_as is not None and upstream.status == 200 and content_type.startswith("text/event-stream"):
-                return _failed(await self._relay_assembled(upstream, backend, headers, assembled_as), upstream)
+                assembled = await self._relay_assembled(upstream, backend, headers, assembled_as)
+                return _failed(await _recorded(assembled, end), upstream)
             if not stream or upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 try:
-                    return _failed(await self._relay_whole(upstream, backend, headers, content_type), upstream)
+                    whole = await self._relay_whole(upstream, backend, headers, content_type)
                 except PeerLost:  # nothing reached the client yet: route again
                     upstream.close()
                     return Refused(504, "suspect")
+                return _failed(await _recorded(whole, end), upstream)
             adapter = self.engine_of(backend) if isinstance(backend, Backend) else engine
-            return await self._relay_stream(request, upstream, backend, headers, adapter)
+            tail = StreamTail(strip=strip_usage, hold=end is not None)
+            return await self._relay_stream(request, upstream, backend, headers, adapter, tail, end)
         finally:
             if watch is not None:
                 watch.cancel()
@@ -387,11 +399,20 @@ class Upstream:
             return error_response(502, f"backend {backend.id} sent a stream that cannot be assembled: {exc}",
                                   code=ErrorCode.UPSTREAM_ERROR, headers=headers)
         headers["Content-Type"] = "application/json"
-        return web.Response(status=200, body=json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode(),
-                            headers=headers)
+        response = web.Response(status=200, body=json.dumps(answer, ensure_ascii=False,
+                                                            separators=(",", ":")).encode(), headers=headers)
+        usage = usage_of(answer)
+        if usage is not None:
+            response[USAGE] = usage
+        return response
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, backend: Target,
-                            headers: dict[str, str], adapter: Engine | None) -> web.StreamResponse:
+                            headers: dict[str, str], adapter: Engine | None, tail: StreamTail,
+                            end: RequestEnd | None) -> web.StreamResponse:
+        """Relay the engine's stream (module doc); ``tail`` reads its usage, removes it for a
+        client that did not ask, and holds back ``[DONE]`` until ``end`` (when given) has
+        recorded the request: the row is committed before the client sees the end, a
+        terminal error event included; a client that went away is recorded without waiting."""
         response = web.StreamResponse(status=200, headers=headers)
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
@@ -404,6 +425,8 @@ class Upstream:
         transport = request.transport
         if transport is None:  # the client left while the engine was answering
             upstream.close()
+            if end is not None:
+                end.soon(CLIENT_GONE, None, None)
             return response
         # A write can wait (aiohttp drains) only while the transport is paused, which it stays
         # only above its low-water mark, or when this chunk takes the buffer over the mark.
@@ -413,6 +436,7 @@ class Upstream:
         # The engine's own error event, relayed as is: a failure unless the client's fault.
         watch = ErrorEventWatch()
         find_error = watch.feed
+        relayed = tail.feed
         first = True
         try:
             while True:
@@ -420,6 +444,9 @@ class Upstream:
                 if not chunk:
                     break
                 find_error(chunk)
+                chunk = relayed(chunk)
+                if not chunk:  # held back (an unfinished line, [DONE]) or the removed usage event
+                    continue
                 try:
                     if protocol.writing_paused or buffered() + len(chunk) > low_water:
                         try:
@@ -434,7 +461,13 @@ class Upstream:
                 if first:  # written: time to first token, as the client sees it (agent/serving/observe.py)
                     first = False
                     response[FIRST_CHUNK_AT] = asyncio.get_running_loop().time()
+        except asyncio.CancelledError:  # the client went away (handler cancellation)
+            if end is not None:
+                end.soon(CLIENT_GONE, tail.usage, response.get(FIRST_CHUNK_AT))
+            raise
         except _ClientStalled:
+            if end is not None:
+                end.soon(CLIENT_GONE, tail.usage, response.get(FIRST_CHUNK_AT))
             self.client_stalls += 1
             log.warning("client of a stream from %s read nothing for %g s (api.client_stall_timeout_s); "
                         "closing both connections", backend.id, stall)
@@ -445,24 +478,29 @@ class Upstream:
             # Leaving forward() releases the upstream connection unread: aiohttp closes it,
             # and the engine stops generating.
             upstream.close()
+            if end is not None:
+                end.soon(CLIENT_GONE, tail.usage, response.get(FIRST_CHUNK_AT))
             return response
         except PeerLost:
             self.stream_errors += 1
             response[BROKE] = True
             upstream.close()
             log.warning("peer %s turned suspect mid-stream; ending the client's stream", backend.id)
+            await _record_stream(end, 504, tail, response)
             await self._write_error(response, 504, f"peer {backend.id} stopped answering mid-stream (suspect "
                                     "in this node's mesh view: mesh.suspect_after_ms)")
         except TimeoutError:
             self.stream_errors += 1
             response[BROKE] = True
             log.warning("backend %s silent for %.0f s mid-stream; ending the client's stream", backend.id, idle)
+            await _record_stream(end, 504, tail, response)
             await self._write_error(response, 504, f"backend {backend.id} went silent for {idle:g} s "
                                     "(api.stream_idle_timeout_s)")
         except _UPSTREAM_BROKEN as exc:
             self.stream_errors += 1
             response[BROKE] = True
             log.warning("backend %s broke off a stream: %r", backend.id, exc)
+            await _record_stream(end, 502, tail, response)
             await self._write_error(response, 502, f"backend {backend.id} broke off the stream: "
                                     f"{exc.__class__.__name__}")
         else:
@@ -472,6 +510,14 @@ class Upstream:
                 response[BROKE] = True
                 log.warning("backend %s ended a stream with an error event (%d): %s", backend.id, error.status,
                             (engine_message(error.body)[0] or "")[:200])
+            # The end is reported (``[DONE]``, the last bytes) only once its row is committed.
+            await _record_stream(end, error.status if error is not None else 200, tail, response)
+            rest = tail.rest()
+            if rest:
+                try:
+                    await response.write(rest)
+                except ConnectionError:
+                    pass
         try:
             await response.write_eof()
         except ConnectionError:
@@ -488,6 +534,31 @@ class Upstream:
             await response.write(sse_error_event(status, message, code))
         except ConnectionError:
             pass
+
+
+async def _record_stream(end: RequestEnd | None, status: int, tail: StreamTail,
+                         response: web.StreamResponse) -> None:
+    """A stream's row (``end``; nothing when None), with the usage ``tail`` read (also set on
+    ``response`` for the limiter, agent/auth/gate.py)."""
+    if tail.usage is not None:
+        response[USAGE] = tail.usage
+    if end is not None:
+        await end(status, tail.usage, response.get(FIRST_CHUNK_AT))
+
+
+async def _recorded(response: web.Response, end: RequestEnd | None) -> web.Response:
+    """A whole (or assembled) answer of this node's engine, its row recorded first (``end``;
+    none for a failure, status >= 500: the request may run again elsewhere). Its usage is
+    read from the body when not known yet, and set on it (``USAGE``)."""
+    if end is None or response.status >= 500:
+        return response
+    usage = response.get(USAGE)
+    if usage is None and response.status < 300 and isinstance(response.body, bytes):
+        usage = usage_in_body(response.body)
+        if usage is not None:
+            response[USAGE] = usage
+    await end(response.status, usage, None)
+    return response
 
 
 def _failed(response: web.Response, upstream: aiohttp.ClientResponse) -> web.Response | Failed:

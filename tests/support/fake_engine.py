@@ -27,7 +27,8 @@ What it mimics (shapes as captured from a real llama-server build):
 - ``GET /v1/models``: the alias.
 - ``POST /v1/chat/completions`` and ``/v1/completions``: non-stream JSON, or an SSE stream of
   a role chunk, FAKE_TOKENS content chunks FAKE_TOKEN_DELAY_S apart, a finish chunk, a usage
-  chunk with empty ``choices``, then ``data: [DONE]``. ``model`` is the alias. ``max_tokens``
+  chunk with empty ``choices`` (only when the request sets ``stream_options.include_usage``),
+  then ``data: [DONE]``. ``model`` is the alias. ``max_tokens``
   caps the count (finish_reason "length"). With ``--embedding`` these answer 501.
 - ``POST /v1/embeddings``: only with ``--embedding`` (501 otherwise).
 - Slots: at most ``--parallel`` requests generate at once; more wait for a slot and are
@@ -324,7 +325,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         engine.count_tokens(prompt_tokens, n_tokens)
         try:
             if body.get("stream"):
-                return await _stream(request, engine, chat, n_tokens, finish, prompt_tokens)
+                options = body.get("stream_options")
+                usage = isinstance(options, dict) and options.get("include_usage") is True
+                return await _stream(request, engine, chat, n_tokens, finish, prompt_tokens, usage)
             generation = asyncio.ensure_future(_generate(engine, n_tokens))
             try:
                 await asyncio.shield(generation) if engine.knobs.nonstream_ignores_close else await generation
@@ -403,7 +406,7 @@ def _full_response(engine: Engine, chat: bool, n_tokens: int, finish: str, promp
 
 
 async def _stream(request: web.Request, engine: Engine, chat: bool, n_tokens: int, finish: str,
-                  prompt_tokens: int) -> web.StreamResponse:
+                  prompt_tokens: int, usage: bool) -> web.StreamResponse:
     resp = web.StreamResponse(headers={
         **_headers(), "Content-Type": "text/event-stream", "X-Accel-Buffering": "no",
         "Connection": "keep-alive",
@@ -447,7 +450,8 @@ async def _stream(request: web.Request, engine: Engine, chat: bool, n_tokens: in
             return resp
         await resp.write(chunk([choice(word, None)]))
     await resp.write(chunk([choice(None, finish)]))
-    await resp.write(chunk([], usage=_usage(n_tokens, prompt_tokens)))
+    if usage:  # only when asked (stream_options.include_usage), as llama-server and vLLM do
+        await resp.write(chunk([], usage=_usage(n_tokens, prompt_tokens)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     if knobs.close_after_stream:
