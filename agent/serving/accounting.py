@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
@@ -78,7 +78,7 @@ class RequestEnd:
         before = self.queued_ms if self.origin_node else 0.0
         return UsageRow(
             finished_at_ms=int(time.time() * 1000), request_id=self.request_id, tenant=self.tenant, jti=self.jti,
-            model=self.model, origin_node=self.origin_node, serving_node=self.accounting.serving_node,
+            model=self.model, origin_node=self.origin_node, serving_node=self.accounting.serving_node(),
             prompt_tokens=usage.prompt_tokens if usage else None,
             completion_tokens=usage.completion_tokens if usage else None,
             cached_tokens=usage.cached_tokens if usage else None, status=status,
@@ -89,16 +89,20 @@ class RequestEnd:
 
 class Accounting:
     """Rows (``ledger``; None: none are written, the counters still count) and counters of the
-    requests this node served as ``serving_node`` (its node id in a mesh, else its name)."""
+    requests this node served. ``serving_node`` names this node in its rows: its node id in a
+    mesh (known once the mesh has started: read per row), else its name."""
 
-    def __init__(self, ledger: Ledger | None, serving_node: str) -> None:
+    def __init__(self, ledger: Ledger | None, serving_node: Callable[[], str]) -> None:
         self.ledger = ledger
-        self.serving_node = serving_node
+        self._serving_node = serving_node
         self.requests: Counter[tuple[str, str, str]] = Counter()  # (tenant, model, status class)
         self.tokens: Counter[tuple[str, str, str]] = Counter()  # (tenant, model, prompt|completion|cached)
         self.record_errors = 0
         self._tenants: set[str] = set()
         self._pending: set[asyncio.Task[None]] = set()
+
+    def serving_node(self) -> str:
+        return self._serving_node()
 
     def end_of(self, *, request_id: str, tenant: str, jti: str, model: str, origin_node: str,
                queued_s: float | None, arrived: float) -> RequestEnd:

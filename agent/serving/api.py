@@ -119,7 +119,8 @@ class ClientApi:
         self.queues = queues or Queues(runtimes, queue_max, queue_timeout_s)
         self.ejections = ejections or (mesh.ejections if mesh is not None else Ejections(runtimes))
         # Rows of the requests this node serves, by its node id in a mesh (agent/serving/accounting.py).
-        self.accounting = Accounting(ledger, str(mesh.node.node_id) if mesh is not None else node_name)
+        self.accounting = Accounting(ledger, (lambda: str(mesh.node.node_id)) if mesh is not None
+                                     else (lambda: node_name))
         self.metric_sources.append(self.accounting.metric_families)
         self.pipeline = Pipeline(node_name=node_name, runtimes=runtimes, queues=self.queues,
                                  peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry,
