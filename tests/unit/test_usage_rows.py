@@ -12,8 +12,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import sqlite3
 import signal
+import sqlite3
 import threading
 import time
 import urllib.request
