@@ -51,6 +51,7 @@ class Keys:
         self.rpm3 = issue(self.key, "--rpm", "3")
         self.concurrency1 = issue(self.key, "--concurrency", "1")
         self.tpm100 = issue(self.key, "--tpm", "100")
+        self.tpm100_streams = issue(self.key, "--tpm", "100")
         issuer = load_issuer(self.key)
         claims = KeyClaims(iss=issuer.name, aud=(AUD,), jti=new_jti(), exp=int(time.time()) - 3600, tenant="acme")
         self.expired = sign_key(issuer, claims)
@@ -174,6 +175,21 @@ def test_tpm_debits_the_estimate_then_the_engines_usage(keyed: tuple[Agent, Keys
     # 100 - 12 - 51 = 37 (49 when the wall-clock minute ended between the two requests).
     assert second[0] == 200, second[1]
     assert second[2]["x-ratelimit-remaining-tokens"] in ("37", "49"), second[2]
+
+
+async def test_tpm_debits_a_streams_real_usage_its_client_did_not_ask_for(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    # As above, streamed: the agent asked the engine for the usage event (the client did not
+    # and gets none), and debits its 12 tokens. On the estimate alone the second would be refused.
+    async with aiohttp.ClientSession(headers=bearer(keys.tpm100_streams)) as http:
+        remaining = []
+        for _ in range(2):
+            async with http.post(f"{agent.url}/v1/chat/completions", json=chat(stream=True, max_tokens=50)) as r:
+                assert r.status == 200, await r.text()
+                text = await r.text()
+                remaining.append(r.headers["x-ratelimit-remaining-tokens"])
+            assert text.rstrip().endswith("data: [DONE]") and '"usage"' not in text, text
+    assert remaining[0] == "49" and remaining[1] in ("37", "49"), remaining
 
 
 async def test_concurrency_refuses_the_second_request_in_flight(keyed: tuple[Agent, Keys]) -> None:
