@@ -92,11 +92,11 @@ class _Conn(asyncio.Protocol):
                 continue
             if method == "POST" and self.server.wants_stream(body):
                 self.busy = True
-                asyncio.get_running_loop().create_task(self._stream())
+                asyncio.get_running_loop().create_task(self._stream(b'"include_usage":true' in body))
                 return
             self.transport.write(self.server.answer(method, path))  # type: ignore[union-attr]
 
-    async def _stream(self) -> None:
+    async def _stream(self, usage: bool) -> None:
         t = self.transport
         assert t is not None
         t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
@@ -106,8 +106,8 @@ class _Conn(asyncio.Protocol):
             await asyncio.sleep(0)
             if t.is_closing():
                 return
-            if i == len(events) - 1:
-                t.write(_http_chunk(event + b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            if i == len(events) - 1:  # with the usage event when asked (stream_options.include_usage)
+                t.write(_http_chunk(event + (_USAGE_EVENT if usage else b"") + b"data: [DONE]\n\n") + b"0\r\n\r\n")
             else:
                 t.write(_http_chunk(event))
         self.busy = False
@@ -115,6 +115,9 @@ class _Conn(asyncio.Protocol):
             self._parse()
 
 
+_USAGE_EVENT = b"data: " + json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000, "model": "m", "choices": [],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 20, "total_tokens": 25}}).encode() + b"\n\n"
 _UNAUTHORIZED = _response("401 Unauthorized", b'{"error":{"message":"Invalid API Key","code":401}}')
 
 
