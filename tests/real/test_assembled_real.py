@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from support.agent import ENGINE_URL, Agent, run_agent
+from viiwork.agent.usage.store import open_read_only, read_rows
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
@@ -115,3 +116,30 @@ async def test_nonstreamed_client_that_leaves_frees_the_slot(agent: Agent) -> No
             assert time.monotonic() - left < 10, "the slot stayed busy after the client left"
             await asyncio.sleep(0.05)
     print(f"llama-server slot free {time.monotonic() - left:.2f} s after the client left (non-streamed)")
+
+
+async def test_stream_rows_have_the_engines_counts_its_client_did_not_ask_for(agent: Agent) -> None:
+    """A stream whose client did not ask for usage (docs/usage.md, "Token counts of streams"):
+    the real llama-server was asked for it, the client gets no usage event, and the usage row
+    has the engine's counts, the same as its own non-streamed answer to the same greedy
+    request; that answer left the prompt in the slot, so the stream (prompt cache on) counts
+    cached prompt tokens (llama.cpp's ``prompt_tokens_details.cached_tokens``)."""
+    body = {**BODIES["/v1/chat/completions"], "max_tokens": 4}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http, \
+            agent.engine_session("smol") as engine:
+        async with engine.post(ENGINE_URL + "/v1/chat/completions", json=body) as r:
+            native = (await r.json())["usage"]
+        async with http.post(agent.url + "/v1/chat/completions", headers={"X-Request-Id": "real-stream"},
+                             json={**body, "stream": True, "cache_prompt": True}) as r:
+            text = await r.text()
+    assert r.status == 200 and text.rstrip().endswith("data: [DONE]"), text
+    assert '"usage"' not in text, text
+    assert agent.state_dir is not None
+    conn = open_read_only(agent.state_dir / "usage.sqlite3")
+    try:
+        (row,) = [row for row in read_rows(conn) if row.request_id == "real-stream"]
+    finally:
+        conn.close()
+    assert (row.prompt_tokens, row.completion_tokens) == (native["prompt_tokens"], native["completion_tokens"]), row
+    assert row.status == 200 and row.ttft_ms is not None and row.ttft_ms <= row.duration_ms
+    assert row.cached_tokens is not None and 0 < row.cached_tokens <= row.prompt_tokens, row

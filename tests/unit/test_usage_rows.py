@@ -17,6 +17,7 @@ import sqlite3
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,80 +58,85 @@ def rows(agent: Agent) -> dict[str, UsageRow]:
         conn.close()
 
 
-def test_rows_have_the_real_counts_and_a_stream_gets_usage_only_when_asked(tmp_path: Path) -> None:
-    binary = fake_engine_binary(tmp_path / "bin")
-    with run_agent(tmp_path, [model(binary)], name="node-u") as agent:
-        agent.wait_healthy("m")
-        status, raw = post(agent, {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 5}, "plain")
-        data = events(raw)
-        assert status == 200 and data[-1] == "[DONE]", data
-        # The agent asked the engine for usage; the client, who did not, gets none.
-        assert not any("usage" in json.loads(d) for d in data[:-1]), data
-        assert "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1])
-        status, raw = post(agent, {"model": "m", "messages": MESSAGES, "stream": True,
-                                   "stream_options": {"include_usage": True}}, "asked")
-        usage_events = [json.loads(d) for d in events(raw)[:-1] if "usage" in json.loads(d)]
-        assert [e["usage"]["completion_tokens"] for e in usage_events] == [8], usage_events
-        status, raw = post(agent, {"model": "m", "messages": MESSAGES, "max_tokens": 3}, "whole")
-        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
-        got = rows(agent)
-        assert set(got) == {"plain", "asked", "whole"}, got
-        for request_id, completion in (("plain", 5), ("asked", 8), ("whole", 3)):
-            row = got[request_id]
-            assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (PROMPT_TOKENS, completion, 0)
-            assert (row.status, row.model, row.tenant, row.jti, row.origin_node, row.serving_node) == \
-                (200, "m", "", "", "", "node-u"), row
-            assert row.duration_ms > 0 and row.queued_ms >= 0
-        assert got["plain"].ttft_ms is not None and got["whole"].ttft_ms is None
-        assert agent.status()["usage"]["rows_written"] == 3
-        with urllib.request.urlopen(agent.url + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        assert 'viiwork_usage_requests_total{model="m",status="2xx",tenant="-"} 3.0' in metrics, metrics
-        assert f'viiwork_usage_tokens_total{{kind="prompt",model="m",tenant="-"}} {3.0 * PROMPT_TOKENS}' in metrics
-        assert 'viiwork_usage_tokens_total{kind="completion",model="m",tenant="-"} 16.0' in metrics
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    """One agent, two models: ``m`` for the counts, ``l`` for the test that locks the file."""
+    tmp = tmp_path_factory.mktemp("usage-rows")
+    binary = fake_engine_binary(tmp / "bin")
+    with run_agent(tmp, [model(binary), model(binary, "l")], name="node-u") as a:
+        a.wait_healthy("m")
+        a.wait_healthy("l")
+        yield a
 
 
-def test_the_end_waits_for_the_rows_commit(tmp_path: Path) -> None:
+def test_rows_have_the_real_counts_and_a_stream_gets_usage_only_when_asked(agent: Agent) -> None:
+    status, raw = post(agent, {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 5}, "plain")
+    data = events(raw)
+    assert status == 200 and data[-1] == "[DONE]", data
+    # The agent asked the engine for usage; the client, who did not, gets none.
+    assert not any("usage" in json.loads(d) for d in data[:-1]), data
+    assert "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1])
+    status, raw = post(agent, {"model": "m", "messages": MESSAGES, "stream": True,
+                               "stream_options": {"include_usage": True}}, "asked")
+    usage_events = [json.loads(d) for d in events(raw)[:-1] if "usage" in json.loads(d)]
+    assert [e["usage"]["completion_tokens"] for e in usage_events] == [8], usage_events
+    status, raw = post(agent, {"model": "m", "messages": MESSAGES, "max_tokens": 3}, "whole")
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+    got = {k: v for k, v in rows(agent).items() if v.model == "m"}
+    assert set(got) == {"plain", "asked", "whole"}, got
+    for request_id, completion in (("plain", 5), ("asked", 8), ("whole", 3)):
+        row = got[request_id]
+        assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (PROMPT_TOKENS, completion, 0)
+        assert (row.status, row.model, row.tenant, row.jti, row.origin_node, row.serving_node) == \
+            (200, "m", "", "", "", "node-u"), row
+        assert row.duration_ms > 0 and row.queued_ms >= 0
+    assert got["plain"].ttft_ms is not None and got["whole"].ttft_ms is None
+    assert agent.status()["usage"]["rows_written"] >= 3
+    with urllib.request.urlopen(agent.url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'viiwork_usage_requests_total{model="m",status="2xx",tenant="-"} 3.0' in metrics, metrics
+    assert f'viiwork_usage_tokens_total{{kind="prompt",model="m",tenant="-"}} {3.0 * PROMPT_TOKENS}' in metrics
+    assert 'viiwork_usage_tokens_total{kind="completion",model="m",tenant="-"} 16.0' in metrics
+
+
+def test_the_end_waits_for_the_rows_commit(agent: Agent) -> None:
     """A stream's [DONE] and a whole answer are held while the usage file is locked (its row
     cannot be committed yet), and come once it is: the row is committed before the end."""
-    binary = fake_engine_binary(tmp_path / "bin")
-    with run_agent(tmp_path, [model(binary)], name="node-l") as agent:
-        agent.wait_healthy("m")
-        post(agent, {"model": "m", "messages": MESSAGES}, "warm")  # the file exists, its schema made
-        assert agent.state_dir is not None
-        lock = sqlite3.connect(agent.state_dir / "usage.sqlite3", isolation_level=None)
-        seen: dict[str, float] = {}
+    post(agent, {"model": "l", "messages": MESSAGES}, "warm")  # the file exists, its schema made
+    assert agent.state_dir is not None
+    lock = sqlite3.connect(agent.state_dir / "usage.sqlite3", isolation_level=None)
+    seen: dict[str, float] = {}
 
-        def stream() -> None:
-            req = urllib.request.Request(agent.url + "/v1/chat/completions", method="POST",
-                                         data=json.dumps({"model": "m", "messages": MESSAGES, "stream": True}).encode(),
-                                         headers={"Content-Type": "application/json", "X-Request-Id": "held"})
-            with urllib.request.urlopen(req, timeout=20) as r:
-                for line in r:
-                    if line.startswith(b"data: {") and "first" not in seen:
-                        seen["first"] = time.monotonic()
-                    if line.startswith(b"data: [DONE]"):
-                        seen["done"] = time.monotonic()
+    def stream() -> None:
+        req = urllib.request.Request(agent.url + "/v1/chat/completions", method="POST",
+                                     data=json.dumps({"model": "l", "messages": MESSAGES, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": "held"})
+        with urllib.request.urlopen(req, timeout=20) as r:
+            for line in r:
+                if line.startswith(b"data: {") and "first" not in seen:
+                    seen["first"] = time.monotonic()
+                if line.startswith(b"data: [DONE]"):
+                    seen["done"] = time.monotonic()
 
-        def whole() -> None:
-            post(agent, {"model": "m", "messages": MESSAGES}, "held-whole")
-            seen["whole"] = time.monotonic()
+    def whole() -> None:
+        post(agent, {"model": "l", "messages": MESSAGES}, "held-whole")
+        seen["whole"] = time.monotonic()
 
-        lock.execute("BEGIN IMMEDIATE")  # the agent's writer waits for this lock (usage.md)
-        try:
-            threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
-            for t in threads:
-                t.start()
-            time.sleep(1.5)
-            released = time.monotonic()
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
+    lock.execute("BEGIN IMMEDIATE")  # the agent's writer waits for this lock (usage.md)
+    try:
+        threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
         for t in threads:
-            t.join(20)
-        assert seen["first"] < released, seen  # the answer streamed meanwhile
-        assert seen["done"] >= released and seen["whole"] >= released, (seen, released)
-        assert {"held", "held-whole"} <= set(rows(agent))
+            t.start()
+        time.sleep(1.5)
+        released = time.monotonic()
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    for t in threads:
+        t.join(20)
+    assert seen["first"] < released, seen  # the answer streamed meanwhile
+    assert seen["done"] >= released and seen["whole"] >= released, (seen, released)
+    assert {"held", "held-whole"} <= set(rows(agent))
 
 
 def test_kill_9_while_streams_run_loses_no_row_of_a_finished_request(tmp_path: Path) -> None:
