@@ -60,12 +60,14 @@ def rows(agent: Agent) -> dict[str, UsageRow]:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    """One agent, two models: ``m`` for the counts, ``l`` for the test that locks the file."""
+    """One agent, three models: ``m`` for the counts, ``l`` for the test that locks the file,
+    ``slow`` (50 tokens, 50 ms apart) for a client that leaves."""
     tmp = tmp_path_factory.mktemp("usage-rows")
     binary = fake_engine_binary(tmp / "bin")
-    with run_agent(tmp, [model(binary), model(binary, "l")], name="node-u") as a:
-        a.wait_healthy("m")
-        a.wait_healthy("l")
+    with run_agent(tmp, [model(binary), model(binary, "l"),
+                         model(binary, "slow", FAKE_TOKENS="50", FAKE_TOKEN_DELAY_S="0.05")], name="node-u") as a:
+        for name in ("m", "l", "slow"):
+            a.wait_healthy(name)
         yield a
 
 
@@ -137,6 +139,20 @@ def test_the_end_waits_for_the_rows_commit(agent: Agent) -> None:
     assert seen["first"] < released, seen  # the answer streamed meanwhile
     assert seen["done"] >= released and seen["whole"] >= released, (seen, released)
     assert {"held", "held-whole"} <= set(rows(agent))
+
+
+def test_a_client_that_leaves_mid_stream_has_a_499_row(agent: Agent) -> None:
+    req = urllib.request.Request(agent.url + "/v1/chat/completions", method="POST",
+                                 data=json.dumps({"model": "slow", "messages": MESSAGES, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json", "X-Request-Id": "left"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        assert r.readline().startswith(b"data: {")  # the answer started; the client leaves
+    deadline = time.monotonic() + 10
+    while "left" not in rows(agent):
+        assert time.monotonic() < deadline, "no row for the request whose client left"
+        time.sleep(0.1)
+    row = rows(agent)["left"]
+    assert (row.status, row.completion_tokens) == (499, None) and row.ttft_ms is not None, row
 
 
 def test_kill_9_while_streams_run_loses_no_row_of_a_finished_request(tmp_path: Path) -> None:
