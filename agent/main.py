@@ -48,6 +48,7 @@ from viiwork.agent.notify import (
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.mesh_usage import MeshUsage
 from viiwork.agent.peering.revocation_sync import RevocationSync, operator_push
+from viiwork.agent.peering.usage_share import UsageShare
 from viiwork.agent.serving import protocol_log
 from viiwork.agent.serving.api import ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
@@ -193,6 +194,12 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             if auth is not None and auth.revocations is not None:
                 # The revocation list across the mesh: its routes go on the mesh listener before it starts.
                 sync = RevocationSync(auth, mesh)
+        # Mesh-wide key limits (agent/peering/usage_share.py): each node reports what it admitted.
+        usage_share = None
+        if mesh is not None and auth is not None:
+            link = mesh
+            usage_share = UsageShare(auth.limiter, lambda: link.node.node_id, link.node.peers, lambda: link.session)
+            usage_share.add_routes(link.node.app)
         # This machine's names for the Host check (getfqdn may wait for DNS: off the loop).
         browser_policy = await asyncio.to_thread(BrowserPolicy.of_this_host, config.api.allowed_hosts,
                                                  config.api.allowed_origins)
@@ -239,6 +246,11 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 stack.push_async_callback(sync.stop)  # before mesh.stop (last in, first out)
                 api.metric_sources.append(sync.metric_families)
                 api.extra_status["revocations"] = sync.status
+            if usage_share is not None:  # stopped before the mesh's session closes
+                api.extra_status["usage_reports"] = usage_share.status
+                api.metric_sources.append(usage_share.metric_families)
+                stack.push_async_callback(usage_share.stop)
+                stack.push_async_callback(_cancel, asyncio.create_task(usage_share.run(), name="usage-share"))
         writes = api.mesh.node.writes if api.mesh is not None else PendingWrites()
         key_writes = supervisor.writes  # engine key files a launch could not write (agent/supervision/supervisor.py)
         api.extra_status["usage"] = lambda: ledger.stats().as_dict()

@@ -11,9 +11,11 @@ Tokens are debited before admission from an estimate (``estimate_tokens``: promp
 / 4 + ``max_tokens``); :meth:`Limiter.finish` replaces the estimate with the real count when
 the caller knows it (the engine's ``usage``), in the window the request was admitted in.
 
-Mesh-wide limits (issue 17, item 6) build on :meth:`Limiter.note_peer_usage`: the
-consumption peers report for a key in a window is added to this node's own when it decides,
-and never reported onward (a node reports only what it admitted itself: ``own_usage``).
+Mesh-wide limits (issue 17, item 6; agent/peering/usage_share.py) build on
+:meth:`Limiter.note_peer_usage`: the consumption peers report for a key in a window is added to
+this node's own when it decides, and never reported onward (a node reports only what it
+admitted itself: ``own_usage``). ``listeners`` are told when this node's own counts change, so
+the sharing can report them at once.
 
 Memory is bounded: the state of at most ``max_keys`` keys is kept, least recently used
 dropped first (never a key with requests in flight); a dropped key starts its window again
@@ -162,6 +164,13 @@ class Limiter:
         self.clock = clock
         self.refused: Counter[str] = Counter()
         self._keys: OrderedDict[str, _KeyState] = OrderedDict()
+        #: Called (on the owner's loop, must not block) after this node's own counts of a key
+        #: changed: an admission, or a real token count replacing an estimate.
+        self.listeners: list[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -222,6 +231,7 @@ class Limiter:
         state.requests += 1
         state.tokens += tokens
         state.in_flight += 1
+        self._changed()
         return Admission(claims.jti, window, tokens, quota(used_requests + 1, used_tokens + tokens), state)
 
     def finish(self, admission: Admission, tokens_used: int | None = None) -> None:
@@ -234,11 +244,16 @@ class Limiter:
         if state is None:
             return
         state.in_flight = max(0, state.in_flight - 1)
-        if tokens_used is not None and state.window == admission.window:
+        if tokens_used is not None and state.window == admission.window and tokens_used != admission.tokens:
             state.tokens = max(0, state.tokens + tokens_used - admission.tokens)
+            self._changed()
+
+    def current_window(self) -> int:
+        """The number of the current window (seconds since the epoch // 60)."""
+        return math.floor(self.clock() / WINDOW_S)
 
     def note_peer_usage(self, jti: str, window: int, requests: int, tokens: int) -> None:
-        """What peers admitted for ``jti`` in ``window`` (their sum, replacing the last report):
+        """What peers admitted for ``jti`` in ``window`` (their sum, replacing the last sum):
         counted against the key's limits here too. A report for another window than the
         current one is ignored."""
         now_window = math.floor(self.clock() / WINDOW_S)
