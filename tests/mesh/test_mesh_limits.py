@@ -28,8 +28,8 @@ import pytest
 
 from support.agent import Agent, run_agent
 from support.client_keys import bearer, chat, jti_of, request
-from viiwork.agent.cli import main as viiworkctl
 from support.engines import fake_engine_binary
+from viiwork.agent.cli import main as viiworkctl
 from viiwork.agent.peering.usage_share import MAX_KEYS_PER_REPORT, REPORT_MAX_BYTES, USAGE_PATH
 from viiwork.mesh import tls
 
