@@ -200,6 +200,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             link = mesh
             usage_share = UsageShare(auth.limiter, lambda: link.node.node_id, link.node.peers, lambda: link.session)
             usage_share.add_routes(link.node.app)
+            auth.pacer = usage_share.pace
         # This machine's names for the Host check (getfqdn may wait for DNS: off the loop).
         browser_policy = await asyncio.to_thread(BrowserPolicy.of_this_host, config.api.allowed_hosts,
                                                  config.api.allowed_origins)

@@ -121,6 +121,9 @@ class AuthGate:
         self.unavailable = unavailable
         self.refused: Counter[str] = Counter()
         self._warned: set[str] = set()
+        #: Set in a mesh (agent/peering/usage_share.py, ``UsageShare.pace``): holds a request of a
+        #: limited key until it fits this node's share of what the key has left mesh-wide.
+        self.pacer: Callable[[KeyClaims, int], Awaitable[None]] | None = None
 
     @classmethod
     def at_start(cls, config: Config, api_host: str) -> AuthGate | None:
@@ -261,6 +264,13 @@ class AuthGate:
         self._refuse("model", f"key {claims.jti} does not allow model {model!r}", request)
         return error_response(403, f"this key does not allow model {model!r} (it allows: "
                               f"{', '.join(claims.models)})", param="model", code="model_not_allowed")
+
+    async def pace(self, request: web.Request, payload: dict[str, Any]) -> None:
+        """Before :meth:`admit` (with no ``await`` between them): in a mesh, wait briefly until
+        the request fits this node's share of its key's limits (``pacer``); at once otherwise."""
+        claims = claims_of(request)
+        if self.pacer is not None and claims is not None and (claims.rpm is not None or claims.tpm is not None):
+            await self.pacer(claims, estimate_tokens(payload))
 
     def admit(self, request: web.Request, model: str, payload: dict[str, Any]) -> web.Response | None:
         """An inference request whose key the middleware verified, once its body names

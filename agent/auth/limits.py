@@ -262,6 +262,14 @@ class Limiter:
         state = self._state(jti, window)
         state.peer_requests, state.peer_tokens = max(0, requests), max(0, tokens)
 
+    def usage_of(self, jti: str) -> tuple[int, int, int, int]:
+        """``jti``'s counts in the current window: (requests, tokens) admitted here, then
+        (requests, tokens) its peers reported; zeros for a key not tracked."""
+        state = self._keys.get(jti)
+        if state is None or state.window != self.current_window():
+            return 0, 0, 0, 0
+        return state.requests, state.tokens, state.peer_requests, state.peer_tokens
+
     def own_usage(self) -> dict[str, tuple[int, int, int]]:
         """jti -> (window, requests, tokens) admitted by this node itself in the current window
         (what it may report to peers)."""

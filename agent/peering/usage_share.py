@@ -39,6 +39,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 
-from viiwork.agent.auth.claims import MAX_LIMIT, NAME_PATTERN
+from viiwork.agent.auth.claims import MAX_LIMIT, NAME_PATTERN, KeyClaims
 from viiwork.agent.auth.limits import Limiter
 from viiwork.agent.serving.body import BodyError, parse_json, read_body
 from viiwork.agent.serving.errors import ErrorCode, error_response
@@ -72,6 +73,10 @@ MIN_GAP_S = 0.01
 #: While a push failed, its figures are sent again this often.
 POLL_S = 0.25
 PUSH_TIMEOUT_S = 2.0
+#: A request of a limited key waits at most this long for its origin's share (``pace``); a
+#: peer whose last push failed is left out of pacing until one succeeds, so a peer that stops
+#: answering slows a limited key's requests by at most this until its push times out.
+PACE_MAX_WAIT_S = 1.0
 _EPOCH_RE = re.compile(r"[0-9a-f]{16}")
 
 
@@ -203,6 +208,12 @@ class _Outbox:
     window: int | None = None
     acked: dict[str, tuple[int, int]] = field(default_factory=dict)
     in_flight: bool = False
+    failing: bool = False  # its last push failed
+
+    def unacked(self, jti: str, window: int, requests: int, tokens: int) -> tuple[int, int]:
+        """Of this node's own (requests, tokens) for ``jti``, what this peer has not acknowledged."""
+        acked = self.acked.get(jti, (0, 0)) if self.window == window else (0, 0)
+        return max(0, requests - acked[0]), max(0, tokens - acked[1])
 
     def changes(self, window: int, own: dict[str, tuple[int, int, int]]) -> list[KeyUsage]:
         if window != self.window:
@@ -239,6 +250,8 @@ class UsageShare:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: set[str] = set()
+        self._acked = asyncio.Event()  # set (and replaced) when a push is acknowledged
+        self._alive = 0  # alive peers at the last round
         limiter.listeners.append(self._wake.set)
 
     def add_routes(self, app: web.Application) -> None:
@@ -307,6 +320,7 @@ class UsageShare:
         window = self.limiter.current_window()
         own = self.limiter.own_usage()
         alive = {v.node_id: v for v in self.peers() if v.liveness is Liveness.ALIVE and v.mesh}
+        self._alive = len(alive)
         for gone in set(self._outboxes) - set(alive):
             if not self._outboxes[gone].in_flight:
                 del self._outboxes[gone]
@@ -337,14 +351,71 @@ class UsageShare:
                 if resp.status != 204:
                     raise ValueError(f"answered {resp.status}")
             self.counters["reports_out"] += 1
+            outbox.failing = False
             if outbox.window == report.window:
                 outbox.acked.update((u.jti, (u.requests, u.tokens)) for u in report.usage)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             self.counters["push_failed"] += 1
+            outbox.failing = True
             log.debug("usage report to %s failed: %s", view.name, exc)
         finally:
             outbox.in_flight = False
         self._wake.set()  # what changed meanwhile goes now (a failed push waits for POLL_S)
+        acked, self._acked = self._acked, asyncio.Event()
+        acked.set()  # requests waiting in ``pace`` look again
+
+    # -- pacing -------------------------------------------------------------------------
+
+    def _over_share(self, claims: KeyClaims, tokens: int) -> bool:
+        """Whether this node's admissions of ``claims``' key not yet acknowledged by every
+        alive peer (its last push not failed) already fill its share of what the key has left (see ``pace``)."""
+        nodes = 1 + self._alive
+        if nodes == 1:
+            return False
+        window = self.limiter.current_window()
+        own_r, own_t, peer_r, peer_t = self.limiter.usage_of(claims.jti)
+        unacked_r = unacked_t = 0
+        for outbox in self._outboxes.values():
+            if not outbox.failing:
+                r, t = outbox.unacked(claims.jti, window, own_r, own_t)
+                unacked_r, unacked_t = max(unacked_r, r), max(unacked_t, t)
+        if claims.rpm is not None and own_r + peer_r < claims.rpm:
+            if unacked_r + 1 > max(1, (claims.rpm - own_r - peer_r) // nodes):
+                return True
+        if claims.tpm is not None and own_t + peer_t + tokens <= claims.tpm:
+            if unacked_t + tokens > max(tokens, (claims.tpm - own_t - peer_t) // nodes):
+                return True
+        return False
+
+    async def pace(self, claims: KeyClaims, tokens: int) -> None:
+        """Wait (at most ``PACE_MAX_WAIT_S``) until a request of ``claims``' key, which may cost
+        ``tokens``, fits this node's share; then the caller admits it (``Limiter.admit``, with
+        no ``await`` in between, so the next waiter sees it counted).
+
+        The share: this node's admissions of the key that some alive peer has not yet
+        acknowledged may be at most one part per node of the mesh (this node and its alive
+        peers) of what the key has left in the window as this node counts it (its limit less
+        its own count and its peers' reports), and at least one request. A burst that reaches
+        every origin before any report does is then admitted in rounds of one report's round
+        trip, each origin taking a part of what is left, instead of every origin admitting up to
+        the limit alone; what is left passes the limit by at most one request per origin in the
+        last round (docs/security.md, "Limits across the mesh"). A key whose window is spent is
+        not held: the limiter refuses it at once."""
+        if claims.rpm is None and claims.tpm is None:
+            return
+        deadline = time.monotonic() + PACE_MAX_WAIT_S
+        waited = False
+        while self._over_share(claims, tokens):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.counters["pace_timeouts"] += 1
+                return
+            if not waited:
+                waited = True
+                self.counters["paced"] += 1
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._acked.wait()
 
     async def stop(self) -> None:
         """Cancel the pushes in flight."""

@@ -243,8 +243,10 @@ class ClientApi:
             message = "'model' is required and must be a string"
             return self._refused_early(started, error_response(400, message, param="model",
                                                                code=ErrorCode.MISSING_MODEL), message)
-        if self.auth is not None and (refusal := self.auth.admit(request, model, payload)) is not None:
-            return self._refused_early(started, refusal, "client key refused")
+        if self.auth is not None:
+            await self.auth.pace(request, payload)  # then admit, with no await between (UsageShare.pace)
+            if (refusal := self.auth.admit(request, model, payload)) is not None:
+                return self._refused_early(started, refusal, "client key refused")
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
                     request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"),

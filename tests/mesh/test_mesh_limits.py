@@ -152,6 +152,30 @@ def test_a_key_is_limited_in_total_across_three_origins(mesh3: Mesh3) -> None:
         assert reports(agent)["reports_in"] > count  # each heard its peers
 
 
+async def test_a_burst_at_three_origins_at_once_is_limited_in_total(mesh3: Mesh3) -> None:
+    """60 requests sent at once, 20 to each node: each origin takes a share of what is left
+    per report round trip (``UsageShare.pace``), so the total stays within 10% of the limit
+    (on reports alone every origin would admit its 20 before any report arrived)."""
+    token = mesh3.key("--rpm", "30")
+    window_with_time_left(15)
+    agents = (mesh3.a, mesh3.b, mesh3.c)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        async def send(url: str) -> tuple[int, dict[str, str]]:
+            async with http.post(f"{url}/v1/chat/completions", json=chat("m"), headers=bearer(token)) as r:
+                await r.read()
+                return r.status, {k.lower(): v for k, v in r.headers.items()}
+
+        answers = await asyncio.gather(*(send(agents[i % 3].url) for i in range(60)))
+    admitted = sum(1 for status, _ in answers if status == 200)
+    assert 27 <= admitted <= 33, f"{admitted} of 60 admitted for a limit of 30"
+    for status, headers in answers:
+        assert status in (200, 429), status
+        assert headers["x-ratelimit-limit-requests"] == "30"
+        if status == 429:
+            assert "retry-after" in headers and headers["x-ratelimit-remaining-requests"] == "0", headers
+    assert sum(reports(agent).get("paced", 0) for agent in agents) > 0
+
+
 def test_a_forwarded_request_counts_once(mesh3: Mesh3) -> None:
     """C is the only origin and A serves: A admits nothing of its own, so C's count is exact
     (A reporting the requests it served would halve what C lets through)."""
