@@ -1,6 +1,10 @@
 """Mesh-wide key limits: every node reports what it admitted itself per key to its peers
 (issue 17 item 6; docs/security.md, "Limits across the mesh").
 
+One module (over 400 lines) because its parts share one state: the report format and the
+receiving book are pure; the pushes, the route and the pacing all read the same per-peer
+acknowledgements (``_Outbox``).
+
 A key's ``rpm``/``tpm`` windows are numbered by the wall clock (agent/auth/limits.py), so every
 node counts the same minute under the same number. Each node pushes, over the mesh's mutual TLS,
 ``POST /mesh/v1/usage`` to every alive peer: for the current window, the keys whose own counts
@@ -15,8 +19,8 @@ changed since that peer last acknowledged them, with their absolute counts::
   (``Limiter.own_usage``), never what it learned from peers: nothing is counted twice, and a
   forward is counted only at its origin (the serving node admits nothing).
 - The sender is the TLS peer (``peer_of``): a report names no node. ``epoch`` (random per
-  process) and ``seq`` (increasing per process) order reports: one older than the last from
-  that sender is dropped (``stale``).
+  process) and ``seq`` (increasing per process) order reports: one not newer than the last
+  from that sender is ignored (``stale``).
 - Pushes start when this node's own counts change (``Limiter.listeners``), coalesced: at most
   one report in flight per peer, rounds at least ``MIN_GAP_S`` apart, and a check every
   ``POLL_S`` that retries what a failed push left unsent. A peer that restarted (a new
@@ -26,9 +30,14 @@ changed since that peer last acknowledged them, with their absolute counts::
   ignored (``window``); a malformed one gets 400 and is dropped, counted by reason. The keys
   remembered from peers are at most the limiter's ``max_keys`` per window (``keys_full``).
 
+- Pacing (``pace``): an origin holds a request of a limited key while its admissions that
+  some peer has not yet acknowledged fill its share of what the key has left, so a burst that
+  reaches every origin at once is admitted in rounds of a round trip.
+
 Error bound: a node decides on what its peers had reported, so the mesh may admit, past the
 limit, what the other origins admitted within one report delay (the push's round trip plus
-at most ``MIN_GAP_S``); requests in flight (``concurrency``) stay per node.
+at most ``MIN_GAP_S``); pacing caps that at one request per origin in a burst's last round.
+Requests in flight (``concurrency``) stay per node.
 """
 
 from __future__ import annotations
