@@ -26,9 +26,10 @@ changed since that peer last acknowledged them, with their absolute counts::
   ``POLL_S`` that retries what a failed push left unsent. A peer that restarted (a new
   ``boot`` in its summary) gets the whole window again.
 - Bounded: a body of at most ``REPORT_MAX_BYTES``, at most ``MAX_KEYS_PER_REPORT`` keys (the
-  rest in the next report); a report for another window than the receiver's current one is
-  ignored (``window``); a malformed one gets 400 and is dropped, counted by reason. The keys
-  remembered from peers are at most the limiter's ``max_keys`` per window (``keys_full``).
+  rest in the next report); a report for an earlier window than the receiver's current one
+  is ignored (``window``), one for a later window answered 409 (sent again); a malformed one
+  gets 400 and is dropped, counted by reason. The keys remembered from peers are at most the
+  limiter's ``max_keys`` per window (``keys_full``).
 
 - Pacing (``pace``): an origin holds a request of a limited key while its admissions that
   some peer has not yet acknowledged fill its share of what the key has left, so a burst that
@@ -272,14 +273,15 @@ class UsageShare:
     def _drop(self, reason: str, peer: NodeId | None, message: str, status: int = 400) -> web.Response:
         self.counters[f"dropped_{reason}"] += 1
         # A peer can repeat a bad report every round: WARNING once per reason, then DEBUG.
-        level = logging.DEBUG if reason in self._warned or reason in ("window", "stale") else logging.WARNING
+        level = logging.DEBUG if reason in self._warned else logging.WARNING
         self._warned.add(reason)
         log.log(level, "usage report from %s dropped (%s): %s", peer, reason, message)
         return error_response(status, f"usage report dropped ({reason}): {message}", code=ErrorCode.INVALID_MESSAGE)
 
     async def handle_usage(self, request: web.Request) -> web.Response:
         """POST /mesh/v1/usage from a peer (mutual TLS): its own counts; 204 when taken (or
-        ignored for its window or order), 400/413 when dropped."""
+        ignored: an older window, or not newer than the sender's last), 409 for a window this
+        node's clock has not reached yet (the sender retries), 400/413 when dropped."""
         peer = peer_of(request)
         if peer is None:
             return self._drop("no_certificate", None, "no verified peer certificate")
@@ -296,6 +298,10 @@ class UsageShare:
         if self._book is None:
             self._book = PeerUsageBook(self.self_id(), self.limiter.max_keys)
         window = self.limiter.current_window()
+        if report.window > window:  # its clock turned the minute first: the sender tries again
+            self.counters["ahead"] += 1
+            return error_response(409, f"report for window {report.window}; the current one here is {window}",
+                                  code=ErrorCode.INVALID_MESSAGE)
         try:
             sums, left_out = self._book.accept(peer, report, window)
         except UsageReportError as exc:

@@ -37,6 +37,7 @@ import contextlib
 import datetime
 import io
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -208,6 +209,8 @@ def main() -> int:
     args = parser.parse_args()
     if max(args.origins) > args.nodes:
         parser.error("--origins may not name more origins than --nodes")
+    # A SIGTERM (run_all's budget, a timeout) stops the agents on the way out, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     begun = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="viiwork-bench-limits-") as name, ExitStack() as stack:
         tmp = Path(name)
