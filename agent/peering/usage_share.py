@@ -83,10 +83,11 @@ MIN_GAP_S = 0.01
 #: While a push failed, its figures are sent again this often.
 POLL_S = 0.25
 PUSH_TIMEOUT_S = 2.0
-#: A request of a limited key waits at most this long for its origin's share (``pace``); a
-#: peer whose last push failed is left out of pacing until one succeeds, so a peer that stops
-#: answering slows a limited key's requests by at most this until its push times out.
-PACE_MAX_WAIT_S = 1.0
+#: A request of a limited key waits at most this long for its origin's share (``pace``). A
+#: wait ends when every peer acknowledged or failed (a failed push leaves its peer out of
+#: pacing until one succeeds), so this bound only matters on a host too loaded to run the
+#: loop: a peer that stops answering holds a limited key's requests for one push timeout.
+PACE_MAX_WAIT_S = PUSH_TIMEOUT_S + 0.5
 _EPOCH_RE = re.compile(r"[0-9a-f]{16}")
 
 

@@ -89,13 +89,16 @@ class Trial:
 
 
 async def send(http: aiohttp.ClientSession, url: str, token: str) -> str:
-    async with http.post(f"{url}/v1/chat/completions", json=CHAT,
-                         headers={"Authorization": f"Bearer {token}"}) as r:
-        await r.read()
-        if r.status == 200:
-            return "admitted"
-        if r.status == 429 and all(h in r.headers for h in HEADERS):
-            return "refused"
+    try:
+        async with http.post(f"{url}/v1/chat/completions", json=CHAT,
+                             headers={"Authorization": f"Bearer {token}"}) as r:
+            await r.read()
+            if r.status == 200:
+                return "admitted"
+            if r.status == 429 and all(h in r.headers for h in HEADERS):
+                return "refused"
+            return "other"
+    except (aiohttp.ClientError, TimeoutError):  # a host too loaded to answer in 30 s
         return "other"
 
 
@@ -179,7 +182,7 @@ def markdown(args: argparse.Namespace, trials: list[Trial], counters: dict[str, 
         "each one request at a time; `burst`: every request sent at once.",
         "- allowed / limit: requests answered 200 over the key's rpm (1.00 is exact; without sharing each origin "
         f"would admit up to the limit alone, so {2 * args.limit} requests over n >= 2 origins would give 2.00). "
-        "`bad refusals`: answers that were neither 200 nor a 429 with Retry-After and the x-ratelimit-* headers.",
+        "`bad refusals`: answers that were neither 200 nor a 429 with Retry-After and the x-ratelimit-* headers (or none within 30 s).",
         "",
         "| origins | how sent | trials | allowed / limit mean | min | max | bad refusals | seconds per trial |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
