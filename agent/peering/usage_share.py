@@ -37,7 +37,7 @@ changed since that peer last acknowledged them, with their absolute counts::
 
 Error bound: a node decides on what its peers had reported, so the mesh may admit, past the
 limit, what the other origins admitted within one report delay (the push's round trip plus
-at most ``MIN_GAP_S``); pacing caps that at one request per origin in a burst's last round.
+at most ``MIN_GAP_S``); pacing cuts that to about one request per origin in a burst.
 Requests in flight (``concurrency``) stay per node.
 """
 
@@ -414,9 +414,10 @@ class UsageShare:
         its own count and its peers' reports), and at least one request. A burst that reaches
         every origin before any report does is then admitted in rounds of one report's round
         trip, each origin taking a part of what is left, instead of every origin admitting up to
-        the limit alone; what is left passes the limit by at most one request per origin in the
-        last round (docs/security.md, "Limits across the mesh"). A key whose window is spent is
-        not held: the limiter refuses it at once."""
+        the limit alone; the last rounds pass the limit by about one request per origin, each
+        origin's share being cut from its own, slightly stale, count (measured in
+        docs/benchmarks.md, "Mesh-wide limit accuracy"). A key whose window is spent is not
+        held: the limiter refuses it at once."""
         if claims.rpm is None and claims.tpm is None:
             return
         deadline = time.monotonic() + PACE_MAX_WAIT_S

@@ -182,7 +182,8 @@ def markdown(args: argparse.Namespace, trials: list[Trial], counters: dict[str, 
         "each one request at a time; `burst`: every request sent at once.",
         "- allowed / limit: requests answered 200 over the key's rpm (1.00 is exact; without sharing each origin "
         f"would admit up to the limit alone, so {2 * args.limit} requests over n >= 2 origins would give 2.00). "
-        "`bad refusals`: answers that were neither 200 nor a 429 with Retry-After and the x-ratelimit-* headers (or none within 30 s).",
+        "`bad refusals`: answers that were neither 200 nor a 429 with Retry-After and the x-ratelimit-* headers "
+        "(or none within 30 s).",
         "",
         "| origins | how sent | trials | allowed / limit mean | min | max | bad refusals | seconds per trial |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
