@@ -83,11 +83,13 @@ MIN_GAP_S = 0.01
 #: While a push failed, its figures are sent again this often.
 POLL_S = 0.25
 PUSH_TIMEOUT_S = 2.0
-#: A request of a limited key waits at most this long for its origin's share (``pace``). A
-#: wait ends when every peer acknowledged or failed (a failed push leaves its peer out of
-#: pacing until one succeeds), so this bound only matters on a host too loaded to run the
-#: loop: a peer that stops answering holds a limited key's requests for one push timeout.
+#: A request of a limited key waiting for its origin's share (``pace``) is let through when no
+#: push has been acknowledged or has failed for this long (each answer or failure may free a
+#: share: a failed push leaves its peer out of pacing until one succeeds, so a peer that stops
+#: answering holds a limited key's requests for one push timeout), or when it has waited
+#: PACE_MAX_TOTAL_S in all.
 PACE_MAX_WAIT_S = PUSH_TIMEOUT_S + 0.5
+PACE_MAX_TOTAL_S = 10.0
 _EPOCH_RE = re.compile(r"[0-9a-f]{16}")
 
 
@@ -420,19 +422,18 @@ class UsageShare:
         held: the limiter refuses it at once."""
         if claims.rpm is None and claims.tpm is None:
             return
-        deadline = time.monotonic() + PACE_MAX_WAIT_S
+        deadline = time.monotonic() + PACE_MAX_TOTAL_S
         waited = False
         while self._over_share(claims, tokens):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.counters["pace_timeouts"] += 1
-                return
             if not waited:
                 waited = True
                 self.counters["paced"] += 1
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await self._acked.wait()
+            try:
+                async with asyncio.timeout(min(PACE_MAX_WAIT_S, max(0.0, deadline - time.monotonic()))):
+                    await self._acked.wait()  # a push answered or failed: look again
+            except TimeoutError:
+                self.counters["pace_timeouts"] += 1
+                return
 
     async def stop(self) -> None:
         """Cancel the pushes in flight."""
