@@ -7,7 +7,7 @@ acknowledgements (``_Outbox``).
 
 A key's ``rpm``/``tpm`` windows are numbered by the wall clock (agent/auth/limits.py), so every
 node counts the same minute under the same number. Each node pushes, over the mesh's mutual TLS,
-``POST /mesh/v1/usage`` to every alive peer: for the current window, the keys whose own counts
+``POST /mesh/v1/key-usage`` to every alive peer: for the current window, the keys whose own counts
 changed since that peer last acknowledged them, with their absolute counts::
 
     {"epoch": "9f2c41d07a3e5b68", "seq": 17, "window": 29410233,
@@ -70,7 +70,7 @@ from viiwork.mesh.transport import peer_of
 
 log = logging.getLogger(__name__)
 
-USAGE_PATH = "/mesh/v1/usage"
+KEY_USAGE_PATH = "/mesh/v1/key-usage"
 #: A report's body: 512 keys of 64 characters with 10-digit counts fit in about 50 KB.
 REPORT_MAX_BYTES = 65536
 MAX_KEYS_PER_REPORT = 512
@@ -113,7 +113,7 @@ class KeyUsage:
 
 @dataclass(frozen=True, slots=True)
 class UsageReport:
-    """One ``POST /mesh/v1/usage`` body (see the module doc)."""
+    """One ``POST /mesh/v1/key-usage`` body (see the module doc)."""
 
     epoch: str
     seq: int
@@ -268,8 +268,8 @@ class UsageShare:
         limiter.listeners.append(self._wake.set)
 
     def add_routes(self, app: web.Application) -> None:
-        """``POST /mesh/v1/usage`` on the mesh listener (before it starts)."""
-        app.router.add_post(USAGE_PATH, self.handle_usage)
+        """``POST /mesh/v1/key-usage`` on the mesh listener (before it starts)."""
+        app.router.add_post(KEY_USAGE_PATH, self.handle_usage)
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class UsageShare:
         return error_response(status, f"usage report dropped ({reason}): {message}", code=ErrorCode.INVALID_MESSAGE)
 
     async def handle_usage(self, request: web.Request) -> web.Response:
-        """POST /mesh/v1/usage from a peer (mutual TLS): its own counts; 204 when taken (or
+        """POST /mesh/v1/key-usage from a peer (mutual TLS): its own counts; 204 when taken (or
         ignored: an older window, or not newer than the sender's last), 409 for a window this
         node's clock has not reached yet (the sender retries), 400/413 when dropped."""
         peer = peer_of(request)
@@ -362,7 +362,7 @@ class UsageShare:
     async def _push(self, session: aiohttp.ClientSession, view: PeerView, outbox: _Outbox,
                     report: UsageReport) -> None:
         try:
-            async with session.post(f"https://{view.mesh}{USAGE_PATH}", data=json.dumps(report.doc()),
+            async with session.post(f"https://{view.mesh}{KEY_USAGE_PATH}", data=json.dumps(report.doc()),
                                     headers={"Content-Type": "application/json", **expect_node(view.node_id)},
                                     timeout=aiohttp.ClientTimeout(total=PUSH_TIMEOUT_S)) as resp:
                 await resp.read()

@@ -30,7 +30,7 @@ from support.agent import Agent, run_agent
 from support.client_keys import bearer, chat, jti_of, request
 from support.engines import fake_engine_binary
 from viiwork.agent.cli import main as viiworkctl
-from viiwork.agent.peering.usage_share import MAX_KEYS_PER_REPORT, REPORT_MAX_BYTES, USAGE_PATH
+from viiwork.agent.peering.usage_share import KEY_USAGE_PATH, MAX_KEYS_PER_REPORT, REPORT_MAX_BYTES
 from viiwork.mesh import tls
 
 pytestmark = pytest.mark.timeout(180)
@@ -218,7 +218,7 @@ async def test_a_report_replaces_the_last_and_is_not_relayed(mesh3: Mesh3) -> No
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe_context(mesh3))) as member:
         for seq in (1, 2):
             doc = {"epoch": epoch, "seq": seq, "window": window, "usage": [[jti, 4, 0]]}
-            async with member.post(mesh_a + USAGE_PATH, json=doc) as r:
+            async with member.post(mesh_a + KEY_USAGE_PATH, json=doc) as r:
                 assert r.status == 204, await r.text()
         b_heard = reports(mesh3.b).get("reports_in", 0)
         status, body, headers = request(f"{mesh3.a.url}/v1/chat/completions", chat("m"), bearer(token))
@@ -231,11 +231,11 @@ async def test_a_report_replaces_the_last_and_is_not_relayed(mesh3: Mesh3) -> No
         # A report for an old window, or one older than the last, changes nothing.
         for seq, when in ((3, window - 1), (2, window)):
             doc = {"epoch": epoch, "seq": seq, "window": when, "usage": [[jti, 0, 0]]}
-            async with member.post(mesh_a + USAGE_PATH, json=doc) as r:
+            async with member.post(mesh_a + KEY_USAGE_PATH, json=doc) as r:
                 assert r.status == 204
         # One for the next window (the sender's clock turned first) is refused, to be sent again.
         doc = {"epoch": epoch, "seq": 10, "window": window + 1, "usage": [[jti, 0, 0]]}
-        async with member.post(mesh_a + USAGE_PATH, json=doc) as r:
+        async with member.post(mesh_a + KEY_USAGE_PATH, json=doc) as r:
             assert r.status == 409
         assert_rate_limited(*request(f"{mesh3.a.url}/v1/chat/completions", chat("m"), bearer(token)), 5)
         counters = reports(mesh3.a)
@@ -266,7 +266,7 @@ async def test_malformed_and_oversized_reports_are_dropped_and_counted(mesh3: Me
     mesh_b = "https://" + agent.status()["mesh"]["self"]["mesh"]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe_context(mesh3))) as member:
         async def post(data: bytes) -> tuple[int, str]:
-            async with member.post(mesh_b + USAGE_PATH, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with member.post(mesh_b + KEY_USAGE_PATH, data=data, headers={"Content-Type": "application/json"}) as r:
                 return r.status, await r.text()
 
         for data in malformed:
