@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from viiwork.agent.auth.claims import KeyClaims, Scope
 from viiwork.agent.auth.errors import InvalidApiKey, Reason, RevocationReason, RevocationRefused
 from viiwork.agent.auth.headers import token_from_headers
-from viiwork.agent.auth.keyset import IssuerKeyError, KeySet
+from viiwork.agent.auth.keyset import INSTALL_HINT, IssuerKeyError, KeySet
 from viiwork.agent.auth.limits import Admission, Limiter, LimitExceeded, estimate_tokens
 from viiwork.agent.auth.revocations import RevocationList, RevocationStore
 from viiwork.agent.auth.verifier import Verifier
@@ -57,8 +57,6 @@ INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/emb
 READ_PATHS = frozenset({"/v1/status", "/metrics", "/v1/mesh"})
 DASHBOARD_STATE_PATH = "/ui/api/state"  # the dashboard's data; its page and static files are open
 OPEN_PATHS = frozenset({"/health"})
-INSTALL_HINT = ("install the issuer's public key: copy issuer.pub from the issuer's workstation to {path} "
-                "(auth.issuer_keys) and restart the agent; docs/install.md, \"Client keys\"")
 
 # Per-request state, on the aiohttp request (its mapping interface).
 _CLAIMS = "viiwork.auth.claims"

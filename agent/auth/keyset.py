@@ -20,6 +20,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 KeyId = NewType("KeyId", str)
 
+#: How to give a node its issuer key (``path``: its ``auth.issuer_keys``): in the 401 of a node
+#: without one, and in the doctor's remedy.
+INSTALL_HINT = ("install the issuer's public key: make an issuer on your workstation (`viiworkctl keys issuer init "
+                "--out DIR`), copy DIR/issuer.pub to {path} (auth.issuer_keys) and restart the agent; "
+                "docs/install.md, \"Client keys\"")
+
 #: A PEM public key is about 113 bytes; anything much larger is not one.
 MAX_KEY_FILE_BYTES = 16 * 1024
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from viiwork.agent.cli.agent_http import api_key
 from viiwork.agent.cli.tables import table_console
 from viiwork.agent.cli.target import add_target_args, agent_url, load_target_config, socket_answers
 from viiwork.agent.cli.target import config_path as target_config_path
@@ -52,7 +53,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         if config is not None and not socket_answers(config.api.admin_socket):
             stopped = AgentFacts(url, False, None, f"the agent of {args.config} does not run: nothing answers "
                                                    f"on its admin socket {config.api.admin_socket}")
-    facts = gather_facts(config_path, url=None if stopped else url)
+    facts = gather_facts(config_path, url=None if stopped else url, api_key=api_key(args))
     if stopped is not None:
         facts = replace(facts, agent=stopped)
     context = {"config": str(config_path), "url": url,

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from viiwork.agent.cli.status import fetch_json
+from viiwork.agent.cli.agent_http import api_key, fetch_json
 from viiwork.agent.cli.target import add_target_args, agent_url, find_config
 from viiwork.agent.config.load import ConfigError, load_config
 from viiwork.agent.supervision.launch import backend_log_path
@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _unit_from_agent(args: argparse.Namespace) -> tuple[str | None, bool]:
     """(unit name or None, whether the agent answered)."""
     try:
-        doc = fetch_json(agent_url(args, require_running=False) + "/v1/status", 3.0)
+        doc = fetch_json(agent_url(args, require_running=False) + "/v1/status", 3.0, api_key(args))
     except ConnectionError:
         return None, False
     for model in doc.get("models", []):

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from viiwork.agent.cli.status import AgentAnswered, fetch_json
+from viiwork.agent.cli.agent_http import AgentAnswered, api_key, fetch_json
 from viiwork.agent.cli.tables import cell, shown, table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
@@ -253,7 +253,7 @@ def run_forget(args: argparse.Namespace) -> int:
 def run_show(args: argparse.Namespace) -> int:
     url = agent_url(args) + "/v1/mesh"
     try:
-        doc = fetch_json(url, args.timeout)
+        doc = fetch_json(url, args.timeout, api_key(args))
     except AgentAnswered as exc:
         if exc.status == 404 and "standalone" in exc.message:  # agent/serving/api.py, handle_mesh
             if args.json:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from viiwork.agent.cli.agent_http import api_key, fetch_json
 from viiwork.agent.cli.tables import cell, shown, table_console
 from viiwork.agent.cli.target import add_target_args, agent_url
 
@@ -27,39 +26,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="every column: engine, ctx/slot, pid, port; no wrapping to the terminal's width")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
     parser.set_defaults(func=run)
-
-
-class AgentAnswered(ConnectionError):
-    """The agent answered with an HTTP error: ``status``, and from its error document
-    (docs/api.md) ``code`` and ``message`` ("" when the body is not one)."""
-
-    def __init__(self, url: str, status: int, body: bytes) -> None:
-        self.status, self.code, self.message = status, "", ""
-        try:
-            error = json.loads(body).get("error") or {}
-            self.code, self.message = str(error.get("code", "")), str(error.get("message", ""))
-        except (ValueError, AttributeError):
-            pass
-        shown = self.message or body[:200].decode("utf-8", "replace").strip() or "(empty body)"
-        super().__init__(f"{url} answered {status}: {shown}")
-
-
-def fetch_json(url: str, timeout: float) -> Any:
-    """GET ``url`` and decode JSON. Raises AgentAnswered for an HTTP error status, and
-    ConnectionError with a readable message when the agent cannot be reached or the body
-    is not JSON."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http to the agent)
-            return json.load(resp)
-    except urllib.error.HTTPError as exc:
-        raise AgentAnswered(url, exc.code, exc.read()) from None
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ConnectionError(f"cannot reach the agent at {url}: {reason} "
-                              "(is viiwork-agent running? for one started with --config FILE pass --config FILE; "
-                              "else --url or VIIWORK_URL)") from None
-    except ValueError as exc:
-        raise ConnectionError(f"{url} did not return JSON: {exc}") from None
 
 
 def _state_cell(backend: dict[str, Any]) -> Text:
@@ -139,7 +105,7 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
 def run(args: argparse.Namespace) -> int:
     url = agent_url(args) + "/v1/status"
     try:
-        doc = fetch_json(url, args.timeout)
+        doc = fetch_json(url, args.timeout, api_key(args))
     except ConnectionError as exc:
         print(f"viiworkctl status: {exc}", file=sys.stderr)
         return 1

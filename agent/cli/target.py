@@ -26,6 +26,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from viiwork.agent.cli.agent_http import add_api_key_arg
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE, demo_admin_socket, demo_state_dir
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from viiwork.agent.config.schema import ApiConfig, Config, parse_hostport
@@ -62,6 +63,7 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                                       "found: the system config's, or a running demo's)")
     parser.add_argument("--config", type=Path, default=None,
                         help=f"agent config (default {DEFAULT_CONFIG_PATH}, or a running demo's)")
+    add_api_key_arg(parser)
 
 
 def socket_answers(path: Path) -> bool:

@@ -1,7 +1,7 @@
 """Proxy overhead side by side (issue 9 item 2), plus the agent's memory and start-up (item 3).
 
 usage: .venv/bin/python tests/bench/bench_overhead.py [-n 1000] [--wrk-s 5] [--profile]
-       [--litellm-python PATH] [--out FILE] [--baseline REV] [--other-client]
+       [--litellm-python PATH] [--out FILE] [--baseline REV] [--other-client] [--keys]
 
 One instant upstream (``instant_upstream.py``, started by the agent as its llama.cpp engine)
 and, in front of that same process: nginx (plain reverse proxy, keep-alive upstream, buffering
@@ -31,6 +31,10 @@ Figures, all from one run:
   config, in the same c=1 rounds and wrk runs as the others; an A/B table checks the limits
   (added p50 at c=1 / bare aiohttp's rises by at most 0.05; req/s at c=32 falls by at most 5%).
   REV must be from issue 14 on (engine key and Unix socket).
+- ``--keys`` (issue 17): a second agent of this tree, "viiwork (1 agent, keys on)", with
+  ``[auth] mode = "keys"`` and an issuer made for the run; every request to it carries one key.
+  It runs in the same c=1 rounds and wrk runs; a table gives what auth adds to the agent's
+  added p50 (goal: at most max(0.05 ms, 10% of the keys-off agent's added p50)).
 - ``--other-client``: bare aiohttp and the agent(s) again through ``loadgen.py`` (aiohttp
   client): c=1 keep-alive, c=1 with a new connection per request, c=32 keep-alive.
 
@@ -333,7 +337,8 @@ def wait_post(port: int, deadline_s: float, proc: subprocess.Popen | None = None
 
 
 def agent_config(work: Path, name: str, port: int, engine: Path, models: bool,
-                 mesh: tuple[int, int] | None = None, engine_port: int | None = None) -> Path:
+                 mesh: tuple[int, int] | None = None, engine_port: int | None = None,
+                 issuer_pub: Path | None = None) -> Path:
     text = f"""
 [node]
 name = "{name}"
@@ -356,6 +361,13 @@ advertise = "127.0.0.1:{mesh[0]}"
 interfaces = ["lo"]
 discovery = ["seeds"]
 seeds = ["127.0.0.1:{mesh[1]}"]
+"""
+    if issuer_pub is not None:  # client keys on; reads stay open on loopback (start_agent polls /v1/status)
+        text += f"""
+[auth]
+mode = "keys"
+issuer_keys = {json.dumps(str(issuer_pub))}
+open_loopback_reads = true
 """
     if models:
         text += f"""
@@ -935,6 +947,47 @@ def ab_table(base: Baseline, c1: dict[str, C1], wrk: dict[str, list[WrkResult]],
             f"+{AB_RATIO_RISE:.2f}; c=32 throughput {rps_ratio:.3f}x, limit {1 - AB_RPS_FALL:.2f}x)"]
 
 
+KEYS_ON = "viiwork (1 agent, keys on)"
+KEYS_GOAL_FLOOR_S = 0.00005  # issue 17: auth adds at most max(0.05 ms, 10% of the agent's added p50)
+KEYS_GOAL_SHARE = 0.10
+
+
+def keys_issuer(work: Path, audience: str) -> tuple[str, Path]:
+    """An issuer made for this run (its key stays in ``work``) and one key without limits for
+    ``audience`` (a standalone node's name): (the token, issuer.pub)."""
+    from viiwork.agent.auth.claims import KeyClaims
+    from viiwork.agent.auth.issuing import init_issuer, new_jti, sign_key
+
+    issuer = init_issuer(work / "issuer")
+    claims = KeyClaims(iss=issuer.name, aud=(audience,), jti=new_jti(), exp=int(time.time()) + 24 * 3600,
+                       tenant="bench")
+    return sign_key(issuer, claims), work / "issuer" / "issuer.pub"
+
+
+def keys_table(c1: dict[str, C1], wrk: dict[str, list[WrkResult]], direct: str,
+               args: argparse.Namespace) -> list[str]:
+    """Issue 17's figure: what client keys add to the agent's c=1 p50, both agents in the same rounds."""
+    off, on = "viiwork (1 agent)", KEYS_ON
+    d50 = pct(c1[direct].total, .5)
+    off_add, on_add = pct(c1[off].total, .5) - d50, pct(c1[on].total, .5) - d50
+    auth = on_add - off_add
+    goal = max(KEYS_GOAL_FLOOR_S, KEYS_GOAL_SHARE * off_add)
+    rps = {k: max((r.rps for r in wrk[k] if r.rps == r.rps), default=float("nan")) for k in (off, on)}
+    cmd = (f"`.venv/bin/python tests/bench/bench_overhead.py --keys -n {args.n} --stream-n {args.stream_n} "
+           f"--wrk-s {args.wrk_s:g} --startup-runs {args.startup_runs}`")
+    return ["", "#### Client keys on the hot path (issue 17), same run", "",
+            f"Command: {cmd}. Two agents of this tree with the same config and each its own instant engine (the "
+            "same program); the second has `[auth] mode = \"keys\"` and every request carries one key "
+            "(`Authorization: Bearer`, an EdDSA JWT without limits, so its verification is cached after the first "
+            "request, as for a client that reuses its key). Both agents are in every c=1 round and both wrk rounds "
+            "above.", "",
+            "| figure | keys off | keys on | auth adds | goal | holds |", "|---|---|---|---|---|---|",
+            f"| added p50 at c=1 (ms, vs direct) | +{f_ms(off_add)} | +{f_ms(on_add)} | {auth * 1000:+.3f} | "
+            f"<= {goal * 1000:.3f} (max(0.05, 10% of +{f_ms(off_add)})) | {'yes' if auth <= goal else 'no'} |",
+            f"| req/s at c=32 (wrk, best of {len(wrk[on])}) | {rps[off]:.0f} | {rps[on]:.0f} | "
+            f"{rps[on] / rps[off]:.3f}x | | |"]
+
+
 def other_client(systems: list[System], base_name: str | None, n: int = 400, seconds_n: int = 3000) -> list[str]:
     """The same systems through ``loadgen.py`` (an aiohttp client): c=1 keep-alive, c=1 with a
     new connection per request, and c=32 keep-alive; interleaved in ROUNDS rounds."""
@@ -993,6 +1046,9 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="also run commit REV's agent (viiwork@REV, from a git worktree) in the same rounds, "
                          "and print the A/B table of issue 15 (REV from issue 14 on: engine key and socket)")
+    ap.add_argument("--keys", action="store_true",
+                    help="also run an agent with client keys on (issue 17: [auth] mode = \"keys\", a key sent on "
+                         "every request) in the same rounds, and print the cost of auth on the hot path")
     ap.add_argument("--other-client", action="store_true",
                     help="also measure bare aiohttp and the agent(s) with loadgen.py's aiohttp client "
                          "(c=1 keep-alive, c=1 a new connection per request, c=32)")
@@ -1037,6 +1093,13 @@ def main() -> int:
                     log = (work / "agent-base.log").read_text(errors="replace")[-300:]
                     notes.append(f"--baseline {args.baseline}: its agent did not serve ({exc}); REV must be from "
                                  f"issue 14 on (engine key and Unix socket); log tail: {log!r}")
+            if args.keys:
+                kport = free_port()
+                token, pub = keys_issuer(work, "bench-keys")
+                kproc, _ = start_agent(agent_config(work, "bench-keys", kport, engine, True, engine_port=free_port(),
+                                                    issuer_pub=pub), kport, work / "agent-keys.log")
+                systems.append(System(KEYS_ON, kport, kproc, headers={"Authorization": f"Bearer {token}"}))
+                wait_post(kport, 30, kproc, systems[-1].headers)
             pair = start_mesh_pair(work, engine, notes)
             systems += pair[:1]
             systems += [s for s in extra if s.name.startswith("LiteLLM")]
@@ -1180,6 +1243,8 @@ def main() -> int:
         lines += ["", "#### Where the agent spends its time at c=32 (py-spy, 200 Hz, non-streamed)", ""] + profile
     if base is not None and base.name in c1:
         lines += ab_table(base, c1, wrk, d, args)
+    if KEYS_ON in c1:
+        lines += keys_table(c1, wrk, d, args)
     if other:
         lines += other
     if notes:

@@ -76,7 +76,9 @@ def test_clean_install_restart_upgrade_remove_purge(install_run):
     out = install_run["stdout"]
     # Each phase of the script printed its "ok:" line; a missing one means a phase was skipped.
     for phase in ("enabled, active with READY=1 on the shipped config",
+                  "client keys on in the shipped config: without an issuer key, inference is a 401",
                   "every host serves its model through a systemd engine unit",
+                  "client keys on: the issued key is served, no key is a 401",
                   "enrolled (node.key 0600",
                   "kept MainPID",
                   "agent restarted (not stopped)",

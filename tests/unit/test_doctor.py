@@ -738,3 +738,71 @@ def test_report_for_a_recorded_nvidia_box_is_actionable(tmp_path):
     assert "remedy: check `dmesg` for Xid errors" in text
     assert "degraded gpu.cpu_only: 1 GPU visible, but every configured model runs on the CPU (1 model)" in text
     assert text.rstrip().endswith("exit status 1")
+
+
+# -- client keys (issue 17 items 5 and 9) ---------------------------------------------------
+
+
+def _issuer_pub(path: Path) -> Path:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from viiwork.agent.auth.keyset import public_pem
+
+    path.write_bytes(public_pem(Ed25519PrivateKey.generate().public_key()))
+    return path
+
+
+# id, api.listen, [auth] (None: no section), mesh, issuer file ("good", "garbage", None: absent),
+# expected {(check, verdict, subject)}
+AUTH = [
+    ("off-on-loopback", "127.0.0.1:8086", None, None, None, {("auth", "ok", "")}),
+    ("off-beyond-loopback", "0.0.0.0:8086", None, None, None, {("auth", "degraded", "")}),
+    ("none-beyond-loopback", "10.0.0.5:8086", {"mode": "none"}, None, None, {("auth", "degraded", "")}),
+    ("keys-no-issuer-key", "0.0.0.0:8086", {"mode": "keys"}, None, None, {("auth", "fail", "issuer key")}),
+    ("keys-not-a-key", "0.0.0.0:8086", {"mode": "keys"}, None, "garbage", {("auth", "fail", "issuer key")}),
+    ("keys-on", "0.0.0.0:8086", {"mode": "keys"}, None, "good", {("auth", "ok", "issuer key")}),
+    ("keys-in-an-open-mesh", "0.0.0.0:8086", {"mode": "keys", "allow_open_mesh": True}, OPEN, "good",
+     {("auth", "degraded", "mesh"), ("auth", "ok", "issuer key")}),
+]
+
+
+@pytest.mark.parametrize(("listen", "auth", "mesh", "issuer", "expected"), [c[1:] for c in AUTH],
+                         ids=[c[0] for c in AUTH])
+def test_client_keys_verdicts(tmp_path, listen, auth, mesh, issuer, expected):
+    pub = tmp_path / "issuer.pub"
+    if issuer == "good":
+        _issuer_pub(pub)
+    elif issuer == "garbage":
+        pub.write_text("not a key\n")
+    sections: dict = {"node": {"name": "box", "state_dir": str(tmp_path / "state")},
+                      "api": {"listen": listen, "admin_socket": str(tmp_path / "admin.sock")}}
+    if auth is not None:
+        sections["auth"] = {**auth, "issuer_keys": str(pub)}
+    if mesh is not None:
+        sections["mesh"] = mesh
+    config = tmp_path / "viiwork.toml"
+    config.write_text(render_config(sections, []))
+    results = [r for r in run_checks(host(tmp_path, config), agent=False).results if r.check == "auth"]
+    assert found(results) == expected
+    for r in results:
+        if r.verdict is not OK:
+            assert r.consequence and r.remedy, r
+        if r.verdict is F:  # the remedy is the one the agent's 401 gives
+            assert "viiworkctl keys issuer init" in r.remedy and str(pub) in r.remedy
+            assert "docs/install.md" in r.remedy
+        if r.verdict is D and not mesh:
+            assert listen in r.summary and "[auth] mode = \"keys\"" in r.remedy
+    if ("auth", "ok", "issuer key") in expected:
+        (ok,) = [r for r in results if r.subject == "issuer key"]
+        assert "aud 'box'" in ok.summary or "aud 'lab'" in ok.summary
+
+
+def test_an_agent_refusing_the_doctor_for_its_key_is_degraded_naming_api_key(tmp_path):
+    facts = HostFacts(NOW, host(tmp_path, write_config(tmp_path)).config,
+                      agent=AgentFacts("http://127.0.0.1:1", True, None, "/v1/status answered HTTP 401: no API key",
+                                       401))
+    report = run_checks(facts, [c for c in REGISTRY if c.agent])
+    reachable = report.results[0]
+    assert (reachable.check, reachable.verdict) == ("agent.reachable", D)
+    assert "--api-key" in reachable.remedy and "VIIWORK_API_KEY" in reachable.remedy
+    assert all(r.verdict is S for r in report.results[1:])

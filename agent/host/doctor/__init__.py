@@ -13,7 +13,7 @@ non-ok results of the host checks, computed from facts alone.
 Exit codes (``DoctorReport.exit_code``): 0 all ok (or skipped), 2 degraded only, 1 any fail.
 
 Layout: ``registry`` (verdicts, results, ``@check``, running the registry), one module per
-subject of checks (``config``, ``gpu``, ``engines``, ``disk``, ``mesh``, ``agent``), and
+subject of checks (``config``, ``gpu``, ``engines``, ``disk``, ``mesh``, ``auth``, ``agent``), and
 ``markdown`` (docs/doctor.md). The start-up conflicts are here because they need the whole
 registry, which exists once this package has imported every subject module.
 """
@@ -33,6 +33,7 @@ from viiwork.agent.host.doctor import gpu  # noqa: F401
 from viiwork.agent.host.doctor import engines  # noqa: F401
 from viiwork.agent.host.doctor import disk  # noqa: F401
 from viiwork.agent.host.doctor import mesh  # noqa: F401
+from viiwork.agent.host.doctor import auth  # noqa: F401
 from viiwork.agent.host.doctor import agent  # noqa: F401
 # isort: on
 from viiwork.agent.host.doctor.markdown import render_markdown

@@ -5,6 +5,7 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Mapping
 
+from viiwork.agent.cli.agent_http import KEY_HINT
 from viiwork.agent.config.schema import is_loopback
 from viiwork.agent.host.doctor.registry import (
     CheckResult,
@@ -25,7 +26,9 @@ def check_agent_reachable(facts: HostFacts) -> CheckResult:
     config's `api.listen`).
 
     - **degraded**: nothing answers: this box serves nothing and its capacity is missing
-      from the mesh.
+      from the mesh. Or the agent refuses the doctor's request for its client key (401/403:
+      client keys on, and no key with the `read` scope given with `--api-key` or
+      `$VIIWORK_API_KEY`): the other `agent.*` checks are skipped.
     - **fail**: something answers, but not with a readable status.
     """
     r = result_for("agent.reachable")
@@ -36,6 +39,10 @@ def check_agent_reachable(facts: HostFacts) -> CheckResult:
         return r(Verdict.DEGRADED, f"no agent at {agent.url}: {agent.error}",
                  "this box serves nothing and peers route around it",
                  "start it: `systemctl enable --now viiwork`; see why it stopped: `journalctl -u viiwork -e`")
+    if agent.status is None and agent.http_status in (401, 403):
+        return r(Verdict.DEGRADED, f"{agent.url}: {agent.error}",
+                 "the doctor cannot read the running agent: its agent.* checks are skipped",
+                 f"{KEY_HINT}; a key is made with `viiworkctl keys issue ... --scope read`")
     if agent.status is None:
         return r(Verdict.FAIL, f"{agent.url}: {agent.error}", "the agent's state cannot be read",
                  "check the URL points at a viiwork agent; see `journalctl -u viiwork -e`")

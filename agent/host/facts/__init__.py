@@ -11,7 +11,7 @@ functions of a ``HostFacts``. Every reader takes its root (``sysfs_root``, ``dev
 ``net_root``) or source as a parameter so the same gathering runs on recorded hosts.
 
 Layout: one module per section (``config``, ``devices``, ``engines``, ``disks``, ``mesh``,
-``agent``), each with its fact types and its reader; this package holds ``HostFacts`` (every
+``auth``, ``agent``), each with its fact types and its reader; this package holds ``HostFacts`` (every
 section together) and ``gather_facts``, and re-exports the sections' public names.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from viiwork.agent.host.facts.agent import AgentFacts, read_agent
+from viiwork.agent.host.facts.auth import IssuerKeysFact, read_issuer_keys
 from viiwork.agent.host.facts.config import ConfigFacts, read_config_facts
 from viiwork.agent.host.facts.devices import DeviceNodes, read_device_nodes
 from viiwork.agent.host.facts.disks import DiskFact, ModelPathFact, read_disks, read_model_paths
@@ -66,6 +67,7 @@ __all__ = [
     "FactUnavailable",
     "HostFacts",
     "InterfaceFact",
+    "IssuerKeysFact",
     "KeyFact",
     "MeshFacts",
     "ModelPathFact",
@@ -80,6 +82,7 @@ __all__ = [
     "read_disks",
     "read_interface",
     "read_interfaces",
+    "read_issuer_keys",
     "read_mesh_facts",
     "read_model_paths",
     "resolve_binary",
@@ -107,6 +110,7 @@ class HostFacts:
     model_paths: tuple[ModelPathFact, ...] | None = None
     disks: tuple[DiskFact, ...] | None = None
     mesh: MeshFacts | None = None
+    issuer_keys: IssuerKeysFact | None = None  # None also when client keys are off
     agent: AgentFacts | None = None
     errors: Mapping[str, str] = field(default_factory=dict)
 
@@ -132,11 +136,13 @@ def gather_facts(
     version_runner: VersionRunner = run_version_command,
     now: dt.datetime | None = None,
     agent_timeout_s: float = 3.0,
+    api_key: str | None = None,
 ) -> HostFacts:
     """Observe this host and its config (blocking: run it in a worker thread from async code).
 
-    url: the agent's base URL; None skips the running-agent section. gpu_sources: the GPU
-    readers (default NVML + sysfs at /). Each section that raises is recorded in ``errors``.
+    url: the agent's base URL; None skips the running-agent section. api_key: a client key
+    sent to it (an agent with client keys on). gpu_sources: the GPU readers (default NVML +
+    sysfs at /). Each section that raises is recorded in ``errors``.
     """
     now = now or dt.datetime.now(dt.UTC)
     errors: dict[str, str] = {}
@@ -164,6 +170,7 @@ def gather_facts(
         section("model_paths", lambda: read_model_paths(config))
         section("disks", lambda: read_disks(config))
         section("mesh", lambda: read_mesh_facts(config, net_root, now))
+        section("issuer_keys", lambda: read_issuer_keys(config))
     if url is not None:
-        section("agent", lambda: read_agent(url, agent_timeout_s))
+        section("agent", lambda: read_agent(url, agent_timeout_s, api_key))
     return HostFacts(now, config_facts, errors=errors, **values)
