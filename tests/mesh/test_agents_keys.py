@@ -99,3 +99,11 @@ def test_the_serving_node_verifies_the_key_again(mesh2: tuple[Agent, Agent, dict
     assert jti_of(tokens["revoked_at_b"]) in b.log_text()
     # And B itself refuses it to a client at once.
     assert request(f"{b.url}/v1/chat/completions", chat("only-b"), bearer(tokens["revoked_at_b"]))[0] == 401
+
+
+def test_keys_in_an_open_mesh_warn_at_start(mesh2: tuple[Agent, Agent, dict[str, str]]) -> None:
+    """auth.allow_open_mesh lets keys mode run with trust = "open"; each agent says at start what
+    that costs (issue 17 item 5; the doctor's `auth` check is degraded for it, tests/unit/test_doctor.py)."""
+    for agent in mesh2[:2]:
+        assert "client keys are on in an open mesh (auth.allow_open_mesh)" in agent.log_text()
+        assert f"mesh id '{MESH_ID}'" in agent.log_text()
