@@ -3,8 +3,9 @@
 It looks at the GPUs (viiwork.agent.host.gpus inventory), the GGUF files under each
 ``--models-dir`` (recursively; a file counts when it starts with the GGUF magic), the engine
 binaries installed (each engine's default ``binary`` on PATH, then next to this Python, where
-``make venv`` puts llama-server), and the mesh trust asked for (``--mesh``; default
-standalone: no ``[mesh]``). It prints each choice and its reason (paths quoted by
+``make venv`` puts llama-server), the mesh trust asked for (``--mesh``; default standalone:
+no ``[mesh]``) and client keys (``--auth``; default on, as in the shipped config, except for
+a lab's ``--mesh open``: docs/security.md, "Client keys"). It prints each choice and its reason (paths quoted by
 viiwork.agent.cli.quoting: a file name cannot forge a line or send terminal escapes),
 validates the result with the agent's own loader, and writes it through tomli-w. Only
 regular files are probed (``stat`` decides; a FIFO named x.gguf is skipped, never opened
@@ -35,7 +36,7 @@ from viiwork.agent.cli.command_path import command
 from viiwork.agent.cli.out_file import OutFileError, check_out, write_whole
 from viiwork.agent.cli.quoting import quote_path
 from viiwork.agent.config.load import ConfigError, file_kind, parse_config
-from viiwork.agent.config.schema import parse_hostport
+from viiwork.agent.config.schema import AuthConfig, parse_hostport
 from viiwork.agent.host.config_host import bind_problem
 from viiwork.agent.host.facts import BinaryState, resolve_binary
 from viiwork.agent.host.gpus.inventory import GpuInventory
@@ -72,11 +73,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="replace FILE if it exists (a symlink at FILE is replaced, its target kept)")
     parser.add_argument("--mesh", choices=("standalone", "open", "ca"), default="standalone",
                         help="standalone (default: no [mesh]), open (labs: --mesh-id) or ca (--ca-certificate)")
-    parser.add_argument("--mesh-id", metavar="NAME", help="the mesh's name, for --mesh open")
+    parser.add_argument("--mesh-id", metavar="NAME",
+                        help="the mesh's name, for --mesh open, and for --mesh ca with client keys (their audience)")
     parser.add_argument("--ca-certificate", type=Path, metavar="FILE", help="the mesh CA's certificate, for --mesh ca")
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                         help="the client API's host:port (default 0.0.0.0:8086: every address of this host; "
                              "127.0.0.1:8086 keeps it to this machine)")
+    parser.add_argument("--auth", choices=("keys", "none"), default=None,
+                        help="client keys: keys (the default, as in the shipped config: inference needs a key "
+                             "signed by the issuer whose public key is --issuer-keys) or none (anyone who reaches the "
+                             "API uses it; the default with --mesh open)")
+    parser.add_argument("--issuer-keys", type=Path, default=DEFAULT_ISSUER_KEYS, metavar="FILE",
+                        help=f"the issuer's public key, for --auth keys (default {DEFAULT_ISSUER_KEYS})")
     parser.add_argument("--no-gpus", action="store_true", help="put every model on the CPU")
     parser.set_defaults(func=run_init)
 
@@ -206,6 +214,7 @@ def _is_loopback(host: str) -> bool:
 
 
 DEFAULT_LISTEN = "0.0.0.0:8086"
+DEFAULT_ISSUER_KEYS: Path = AuthConfig.model_fields["issuer_keys"].default
 #: Ports tried when the default one is held (8087 is the mesh's default port: skipped).
 FALLBACK_PORTS = range(8088, 8100)
 
@@ -231,6 +240,13 @@ def _free_port(args: argparse.Namespace, host: str, port: int, say: list[str], n
     return port
 
 
+def auth_mode(args: argparse.Namespace) -> str:
+    """``--auth``, else its default: ``keys`` (as the shipped config), ``none`` with ``--mesh open``
+    (a lab's mesh: keys there would need auth.allow_open_mesh)."""
+    chosen = getattr(args, "auth", None)
+    return str(chosen) if chosen else ("none" if args.mesh == "open" else "keys")
+
+
 def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args: argparse.Namespace,
          say: list[str]) -> dict[str, Any]:
     """The config as a TOML document (a dict), each choice explained in ``say``."""
@@ -241,6 +257,9 @@ def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args:
     if args.mesh == "open":
         if not args.mesh_id:
             raise InitError("--mesh open needs --mesh-id NAME (the name shared by the nodes of this mesh)")
+        if auth_mode(args) == "keys":
+            raise InitError("--auth keys needs --mesh ca: in an open mesh anyone who knows the mesh id receives "
+                            "forwarded keys (or --auth none for a lab mesh)")
         doc["mesh"] = {"trust": "open", "mesh_id": args.mesh_id}
         say.append(f"mesh: trust open, mesh_id {args.mesh_id!r} (--mesh open; labs only: peers pinned on first use)")
     elif args.mesh == "ca":
@@ -248,10 +267,26 @@ def plan(files: list[GgufFile], gpus: list[int | str], binary: str | None, args:
             raise InitError("--mesh ca needs --ca-certificate FILE (create a CA with `viiworkctl mesh ca init --out DIR`)")
         if not args.ca_certificate.is_file():
             raise InitError(f"--ca-certificate {quote_path(args.ca_certificate)}: not a file")
+        if auth_mode(args) == "keys" and not args.mesh_id:
+            raise InitError("--mesh ca with client keys needs --mesh-id NAME (the audience every node's keys carry: "
+                            "`viiworkctl keys issue --audience NAME`), or --auth none")
         doc["mesh"] = {"trust": "ca", "ca_certificate": str(args.ca_certificate.absolute())}
-        say.append(f"mesh: trust ca with {quote_path(args.ca_certificate.absolute())} (--mesh ca)")
+        if args.mesh_id:
+            doc["mesh"]["mesh_id"] = args.mesh_id
+        say.append(f"mesh: trust ca with {quote_path(args.ca_certificate.absolute())} (--mesh ca)"
+                   + (f", mesh_id {args.mesh_id!r}" if args.mesh_id else ""))
     else:
         say.append("standalone: no [mesh] (--mesh open or ca to join a mesh)")
+    if auth_mode(args) == "keys":
+        issuer = Path(os.path.abspath(getattr(args, "issuer_keys", DEFAULT_ISSUER_KEYS)))
+        doc["auth"] = {"mode": "keys", "issuer_keys": str(issuer), "open_loopback_reads": True}
+        installed = "installed" if issuer.exists() else \
+            "not installed yet: docs/install.md, \"Client keys\", says how; until then inference is refused with 401"
+        say.append(f"client keys on: issuer key {quote_path(issuer)} ({installed}); reads open on loopback "
+                   "(--auth none: keys off)")
+    else:
+        say.append("client keys off (--auth none" + (", the default with --mesh open" if args.mesh == "open" else "")
+                   + "): anyone who reaches the API can use every model")
     models = []
     taken: set[str] = set()
     # The largest chat model gets the GPUs, one backend per GPU; the others run on the CPU.
@@ -295,8 +330,8 @@ def _init(args: argparse.Namespace) -> int:
         raise InitError(str(exc)) from None
     if not out.parent.is_dir():
         raise InitError(f"{quote_path(out.parent)} (the directory of --out) does not exist")
-    if args.mesh_id is not None and args.mesh != "open":
-        raise InitError("--mesh-id is for --mesh open")
+    if args.mesh_id is not None and args.mesh == "standalone":
+        raise InitError("--mesh-id is for --mesh open or ca")
     if args.ca_certificate is not None and args.mesh != "ca":
         raise InitError("--ca-certificate is for --mesh ca")
     try:
@@ -306,9 +341,9 @@ def _init(args: argparse.Namespace) -> int:
     say: list[str] = []
     notes: list[str] = []
     listen_port = _free_port(args, listen_host, listen_port, say, notes)
-    if not _is_loopback(listen_host):
+    if not _is_loopback(listen_host) and auth_mode(args) == "none":
         notes.append(f"api.listen = {args.listen!r}: every machine that can reach this host on port {listen_port} "
-                     f"can use the API (it has no client keys yet); to keep it to this machine pass --listen "
+                     f"can use the API (client keys are off); to keep it to this machine pass --listen "
                      f"127.0.0.1:{listen_port}, and reach it from elsewhere through `ssh -L "
                      f"{listen_port}:localhost:{listen_port} {socket.gethostname()}`")
     files = [f for d in args.models_dir for f in find_ggufs(d, notes)]

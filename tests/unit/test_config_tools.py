@@ -65,9 +65,35 @@ def test_init_refuses_to_overwrite_without_force(tmp_path: Path, models_dir: Pat
     code, said, err = run(capsys, "init", "--out", str(out), "--models-dir", str(models_dir), "--force")
     assert code == 0, err
     assert len(load_config(out).models) == 2
-    # The default listens on every address: init says who can use the API and how to narrow it.
+    # The default listens on every address, with client keys on: no note about an open API.
+    assert "every machine that can reach this host" not in said and "client keys on" in said
+    # With keys off, init says who can use the API and how to narrow it.
+    code, said, err = run(capsys, "init", "--out", str(out), "--models-dir", str(models_dir), "--force",
+                          "--auth", "none")
+    assert code == 0, err
     [note] = [line for line in said.splitlines() if "0.0.0.0:8086" in line and line.startswith("note:")]
     assert "every machine that can reach this host" in note and "--listen 127.0.0.1:8086" in note
+    assert load_config(out).auth.mode == "none"
+
+
+def test_init_turns_client_keys_on_as_the_shipped_config_does(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 17 item 9: a new config has keys on, like /etc/viiwork/viiwork.toml as shipped, so
+    `init --force` over the shipped file keeps them on; the issuer key's state is said."""
+    out = tmp_path / "viiwork.toml"
+    pub = tmp_path / "issuer.pub"
+    code, said, err = run(capsys, "init", "--out", str(out), "--no-gpus", "--issuer-keys", str(pub))
+    assert code == 0, err
+    auth = load_config(out).auth
+    assert (auth.mode, auth.issuer_keys, auth.open_loopback_reads) == ("keys", pub, True)
+    assert f"client keys on: issuer key {pub} (not installed yet: docs/install.md" in said
+    pub.write_text("x")
+    code, said, err = run(capsys, "init", "--out", str(out), "--no-gpus", "--issuer-keys", str(pub), "--force")
+    assert code == 0 and f"issuer key {pub} (installed)" in said, err
+    code, said, err = run(capsys, "init", "--out", str(out), "--no-gpus", "--mesh", "open", "--mesh-id", "lab",
+                          "--force")
+    assert code == 0 and load_config(out).auth.mode == "none", err  # a lab's open mesh: keys off by default
+    assert "client keys off (--auth none, the default with --mesh open)" in said
 
 
 def test_init_on_loopback_does_not_warn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,10 +114,12 @@ def test_init_writes_the_mesh_asked_for(tmp_path: Path, capsys: pytest.CaptureFi
     ca = tmp_path / "ca.crt"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     out = tmp_path / "ca.toml"
-    code, said, err = run(capsys, "init", "--out", str(out), "--mesh", "ca", "--ca-certificate", str(ca))
+    code, said, err = run(capsys, "init", "--out", str(out), "--mesh", "ca", "--ca-certificate", str(ca),
+                          "--mesh-id", "site-a")
     assert code == 0, err
     cfg = load_config(out)
     assert cfg.mesh is not None and cfg.mesh.trust == "ca" and cfg.mesh.ca_certificate == ca
+    assert cfg.mesh.mesh_id == "site-a" and cfg.auth.mode == "keys"  # the mesh id: its keys' audience
 
 
 BAD_INIT = [
@@ -103,7 +131,10 @@ BAD_INIT = [
     ("bad mesh id", ["--mesh", "open", "--mesh-id=-x"], "the config would be invalid: mesh.mesh_id"),
     ("ca without cert", ["--mesh", "ca"], "--mesh ca needs --ca-certificate FILE"),
     ("ca cert missing", ["--mesh", "ca", "--ca-certificate", "{tmp}/none.crt"], "--ca-certificate {tmp}/none.crt: not a file"),
-    ("id without open", ["--mesh-id", "lab"], "--mesh-id is for --mesh open"),
+    ("id without mesh", ["--mesh-id", "lab"], "--mesh-id is for --mesh open or ca"),
+    ("ca keys without id", ["--mesh", "ca", "--ca-certificate", "{tmp}/afile"], "--mesh ca with client keys needs "
+     "--mesh-id NAME"),
+    ("open with keys", ["--mesh", "open", "--mesh-id", "lab", "--auth", "keys"], "--auth keys needs --mesh ca"),
 ]
 
 
