@@ -13,6 +13,9 @@ someone listens there). One running candidate is the target; two are ambiguous, 
 command stops with one line naming both and the flag to choose; none: the system config
 when it exists (its errors then say what is wrong), else the defaults (127.0.0.1:8086).
 
+``add_target_args`` also adds ``--api-key`` (else $VIIWORK_API_KEY): the read key an agent with
+client keys on asks for (agent/cli/agent_http.py).
+
 ``--config FILE`` names an agent, not only an address: a command that talks to the running
 agent (``agent_url(args)``) stops with one line when nothing answers on that config's admin
 socket, rather than show whichever agent holds its ``api.listen`` port.

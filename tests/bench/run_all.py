@@ -56,7 +56,8 @@ class Bench:
 # Order: the issue-9 tables first, then the figures of the other issues.
 KNOWN: list[Bench] = [
     # With a baseline (A/B, issue 15): one more agent in every round, and the loadgen.py rows (~60 s more).
-    Bench("bench_overhead.py", 330, ["-n", "1000", "--stream-n", "300", "--wrk-s", "4", "--profile"],
+    # --keys (issue 17): two more agents (keys on, and keys off again as the A/A control), ~50 s more.
+    Bench("bench_overhead.py", 390, ["-n", "1000", "--stream-n", "300", "--wrk-s", "4", "--profile", "--keys"],
           title="Proxy overhead, memory and start-up (issue 9)"),
     Bench("bench_proxy.py", 200, ["-n", "600"], title="Added latency of one agent, fake engine and llama-server (issue 2)"),
     # Sized for the 20-minute total on 2 cores: the mesh simulation's default (1000 simulated

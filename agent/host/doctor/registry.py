@@ -4,7 +4,7 @@ A check is a pure function of a ``HostFacts`` (``viiwork.agent.host.facts``) reg
 ``@check(id, title)``; it returns one ``CheckResult`` or several. ``run_check`` turns a
 ``Skip`` into ``skipped`` and anything else a check raises into ``fail`` (docs/architecture.md,
 rule 14). The checks themselves live in the subject modules of this package
-(``config``, ``gpu``, ``engines``, ``disk``, ``mesh``, ``agent``); importing the package
+(``config``, ``gpu``, ``engines``, ``disk``, ``mesh``, ``auth``, ``agent``); importing the package
 registers them all, in the order they are shown.
 """
 
