@@ -86,6 +86,9 @@ KNOWN: list[Bench] = [
     Bench("bench_usage.py", 60, ["-n", "2000"], title="Usage ledger"),
     # Three real agents in CA mode, 20 lists pushed at one, a node restarted: ~15 s here.
     Bench("bench_revocations.py", 120, ["--rounds", "20"], takes_out=False, title="Revocation spread time"),
+    # Five minimal apps and four agents, 2000 requests each at c=1: ~90 s here (issue 17).
+    Bench("bench_auth_ab.py", 200, ["-n", "200", "--rounds", "10"], takes_out=False,
+          title="Client keys: the gate alone, then whole agents (issue 17)"),
 ]
 DEFAULT_BUDGET_S = 90
 
