@@ -15,6 +15,11 @@ request a peer forwarded enters it at "run locally" (the mesh listener's forward
 The request body is forwarded as received (re-serialised only to change ``stream`` and
 ``stream_options`` for an assembled answer: agent/serving/assemble.py, docs/engines.md); mesh headers
 (``X-Viiwork-*``) are stripped before a request reaches an engine.
+
+One module (over 400 lines) because every route shares the same parse, validate and render
+steps and the listener's state (drain, auth gate, metrics); split by route, one request's
+checks would be spread over several files. A request's own fields for the queue and the usage
+row are filled here too (``_queue_place``, ``_for_usage``), from the key this node verified.
 """
 
 from __future__ import annotations
