@@ -143,6 +143,13 @@ class Accounting:
             if value:
                 self.tokens[(tenant, row.model, kind)] += value
 
+    def forget_model(self, model: str) -> None:
+        """Drop ``model``'s usage series (a model that left: ``ClientApi.sync_models``); the
+        ledger's rows stay."""
+        for counter in (self.requests, self.tokens):
+            for key in [k for k in counter if k[1] == model]:
+                del counter[key]
+
     def metric_families(self) -> Iterable[CounterMetricFamily]:
         """``viiwork_usage_requests_total{tenant,model,status}`` (status: ``2xx``, ``4xx``, ``5xx``)
         and ``viiwork_usage_tokens_total{tenant,model,kind}`` (kind: prompt, completion, cached):

@@ -171,12 +171,14 @@ class ClientApi:
     def sync_models(self) -> None:
         """Follow ``runtimes`` after a reload: the queues watch new models' backends, and a
         model that left (served neither here nor, as far as this node knows, by a peer) loses
-        its series: the request histograms' and ``viiwork_responses_total``'s."""
+        its series: the request histograms', ``viiwork_responses_total``'s and the usage counters'."""
         self.queues.sync()
-        labels = set(self.histograms.models()) | {model for model, _ in self.responses}
+        labels = (set(self.histograms.models()) | {model for model, _ in self.responses}
+                  | {model for _, model, _ in self.accounting.requests})
         for model in labels:
             if model != "-" and model not in self.runtimes and self.pipeline.peers.kind_of(model) is None:
                 self.histograms.remove(model)
+                self.accounting.forget_model(model)
                 for key in [k for k in self.responses if k[0] == model]:
                     del self.responses[key]
 
