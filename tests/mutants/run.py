@@ -8,7 +8,9 @@ the repository root) whose first two lines are comments::
     # why: what the mutation breaks, in one line
 
 For each patch the working tree (without .git, .venv and caches) is copied to a scratch
-folder, the patch is applied there and the named tests are run against the copy; the mutant
+folder, the patch is applied there (exactly: its context lines must match, at any offset; a
+patch that needs fuzz has drifted from the code and could mutate the wrong line, so it does
+not apply) and the named tests are run against the copy; the mutant
 is **killed** when at least one of them fails, **survived** when they all pass. pytest
 imports ``viiwork`` from the copy, not from the editable install (which points at the
 original ``agent/``, ``mesh/`` and ``engines/`` folders): the copy's ``viiwork/`` folder gets
@@ -23,7 +25,10 @@ unpatched copy: they must pass there, or a "killed" would prove nothing.
 Prints a table (patch, result, seconds, first failing test) and exits 1 when any mutant
 survived, did not apply, or could not be run (no such test, a timeout, a baseline failure).
 
-Usage: ``python tests/mutants/run.py [--only NAME,...] [--jobs N] [--timeout S] [--no-baseline]``
+``--check`` only tries each patch against the working tree (no copy, no tests: seconds) and
+lists those that do not apply.
+
+Usage: ``python tests/mutants/run.py [--only NAME,...] [--jobs N] [--timeout S] [--no-baseline] [--check]``
 """
 
 from __future__ import annotations
@@ -130,9 +135,11 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout_s: float) -> subproces
                           cwd=tree, env=test_env(tree), capture_output=True, text=True, timeout=timeout_s)
 
 
-def apply_patch(tree: Path, patch: Path) -> str | None:
-    """Apply ``patch`` in ``tree``; None on success, else patch's complaint."""
-    done = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-i", str(patch)],
+def apply_patch(tree: Path, patch: Path, *, dry_run: bool = False) -> str | None:
+    """Apply ``patch`` in ``tree`` without fuzz (``dry_run``: only check that it would);
+    None on success, else patch's complaint."""
+    done = subprocess.run(["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch",
+                           *(["--dry-run"] if dry_run else []), "-i", str(patch)],
                           cwd=tree, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         return (done.stdout + done.stderr).strip().splitlines()[-1] if (done.stdout + done.stderr).strip() else \
@@ -206,12 +213,30 @@ def print_table(rows: list[Outcome]) -> None:
         print(f"{r.name:<{width}}  {r.result:<11}  {r.seconds:7.1f}  {r.detail}")
 
 
+def check_only(mutants: list[Mutant]) -> int:
+    """``--check``: each patch tried (dry run) against the working tree; 1 when any does not apply."""
+    rows = []
+    for m in mutants:
+        started = time.monotonic()
+        complaint = apply_patch(REPO, m.path, dry_run=True)
+        rows.append(Outcome(m.name, "applies" if complaint is None else "not applied", time.monotonic() - started,
+                            complaint or ""))
+    bad = [r.name for r in rows if r.result != "applies"]
+    if bad:
+        print_table([r for r in rows if r.result != "applies"])
+        print(f"\n{len(bad)} of {len(mutants)} patches do not apply: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    print(f"all {len(mutants)} patches apply")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated patch names (without .patch)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant's test run (default 600)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unpatched tree")
+    parser.add_argument("--check", action="store_true", help="only check that each patch applies (no tests)")
     args = parser.parse_args(argv)
 
     paths = sorted(HERE.glob("*.patch"))
@@ -231,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
 
+    if args.check:
+        return check_only(mutants)
     rows: list[Outcome] = []
     SCRATCH_PARENT.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="viiwork-mutants-", dir=SCRATCH_PARENT) as tmp:
