@@ -3,7 +3,8 @@
 #   make venv       create .venv and install viiwork with its test and demo extras
 #                   (idempotent: redone only when pyproject.toml changes)
 #   make demo       run the agent on its embedded demo config (SmolLM2 on the CPU)
-#   make lint       ruff, then mypy (strict on mesh/, engines/ and the modules pyproject.toml lists), as it configures
+#   make lint       ruff, then mypy (strict on mesh/, engines/ and the modules pyproject.toml lists), as it configures,
+#                   then checks that every tests/mutants/*.patch still applies
 #   make test       `make lint`, then every test tier this machine can run (CI=true: a skip
 #                   not listed in tests/skip-allowlist.toml is a failure; a checkout under /tmp,
 #                   /var/tmp or /dev/shm, which systemd units cannot see, is then copied out and
@@ -134,6 +135,8 @@ lint: venv
 	@ln -sfn ../../../viiwork/__init__.py $(TYPECHECK_ROOT)/viiwork/__init__.py
 	@for d in agent mesh engines; do ln -sfn ../../../$$d $(TYPECHECK_ROOT)/viiwork/$$d; done
 	$(BIN)/mypy | sed 's#^$(TYPECHECK_ROOT)/viiwork/##'
+	@# A mutant patch that no longer applies (the code it mutates moved) is a test of nothing.
+	$(BIN)/python tests/mutants/run.py --check
 
 # docs/dashboard.png: the dashboard's browser test (three agents, headless chromium) saves the
 # page it checked. The test run itself writes nothing into the tree.
