@@ -46,7 +46,7 @@ PYTEST_FLAGS := -q -ra --no-header $(PYTEST_ARGS)
 .PHONY: help venv demo lint test test-fast bench man mutants screenshot clean distclean
 
 help:
-	@sed -n '3,18s/^# \{0,1\}//p' Makefile
+	@sed -n '3,19s/^# \{0,1\}//p' Makefile
 
 venv: $(STAMP)
 
