@@ -532,7 +532,15 @@ class ProbeNode:
         if isinstance(msg, Ping):
             out.append((address, Ack(self.m.protocol, self.m.mesh_id, msg.ping_id, self._items(sender))))
         elif isinstance(msg, PingReq):
-            self._relay_ping(address, msg.ping_id, msg.address, self.settings.detector.relay_attempts - 1, now, out)
+            # The target is pinged at the address this node holds for it (its signed summary),
+            # never at the one the request names: a member must not make this node connect to
+            # any host and port it likes. A target this node does not know (or itself, or the
+            # requester) is dropped and counted.
+            if msg.target not in self.m.records or msg.target in (self.m.node_id, sender):
+                self.counters["ping_req_unknown_target"] += 1
+            else:
+                self._relay_ping(address, msg.ping_id, self._address(msg.target),
+                                 self.settings.detector.relay_attempts - 1, now, out)
         elif isinstance(msg, Ack):
             self._acked(msg.ping_id, now, out)
         elif isinstance(msg, Nack):

@@ -8,8 +8,9 @@ for the relays, suspicion 2 s .. 12 s at 10 nodes) and issue 16's goals.
 from __future__ import annotations
 
 from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
+from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness
-from viiwork.mesh.messages import Claim, Gossip, Push, claim_signing_input
+from viiwork.mesh.messages import Claim, Gossip, Ping, PingReq, Push, claim_signing_input
 from viiwork.mesh.quantise import LoadQuantiser
 from viiwork.mesh.sim import SIM_MESH_ID, Simulator
 from viiwork.mesh.summary import ModelCapacity
@@ -151,3 +152,24 @@ def test_graceful_leave_is_seen_as_left_and_a_restarted_node_comes_back_alive():
         "the restarted node was not taken back"
     assert all(o.membership.records[sim.nodes[5].node_id].order[0] == generation
                for o in sim.up_nodes() if o.index != 5)
+
+
+def test_a_ping_req_pings_the_targets_own_address_never_the_one_it_names():
+    """A relay pings the target at the address of its signed summary: a member cannot make a
+    node connect to a host and port of its choosing (an attacker pass found 127.0.0.1:PORT,
+    169.254.169.254:80 and a DNS name all dialled); an unknown target is dropped and counted."""
+    sim = probe_mesh(4, seed=17)
+    relay, requester, target = sim.nodes[0], sim.nodes[1], sim.nodes[2]
+    protocol = relay.membership.protocol
+    out = relay.probe.receive(requester.node_id, requester.address,
+                              PingReq(protocol, SIM_MESH_ID, 7, target.node_id, "169.254.169.254:80"))
+    pings = [to for to, msg in out if isinstance(msg, Ping)]
+    assert pings == [relay.membership.records[target.node_id].summary.payload.mesh]
+    assert "169.254.169.254:80" not in [to for to, _ in out]
+    unknown = NodeId("a" * 16)  # the shape of a node id, no member's
+    assert unknown not in relay.membership.records
+    for who in (unknown, relay.node_id, requester.node_id):
+        out = relay.probe.receive(requester.node_id, requester.address,
+                                  PingReq(protocol, SIM_MESH_ID, 8, who, "127.0.0.1:9"))
+        assert not [to for to, msg in out if isinstance(msg, Ping)], who
+    assert relay.probe.counters["ping_req_unknown_target"] == 3
