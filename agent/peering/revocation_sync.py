@@ -185,15 +185,7 @@ class RevocationSync:
         peer. Returns ``{"version", "revoked", "taken", "peers": {name: outcome}}``; ``taken``
         False when this node held the same list already (it is pushed all the same). Raises
         RevocationRefused when this node refuses it (an older list, a forged one)."""
-        token = token.strip()
-        try:
-            held = await self._offer(token)
-            taken = True
-        except RevocationRefused as exc:
-            current = self.gate.held_revocations()
-            if exc.reason is not RevocationReason.STALE or current is None or current.token != token:
-                raise
-            held, taken = current, False
+        held, taken = await offer_or_held(self.gate, self._offer, token.strip())
         return {"version": held.ver, "revoked": len(held.revoked), "taken": taken,
                 "peers": await self.push_to_peers(held)}
 
@@ -386,9 +378,23 @@ def operator_push(gate: AuthGate | None, sync: RevocationSync | None,
     alone = gate
 
     async def push_alone(token: str) -> dict[str, Any]:
-        held = await alone.offer_revocations(token.strip())
-        return {"version": held.ver, "revoked": len(held.revoked), "taken": True, "peers": {}}
+        held, taken = await offer_or_held(alone, alone.offer_revocations, token.strip())
+        return {"version": held.ver, "revoked": len(held.revoked), "taken": taken, "peers": {}}
     return push_alone
+
+
+async def offer_or_held(gate: AuthGate, offer: Callable[[str], Awaitable[RevocationList]],
+                        token: str) -> tuple[RevocationList, bool]:
+    """``offer(token)`` as the operator pushes it: ``(list, True)`` when taken, ``(the list held,
+    False)`` when this node holds that very list already (a retried push is not an error, on a
+    standalone node as in a mesh); any other refusal (older, forged) raises RevocationRefused."""
+    try:
+        return await offer(token), True
+    except RevocationRefused as exc:
+        current = gate.held_revocations()
+        if exc.reason is not RevocationReason.STALE or current is None or current.token != token:
+            raise
+        return current, False
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

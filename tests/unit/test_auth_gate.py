@@ -252,6 +252,9 @@ def test_a_node_alone_takes_a_pushed_list_at_once(keyed: tuple[Agent, Keys]) -> 
         status, body, _ = request(f"{agent.url}/v1/models", None, bearer(revoked))
         assert status == 401 and "(revoked)" in body["error"]["message"], body
     assert agent.status()["auth"]["revocations_version"] == 2
+    # The same list pushed again (a retried push) is already held: no error, as in a mesh.
+    again = ctl("keys", "push-revocations", str(listed), "--socket", str(agent.state_dir / "admin.sock"))
+    assert "version 2 already held" in again, again
 
 
 def test_no_issuer_key_starts_and_says_how_to_install_one(tmp_path: Path) -> None:
