@@ -120,7 +120,7 @@ def test_peers_figures_never_evict_this_nodes_own_counts() -> None:
     limiter = Limiter(max_keys=4, clock=clock)
     claims = KeyClaims(iss="viiwork-issuer", aud=("m",), jti="real", exp=2**40, tenant="acme", rpm=3)
     for _ in range(3):
-        limiter.admit(claims, 1)
+        limiter.finish(limiter.admit(claims, 1))  # ended: nothing in flight holds its state
     kept = [limiter.note_peer_usage(f"bogus-{i}", WINDOW, 0, 0) for i in range(100)]
     assert kept.count(True) == 4  # made-up keys: at most max_keys of them, the rest left out
     with pytest.raises(LimitExceeded):
