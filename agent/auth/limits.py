@@ -15,11 +15,16 @@ Mesh-wide limits (issue 17, item 6; agent/peering/usage_share.py) build on
 :meth:`Limiter.note_peer_usage`: the consumption peers report for a key in a window is added to
 this node's own when it decides, and never reported onward (a node reports only what it
 admitted itself: ``own_usage``). ``listeners`` are told when this node's own counts change, so
-the sharing can report them at once.
+the sharing can report them at once. Peers' figures are kept apart from this node's own
+counts: noting them never evicts a key's own state (a member flooding made-up keys must not
+reset a real key's count; docs/security.md, "A hostile member"), and they count at most the
+key's own limit (more says nothing more).
 
 Memory is bounded: the state of at most ``max_keys`` keys is kept, least recently used
 dropped first (never a key with requests in flight); a dropped key starts its window again
-at 0. Not thread-safe: one owner (the agent's loop).
+at 0. Peers' figures for the current window: any number for keys with state here, and at
+most ``max_keys`` more for keys this node has not seen (the rest left out). Not thread-safe:
+one owner (the agent's loop).
 """
 
 from __future__ import annotations
@@ -81,13 +86,10 @@ class _KeyState:
     requests: int = 0  # admitted here in ``window``
     tokens: int = 0  # debited here in ``window`` (estimates, then real counts)
     in_flight: int = 0
-    peer_requests: int = 0  # reported by peers for ``window`` (note_peer_usage)
-    peer_tokens: int = 0
 
     def roll(self, window: int) -> None:
         if window != self.window:
             self.window, self.requests, self.tokens = window, 0, 0
-            self.peer_requests = self.peer_tokens = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,10 @@ class Limiter:
         self.clock = clock
         self.refused: Counter[str] = Counter()
         self._keys: OrderedDict[str, _KeyState] = OrderedDict()
+        #: Peers' sums for ``_peer_window`` (note_peer_usage): jti -> (requests, tokens). Apart
+        #: from ``_keys``, so that noting them never evicts this node's own counts.
+        self._peer: dict[str, tuple[int, int]] = {}
+        self._peer_window: int | None = None
         #: Called (on the owner's loop, must not block) after this node's own counts of a key
         #: changed: an admission, or a real token count replacing an estimate.
         self.listeners: list[Callable[[], None]] = []
@@ -207,8 +213,15 @@ class Limiter:
         if claims.rpm is None and claims.tpm is None and claims.concurrency is None:
             return Admission(claims.jti, window, tokens, Quota(None, None, None, None, reset_s), None)
         state = self._state(claims.jti, window)
-        used_requests = state.requests + state.peer_requests
-        used_tokens = state.tokens + state.peer_tokens
+        peer_requests, peer_tokens = self._peer_figures(claims.jti, window)
+        # Peers' figures count at most the key's limit: more says nothing more, and an
+        # over-report (a hostile member) cannot push the headers' figures past it.
+        if claims.rpm is not None:
+            peer_requests = min(peer_requests, claims.rpm)
+        if claims.tpm is not None:
+            peer_tokens = min(peer_tokens, claims.tpm)
+        used_requests = state.requests + peer_requests
+        used_tokens = state.tokens + peer_tokens
 
         def quota(requests: int, spent: int) -> Quota:
             return Quota(claims.rpm, None if claims.rpm is None else claims.rpm - requests,
@@ -252,23 +265,35 @@ class Limiter:
         """The number of the current window (seconds since the epoch // 60)."""
         return math.floor(self.clock() / WINDOW_S)
 
-    def note_peer_usage(self, jti: str, window: int, requests: int, tokens: int) -> None:
+    def note_peer_usage(self, jti: str, window: int, requests: int, tokens: int) -> bool:
         """What peers admitted for ``jti`` in ``window`` (their sum, replacing the last sum):
-        counted against the key's limits here too. A report for another window than the
-        current one is ignored."""
+        counted against the key's limits here too, apart from this node's own counts (never
+        evicting them). Returns False when left out: a report for another window than the
+        current one, or a key this node has no state for while ``max_keys`` such keys are
+        already noted in this window."""
         now_window = math.floor(self.clock() / WINDOW_S)
         if window != now_window:
-            return
-        state = self._state(jti, window)
-        state.peer_requests, state.peer_tokens = max(0, requests), max(0, tokens)
+            return False
+        if self._peer_window != window:  # a new window: the previous one's figures are done
+            self._peer_window = window
+            self._peer.clear()
+        if jti not in self._peer and jti not in self._keys and len(self._peer) >= self.max_keys:
+            return False
+        self._peer[jti] = (max(0, requests), max(0, tokens))
+        return True
+
+    def _peer_figures(self, jti: str, window: int) -> tuple[int, int]:
+        if self._peer_window != window:
+            return 0, 0
+        return self._peer.get(jti, (0, 0))
 
     def usage_of(self, jti: str) -> tuple[int, int, int, int]:
         """``jti``'s counts in the current window: (requests, tokens) admitted here, then
-        (requests, tokens) its peers reported; zeros for a key not tracked."""
+        (requests, tokens) its peers reported; zeros for what is not tracked."""
+        window = self.current_window()
         state = self._keys.get(jti)
-        if state is None or state.window != self.current_window():
-            return 0, 0, 0, 0
-        return state.requests, state.tokens, state.peer_requests, state.peer_tokens
+        own = (0, 0) if state is None or state.window != window else (state.requests, state.tokens)
+        return (*own, *self._peer_figures(jti, window))
 
     def own_usage(self) -> dict[str, tuple[int, int, int]]:
         """jti -> (window, requests, tokens) admitted by this node itself in the current window

@@ -28,8 +28,13 @@ changed since that peer last acknowledged them, with their absolute counts::
 - Bounded: a body of at most ``REPORT_MAX_BYTES``, at most ``MAX_KEYS_PER_REPORT`` keys (the
   rest in the next report); a report for an earlier window than the receiver's current one
   is ignored (``window``), one for a later window answered 409 (sent again); a malformed one
-  gets 400 and is dropped, counted by reason. The keys remembered from peers are at most the
-  limiter's ``max_keys`` per window (``keys_full``).
+  gets 400 and is dropped, counted by reason. The keys remembered from one sender are at most
+  ``MAX_KEYS_PER_SENDER`` per window (``keys_full``).
+- Senders: only the mesh's current members (alive or suspect peers); a report from any other
+  identity, even one the mesh's CA signed, is refused (403, ``dropped_not_member``). Peers'
+  figures never evict this node's own counts (``Limiter.note_peer_usage``) and count at most
+  the key's limit. What a hostile member can still do (over-report one key until it is
+  removed): docs/security.md, "A hostile member"; ``by_sender`` in ``/v1/status`` shows it.
 
 - Pacing (``pace``): an origin holds a request of a limited key while its admissions that
   some peer has not yet acknowledged fill its share of what the key has left, so a burst that
@@ -51,7 +56,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +79,10 @@ KEY_USAGE_PATH = "/mesh/v1/key-usage"
 #: A report's body: 512 keys of 64 characters with 10-digit counts fit in about 50 KB.
 REPORT_MAX_BYTES = 65536
 MAX_KEYS_PER_REPORT = 512
+#: Keys remembered from one sender per window (16 full reports); at most the limiter's
+#: ``max_keys``. A sender with more keys in use than this has the rest left out (``keys_full``)
+#: and those keys are limited per node.
+MAX_KEYS_PER_SENDER = 8192
 #: Counts are at most this (a key's limits are at most MAX_LIMIT; tokens may overshoot their
 #: estimate by far less than this factor).
 MAX_COUNT = 1000 * MAX_LIMIT
@@ -167,29 +176,39 @@ class PeerUsageBook:
     """What peers reported for the current window, per key and peer (the receiving side; pure).
 
     ``self_id``: this node (its own reports are refused: a node counts itself from its own
-    limiter). ``max_keys``: keys remembered per window. Not thread-safe (the agent's loop).
+    limiter). ``max_keys_per_sender``: keys remembered per sender and window, so that one
+    member (docs/security.md, "A hostile member") fills at most its own part. ``senders``:
+    per sender, ``reports`` taken and ``keys_full`` (figures left out), over the book's life;
+    ``keys`` and ``max_requests`` (the most requests it reported for one key) in the current
+    window. Not thread-safe (the agent's loop).
     """
 
-    def __init__(self, self_id: NodeId, max_keys: int) -> None:
+    def __init__(self, self_id: NodeId, max_keys_per_sender: int) -> None:
         self.self_id = self_id
-        self.max_keys = max_keys
+        self.max_keys_per_sender = max_keys_per_sender
         self.window: int | None = None
         self._by_key: dict[str, dict[NodeId, tuple[int, int]]] = {}
         self._last: dict[NodeId, tuple[str, int]] = {}  # sender -> (epoch, seq) of its last report
+        self.senders: dict[NodeId, Counter[str]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
     def peers(self) -> int:
         """Peers with figures in the current window."""
-        return len({peer for figures in self._by_key.values() for peer in figures})
+        return sum(1 for counts in self.senders.values() if counts["keys"])
 
-    def accept(self, peer: NodeId, report: UsageReport, current_window: int) -> tuple[list[KeyUsage], int]:
+    def accept(self, peer: NodeId, report: UsageReport, current_window: int,
+               members: Collection[NodeId]) -> tuple[list[KeyUsage], int]:
         """Take ``peer``'s report; returns (the peers' new sums for the keys it named, keys
-        left out for want of room). Raises UsageReportError (``self``, ``window``, ``stale``)
-        when the whole report is ignored."""
+        left out for want of room in that sender's part). ``members``: the mesh's current
+        members (alive or suspect peers). Raises UsageReportError (``self``, ``not_member``,
+        ``window``, ``stale``) when the whole report is ignored."""
         if peer == self.self_id:
             raise UsageReportError("self", "a node does not take its own usage report")
+        if peer not in members:
+            raise UsageReportError("not_member", "the sender is not a live member of this mesh (a certificate "
+                                   "of the mesh's CA alone does not make one)")
         if report.window != current_window:
             raise UsageReportError("window", f"report for window {report.window}; the current one here is "
                                    f"{current_window}")
@@ -200,16 +219,24 @@ class PeerUsageBook:
         if self.window != current_window:  # a new window: the previous one's figures are done
             self.window = current_window
             self._by_key.clear()
+            for counts in self.senders.values():
+                counts["keys"] = counts["max_requests"] = 0
+        counts = self.senders.setdefault(peer, Counter())
+        counts["reports"] += 1
         sums, left_out = [], 0
         for usage in report.usage:
             figures = self._by_key.get(usage.jti)
-            if figures is None:
-                if len(self._by_key) >= self.max_keys:
+            if figures is None or peer not in figures:
+                if counts["keys"] >= self.max_keys_per_sender:
                     left_out += 1
                     continue
-                figures = self._by_key[usage.jti] = {}
+                counts["keys"] += 1
+                if figures is None:
+                    figures = self._by_key[usage.jti] = {}
             figures[peer] = (usage.requests, usage.tokens)  # replaces, never adds
+            counts["max_requests"] = max(counts["max_requests"], usage.requests)
             sums.append(KeyUsage(usage.jti, sum(r for r, _ in figures.values()), sum(t for _, t in figures.values())))
+        counts["keys_full"] += left_out
         return sums, left_out
 
 
@@ -299,25 +326,32 @@ class UsageShare:
         except UsageReportError as exc:
             return self._drop(exc.reason, peer, str(exc))
         if self._book is None:
-            self._book = PeerUsageBook(self.self_id(), self.limiter.max_keys)
+            self._book = PeerUsageBook(self.self_id(), min(MAX_KEYS_PER_SENDER, self.limiter.max_keys))
         window = self.limiter.current_window()
         if report.window > window:  # its clock turned the minute first: the sender tries again
             self.counters["ahead"] += 1
             return error_response(409, f"report for window {report.window}; the current one here is {window}",
                                   code=ErrorCode.INVALID_MESSAGE)
         try:
-            sums, left_out = self._book.accept(peer, report, window)
+            sums, left_out = self._book.accept(peer, report, window, self._members())
         except UsageReportError as exc:
             if exc.reason == "self":
                 return self._drop(exc.reason, peer, str(exc))
+            if exc.reason == "not_member":  # the sender retries until it has joined (gossip)
+                return self._drop(exc.reason, peer, str(exc), status=403)
             self.counters[f"ignored_{exc.reason}"] += 1  # late or reordered: routine, not an error
             log.debug("usage report from %s ignored: %s", peer, exc)
             return web.Response(status=204)
         self.counters["reports_in"] += 1
         self.counters["keys_full"] += left_out
         for usage in sums:
-            self.limiter.note_peer_usage(usage.jti, window, usage.requests, usage.tokens)
+            if not self.limiter.note_peer_usage(usage.jti, window, usage.requests, usage.tokens):
+                self.counters["keys_full"] += 1
         return web.Response(status=204)
+
+    def _members(self) -> set[NodeId]:
+        """The mesh's current members, as this node sees them (alive or suspect peers)."""
+        return {v.node_id for v in self.peers() if v.liveness in (Liveness.ALIVE, Liveness.SUSPECT)}
 
     # -- sending ------------------------------------------------------------------------
 
@@ -448,9 +482,13 @@ class UsageShare:
     def status(self) -> dict[str, Any]:
         """The /v1/status ``usage_reports`` section."""
         book = self._book
+        names = {v.node_id: v.name for v in self.peers()}
+        by_sender = {} if book is None else {
+            str(peer): {"name": names.get(peer), **dict(sorted(counts.items()))}
+            for peer, counts in sorted(book.senders.items())}
         return {"epoch": self.epoch, "peers_reporting": book.peers() if book is not None else 0,
                 "keys_from_peers": len(book) if book is not None else 0,
-                **dict(sorted(self.counters.items()))}
+                **dict(sorted(self.counters.items())), "by_sender": by_sender}
 
     def metric_families(self) -> Iterable[CounterMetricFamily]:
         """``viiwork_usage_reports_total{direction}`` and ``viiwork_usage_reports_dropped_total{reason}``."""

@@ -30,7 +30,12 @@ from support.agent import Agent, run_agent
 from support.client_keys import bearer, chat, jti_of, request
 from support.engines import fake_engine_binary
 from viiwork.agent.cli import main as viiworkctl
-from viiwork.agent.peering.usage_share import KEY_USAGE_PATH, MAX_KEYS_PER_REPORT, REPORT_MAX_BYTES
+from viiwork.agent.peering.usage_share import (
+    KEY_USAGE_PATH,
+    MAX_KEYS_PER_REPORT,
+    MAX_KEYS_PER_SENDER,
+    REPORT_MAX_BYTES,
+)
 from viiwork.mesh import tls
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,8 +197,15 @@ def test_a_forwarded_request_counts_once(mesh3: Mesh3) -> None:
     assert remaining == list(range(9, -1, -1))
 
 
+def member_context(mesh3: Mesh3) -> ssl.SSLContext:
+    """Node C's client context: reports sent with it come from a live member of the mesh (C's
+    own pushes carry another epoch, and C admits none of these tests' keys)."""
+    state = mesh3.tmp / "node-c"
+    return tls.client_context(state / "node.crt", state / "node.key", (mesh3.ca / "ca.crt").read_bytes())
+
+
 def probe_context(mesh3: Mesh3) -> ssl.SSLContext:
-    """A member's client context (a node enrolled with the mesh CA, not running an agent)."""
+    """A client context of a node enrolled with the mesh CA that runs no agent: not a member."""
     state = mesh3.tmp / "probe"
     if not state.exists():
         enroll(mesh3.ca, state, "probe")
@@ -208,14 +220,14 @@ async def wait_reports_in(agent: Agent, above: int) -> None:
 
 
 async def test_a_report_replaces_the_last_and_is_not_relayed(mesh3: Mesh3) -> None:
-    """A member reports 4 of a 5 rpm key to A, twice (replaced, not added): A admits one more.
+    """A member (C's identity) reports 4 of a 5 rpm key to A, twice (replaced, not added): A admits one more.
     A then reports only its own 1 to B, which admits 4 more (relaying would leave it none)."""
     token = mesh3.key("--rpm", "5")
     jti = jti_of(token)
     window = window_with_time_left(15)
     epoch = secrets.token_hex(8)
     mesh_a = "https://" + mesh3.a.status()["mesh"]["self"]["mesh"]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe_context(mesh3))) as member:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=member_context(mesh3))) as member:
         for seq in (1, 2):
             doc = {"epoch": epoch, "seq": seq, "window": window, "usage": [[jti, 4, 0]]}
             async with member.post(mesh_a + KEY_USAGE_PATH, json=doc) as r:
@@ -264,7 +276,7 @@ async def test_malformed_and_oversized_reports_are_dropped_and_counted(mesh3: Me
     agent = mesh3.b
     before = reports(agent)
     mesh_b = "https://" + agent.status()["mesh"]["self"]["mesh"]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe_context(mesh3))) as member:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=member_context(mesh3))) as member:
         async def post(data: bytes) -> tuple[int, str]:
             async with member.post(mesh_b + KEY_USAGE_PATH, data=data, headers={"Content-Type": "application/json"}) as r:
                 return r.status, await r.text()
@@ -287,3 +299,45 @@ async def test_malformed_and_oversized_reports_are_dropped_and_counted(mesh3: Me
     # The node keeps serving.
     token = mesh3.key()
     assert request(f"{agent.url}/v1/chat/completions", chat("m"), bearer(token))[0] == 200
+
+
+async def test_a_report_from_an_identity_that_is_not_a_member_is_refused(mesh3: Mesh3) -> None:
+    """A certificate of the mesh's CA with no agent behind it (never a live member) reports a
+    key spent: refused (403), counted, and the key is admitted as before."""
+    token = mesh3.key("--rpm", "2")
+    window = int(time.time() // 60)  # refused before its window is looked at: no wait needed
+    before = reports(mesh3.a).get("dropped_not_member", 0)
+    mesh_a = "https://" + mesh3.a.status()["mesh"]["self"]["mesh"]
+    doc = {"epoch": secrets.token_hex(8), "seq": 1, "window": window, "usage": [[jti_of(token), 2, 0]]}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=probe_context(mesh3))) as probe:
+        async with probe.post(mesh_a + KEY_USAGE_PATH, json=doc) as r:
+            assert r.status == 403 and "not_member" in await r.text()
+    assert reports(mesh3.a)["dropped_not_member"] == before + 1
+    status, body, headers = request(f"{mesh3.a.url}/v1/chat/completions", chat("m"), bearer(token))
+    assert status == 200 and headers["x-ratelimit-remaining-requests"] == "1", (status, body)
+
+
+async def test_a_members_flood_of_made_up_keys_resets_no_count_and_fills_only_its_part(mesh3: Mesh3) -> None:
+    """The eviction flood (run last: it fills C's part for the window): a member reports 135 x 512
+    made-up keys to A. Before, they pushed the real key's own count out of A's limiter (its rpm
+    started again) and filled the table for every sender. Now the real key stays spent, the
+    member keeps at most MAX_KEYS_PER_SENDER keys, and /v1/status shows it per sender."""
+    token = mesh3.key("--rpm", "3")
+    window = window_with_time_left(10)
+    url = f"{mesh3.a.url}/v1/chat/completions"
+    assert [request(url, chat("m"), bearer(token))[0] for _ in range(4)] == [200, 200, 200, 429]
+    mesh_a = "https://" + mesh3.a.status()["mesh"]["self"]["mesh"]
+    epoch = secrets.token_hex(8)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=member_context(mesh3))) as member:
+        for i in range(135):
+            doc = {"epoch": epoch, "seq": i + 1, "window": window,
+                   "usage": [[f"made-up-{i}-{j}", 0, 0] for j in range(MAX_KEYS_PER_REPORT)]}
+            async with member.post(mesh_a + KEY_USAGE_PATH, json=doc) as r:
+                assert r.status == 204, await r.text()
+    assert_rate_limited(*request(url, chat("m"), bearer(token)), 3)
+    status = reports(mesh3.a)
+    c_id = mesh3.c.status()["mesh"]["self"]["id"]
+    sender = status["by_sender"][c_id]
+    assert sender["name"] == "node-c" and sender["keys"] == MAX_KEYS_PER_SENDER, sender
+    assert sender["keys_full"] >= 135 * MAX_KEYS_PER_REPORT - MAX_KEYS_PER_SENDER, sender
+    assert status["keys_from_peers"] <= 2 * MAX_KEYS_PER_SENDER, status

@@ -18,6 +18,7 @@ from viiwork.agent.peering.usage_share import (
 from viiwork.mesh.identity import NodeId
 
 SELF, P1, P2 = NodeId("self"), NodeId("peer-1"), NodeId("peer-2")
+MEMBERS = frozenset({P1, P2})  # the mesh's live members as this node sees them
 EPOCH = "0123456789abcdef"
 WINDOW = 100  # seconds 6000..6059
 
@@ -58,10 +59,10 @@ def test_malformed_reports_are_refused_with_their_reason(doc: object, reason: st
 
 
 def test_a_report_replaces_its_senders_figures_and_peers_add_up() -> None:
-    book = PeerUsageBook(SELF, max_keys=10)
-    assert book.accept(P1, report(1, ("k", 4, 40)), WINDOW) == ([KeyUsage("k", 4, 40)], 0)
-    assert book.accept(P1, report(2, ("k", 5, 30)), WINDOW) == ([KeyUsage("k", 5, 30)], 0)  # replaced
-    assert book.accept(P2, report(1, ("k", 2, 7)), WINDOW) == ([KeyUsage("k", 7, 37)], 0)  # summed over peers
+    book = PeerUsageBook(SELF, max_keys_per_sender=10)
+    assert book.accept(P1, report(1, ("k", 4, 40)), WINDOW, MEMBERS) == ([KeyUsage("k", 4, 40)], 0)
+    assert book.accept(P1, report(2, ("k", 5, 30)), WINDOW, MEMBERS) == ([KeyUsage("k", 5, 30)], 0)  # replaced
+    assert book.accept(P2, report(1, ("k", 2, 7)), WINDOW, MEMBERS) == ([KeyUsage("k", 7, 37)], 0)  # summed over peers
     assert book.peers() == 2 and len(book) == 1
 
 
@@ -71,29 +72,74 @@ def test_a_report_replaces_its_senders_figures_and_peers_add_up() -> None:
     (P1, report(9, ("k", 1, 1), window=WINDOW + 1), "window"),
     (P1, report(3, ("k", 0, 0)), "stale"),
     (P1, report(2, ("k", 0, 0)), "stale"),
-], ids=["own-report", "previous-window", "next-window", "older", "same-seq"])
+    (NodeId("stranger"), report(9, ("k", 1, 1)), "not_member"),
+], ids=["own-report", "previous-window", "next-window", "older", "same-seq", "not-a-member"])
 def test_reports_that_would_change_nothing_right_are_refused(sender: NodeId, sent: UsageReport, reason: str) -> None:
-    book = PeerUsageBook(SELF, max_keys=10)
-    book.accept(P1, report(3, ("k", 4, 40)), WINDOW)
+    book = PeerUsageBook(SELF, max_keys_per_sender=10)
+    book.accept(P1, report(3, ("k", 4, 40)), WINDOW, MEMBERS)
     with pytest.raises(UsageReportError) as refused:
-        book.accept(sender, sent, WINDOW)
+        book.accept(sender, sent, WINDOW, MEMBERS)
     assert refused.value.reason == reason
-    assert book.accept(P2, report(1, ("k", 0, 0)), WINDOW)[0] == [KeyUsage("k", 4, 40)]  # P1's 4 still there
+    assert book.accept(P2, report(1, ("k", 0, 0)), WINDOW, MEMBERS)[0] == [KeyUsage("k", 4, 40)]  # P1's 4 still there
 
 
 def test_a_restarted_sender_starts_a_new_sequence() -> None:
-    book = PeerUsageBook(SELF, max_keys=10)
-    book.accept(P1, report(50, ("k", 4, 40)), WINDOW)
-    assert book.accept(P1, report(1, ("k", 1, 10), epoch="fedcba9876543210"), WINDOW)[0] == [KeyUsage("k", 1, 10)]
+    book = PeerUsageBook(SELF, max_keys_per_sender=10)
+    book.accept(P1, report(50, ("k", 4, 40)), WINDOW, MEMBERS)
+    assert book.accept(P1, report(1, ("k", 1, 10), epoch="fedcba9876543210"), WINDOW, MEMBERS)[0] == [KeyUsage("k", 1, 10)]
 
 
-def test_a_new_window_starts_from_nothing_and_keys_are_bounded() -> None:
-    book = PeerUsageBook(SELF, max_keys=2)
-    book.accept(P1, report(1, ("a", 1, 1), ("b", 1, 1)), WINDOW)
-    sums, left_out = book.accept(P2, report(1, ("a", 1, 1), ("c", 1, 1)), WINDOW)
-    assert sums == [KeyUsage("a", 2, 2)] and left_out == 1  # "c": no room this window
-    sums, left_out = book.accept(P2, report(2, ("c", 1, 1), window=WINDOW + 1), WINDOW + 1)
-    assert sums == [KeyUsage("c", 1, 1)] and left_out == 0 and len(book) == 1
+def test_each_sender_fills_only_its_own_part_and_a_new_window_starts_from_nothing() -> None:
+    book = PeerUsageBook(SELF, max_keys_per_sender=2)
+    sums, left_out = book.accept(P1, report(1, ("a", 1, 1), ("b", 1, 1), ("c", 1, 1)), WINDOW, MEMBERS)
+    assert [u.jti for u in sums] == ["a", "b"] and left_out == 1  # "c": P1's part is full
+    sums, left_out = book.accept(P2, report(1, ("c", 1, 1), ("d", 1, 1)), WINDOW, MEMBERS)
+    assert sums == [KeyUsage("c", 1, 1), KeyUsage("d", 1, 1)] and left_out == 0  # P1 took none of P2's part
+    sums, left_out = book.accept(P1, report(2, ("a", 3, 3), ("e", 1, 1)), WINDOW, MEMBERS)
+    assert sums == [KeyUsage("a", 3, 3)] and left_out == 1  # its own keys still update; a third is left out
+    assert book.senders[P1]["keys_full"] == 2 and book.senders[P1]["keys"] == 2 and book.senders[P2]["keys"] == 2
+    sums, left_out = book.accept(P2, report(2, ("e", 1, 1), window=WINDOW + 1), WINDOW + 1, MEMBERS)
+    assert sums == [KeyUsage("e", 1, 1)] and left_out == 0 and len(book) == 1
+
+
+def test_a_sender_that_is_not_a_live_member_is_refused() -> None:
+    """A certificate of the mesh's CA alone does not make a member: a probe with no agent
+    behind it, or a node the mesh has declared dead, adds nothing."""
+    book = PeerUsageBook(SELF, max_keys_per_sender=10)
+    stranger = NodeId("stranger")
+    with pytest.raises(UsageReportError) as refused:
+        book.accept(stranger, report(1, ("k", 5, 5)), WINDOW, MEMBERS)
+    assert refused.value.reason == "not_member" and len(book) == 0 and stranger not in book.senders
+    assert book.accept(stranger, report(2, ("k", 5, 5)), WINDOW, MEMBERS | {stranger})[0] == [KeyUsage("k", 5, 5)]
+
+
+def test_peers_figures_never_evict_this_nodes_own_counts() -> None:
+    """The t3 flood, in small: a member names many made-up keys; the real key keeps its count
+    (before, the least recently used own state was dropped, which reset its rpm)."""
+    clock = Clock(WINDOW * 60 + 5)
+    limiter = Limiter(max_keys=4, clock=clock)
+    claims = KeyClaims(iss="viiwork-issuer", aud=("m",), jti="real", exp=2**40, tenant="acme", rpm=3)
+    for _ in range(3):
+        limiter.finish(limiter.admit(claims, 1))  # ended: nothing in flight holds its state
+    kept = [limiter.note_peer_usage(f"bogus-{i}", WINDOW, 0, 0) for i in range(100)]
+    assert kept.count(True) == 4  # made-up keys: at most max_keys of them, the rest left out
+    with pytest.raises(LimitExceeded):
+        limiter.admit(claims, 1)
+    assert limiter.own_usage() == {"real": (WINDOW, 3, 3)}
+    # A key with own traffic still takes its peers' figures once the table of unseen keys is full.
+    assert limiter.note_peer_usage("real", WINDOW, 1, 1) and limiter.usage_of("real") == (3, 3, 1, 1)
+
+
+def test_an_over_report_counts_at_most_the_keys_limit() -> None:
+    """A member may exhaust a key by over-reporting (docs/security.md, "A hostile member"); what
+    it reports beyond the key's limit says nothing more."""
+    limiter = Limiter(clock=Clock(WINDOW * 60 + 5))
+    claims = KeyClaims(iss="viiwork-issuer", aud=("m",), jti="k", exp=2**40, tenant="acme", rpm=5, tpm=50)
+    limiter.note_peer_usage("k", WINDOW, 10**12, 10**12)
+    with pytest.raises(LimitExceeded) as refused:
+        limiter.admit(claims, 1)
+    quota = refused.value.quota
+    assert (quota.remaining_requests, quota.remaining_tokens) == (0, 0)
 
 
 def test_peer_sums_hold_the_limit_and_own_usage_never_includes_them() -> None:
@@ -102,9 +148,9 @@ def test_peer_sums_hold_the_limit_and_own_usage_never_includes_them() -> None:
     changes: list[None] = []
     limiter.listeners.append(lambda: changes.append(None))
     claims = KeyClaims(iss="viiwork-issuer", aud=("m",), jti="k", exp=2**40, tenant="acme", rpm=5)
-    book = PeerUsageBook(SELF, max_keys=10)
+    book = PeerUsageBook(SELF, max_keys_per_sender=10)
     for peer, count in ((P1, 2), (P2, 1)):
-        for usage in book.accept(peer, report(1, ("k", count, 0)), limiter.current_window())[0]:
+        for usage in book.accept(peer, report(1, ("k", count, 0)), limiter.current_window(), MEMBERS)[0]:
             limiter.note_peer_usage(usage.jti, WINDOW, usage.requests, usage.tokens)
     limiter.admit(claims, 1)
     admitted = limiter.admit(claims, 1)
