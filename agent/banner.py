@@ -17,10 +17,12 @@ def ready_lines(host: str, port: int, config: Config, *, demo: bool = False) -> 
     ctl = command("viiworkctl")
     lines = [f"viiwork {__version__}: node {config.node.name!r}, API on {base}"]
     chat = [m.name for m in config.models if m.kind.value == "chat"]
+    keys = config.auth.mode == "keys"
     if chat:
         lines += [
-            "try:",
+            "try:" + (f" (client keys are on: KEY from {ctl} keys issue, docs/install.md)" if keys else ""),
             f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            *(["    -H \"Authorization: Bearer $KEY\" \\"] if keys else []),
             f"    -d '{{\"model\": \"{chat[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": "
             "\"Say hello in five words.\"}], \"max_tokens\": 32}'",
         ]
