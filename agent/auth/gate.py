@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from viiwork.agent.auth.claims import KeyClaims, Scope
 from viiwork.agent.auth.errors import InvalidApiKey, Reason, RevocationReason, RevocationRefused
-from viiwork.agent.auth.headers import token_from_headers
+from viiwork.agent.auth.headers import token_from_request
 from viiwork.agent.auth.keyset import INSTALL_HINT, IssuerKeyError, KeySet
 from viiwork.agent.auth.limits import Admission, Limiter, LimitExceeded, estimate_tokens
 from viiwork.agent.auth.revocations import RevocationList, RevocationStore
@@ -208,7 +208,7 @@ class AuthGate:
                                   code="invalid_api_key")
         try:
             if token is None:
-                token = token_from_headers(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+                token = token_from_request(request.headers)
             claims = self.verifier.verify(token)
         except InvalidApiKey as exc:
             self._refuse(exc.reason.value, exc.detail, request)

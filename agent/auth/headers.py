@@ -2,10 +2,14 @@
 
 Clients send ``Authorization: Bearer <token>`` (RFC 6750 section 2.1; the scheme is
 case-insensitive, RFC 9110 section 11.1) or ``x-api-key: <token>`` (as Anthropic-style clients
-do). Both present must carry the same token.
+do). Both present must carry the same token, and each at most once: a repeated header (two
+``Authorization`` lines, or two ``x-api-key``) is refused as malformed rather than read by its
+first copy, since a proxy in front may read another copy than the agent does.
 """
 
 from __future__ import annotations
+
+from multidict import MultiMapping
 
 from viiwork.agent.auth.errors import InvalidApiKey, Reason
 from viiwork.agent.auth.jws import MAX_TOKEN_BYTES, well_formed
@@ -19,6 +23,19 @@ def _from_authorization(value: str) -> str:
     if scheme.lower() != "bearer":
         raise InvalidApiKey(Reason.MALFORMED, "Authorization must be 'Bearer <key>'")
     return rest.strip(" \t")
+
+
+def token_from_request(headers: MultiMapping[str]) -> str:
+    """The token of a request's headers (aiohttp's ``request.headers``, a case-insensitive
+    multi-map) by ``token_from_headers``. Raises InvalidApiKey(malformed)
+    when ``Authorization`` or ``x-api-key`` appears more than once, whatever the copies hold."""
+    values: dict[str, str | None] = {}
+    for name in ("Authorization", "x-api-key"):
+        copies = headers.getall(name, [])
+        if len(copies) > 1:
+            raise InvalidApiKey(Reason.MALFORMED, f"{name} is sent {len(copies)} times (send it once)")
+        values[name] = copies[0] if copies else None
+    return token_from_headers(values["Authorization"], values["x-api-key"])
 
 
 def token_from_headers(authorization: str | None, x_api_key: str | None) -> str:

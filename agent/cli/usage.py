@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from viiwork.agent.cli.control import send
+from viiwork.agent.cli.tables import cell, shown
 from viiwork.agent.cli.target import config_path
 from viiwork.agent.config.load import ConfigError, load_config
 from viiwork.agent.control import BY_NAME
@@ -99,7 +100,8 @@ def _print_table(rows: list[SummaryRow], by: Grouping, since_s: int) -> None:
     for column in ("REQUESTS", "ERRORS", "PROMPT", "COMPLETION", "CACHED", "P50 MS"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in rows:
-        table.add_row(r.key or "(none)", f"{r.requests:,}", f"{r.errors:,}", _tokens(r.prompt_tokens),
+        # A key may come from a peer (--mesh): text, never markup, control characters escaped.
+        table.add_row(cell(r.key or "(none)"), f"{r.requests:,}", f"{r.errors:,}", _tokens(r.prompt_tokens),
                       _tokens(r.completion_tokens), _tokens(r.cached_tokens), f"{r.p50_duration_ms:,.0f}")
     console = Console(width=TABLE_WIDTH, highlight=False, soft_wrap=False)
     console.print(table)
@@ -124,9 +126,12 @@ def _run_mesh(args: argparse.Namespace, by: Grouping, since_ms: int) -> int:
     rows = [SummaryRow(**g) for g in doc.get("groups") or []]
     _print_table(rows, by, args.since)
     missing = {n: why for n, why in nodes.items() if why != "ok"}
-    print(f"from {len(nodes) - len(missing)} node(s): {', '.join(sorted(n for n in nodes if n not in missing))}")
+    print(f"from {len(nodes) - len(missing)} node(s): {', '.join(sorted(shown(n) for n in nodes if n not in missing))}")
     for name, why in sorted(missing.items()):
-        print(f"viiworkctl usage: incomplete: {name} did not answer ({why}); its rows are missing", file=sys.stderr)
+        print(f"viiworkctl usage: incomplete: {shown(name)} did not answer ({shown(why)}); its rows are missing", file=sys.stderr)
+    if doc.get("refused_groups"):
+        print(f"viiworkctl usage: {shown(doc['refused_groups'])} group(s) from peers dropped: their name held a "
+              "control character or was over 256 characters", file=sys.stderr)
     if doc.get("left_out"):
         print(f"viiworkctl usage: {doc['left_out']} group(s) left out (at most 2000 a node)", file=sys.stderr)
     return 0

@@ -7,7 +7,9 @@ the operator asks (through its admin socket: :meth:`MeshUsage.gather`) reads its
 every peer it does not hold dead or gone at once, and merges. A row is written only by the node
 that served the request, into its own file, and each node is asked once (peers are keyed by
 node id), so each row is counted once; a node that does not answer is named in the answer, its
-rows missing.
+rows missing. A peer's group whose key is not printable text (``GroupKeyRefused``: a control
+character, an escape sequence) is dropped and counted (``refused_groups`` in the answer, and
+``MeshUsage.refused_groups``); the CLI prints every key as text, never as markup.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from aiohttp import web
 
 from viiwork.agent.peering.mesh_link import MeshLink, PeerTarget, read_bounded
 from viiwork.agent.serving.errors import ErrorCode, error_response
-from viiwork.agent.usage.query import Grouping, GroupPart, merge, summarise_parts
+from viiwork.agent.usage.query import MAX_KEY_CHARS, Grouping, GroupKeyRefused, GroupPart, merge, summarise_parts
 from viiwork.agent.usage.store import SchemaNewer, open_read_only
 from viiwork.mesh.dialing import expect_node
 from viiwork.mesh.membership import Liveness
@@ -66,6 +68,19 @@ def read_parts(path: Path, since_ms: int, by: Grouping) -> tuple[list[GroupPart]
         conn.close()
 
 
+def decode_parts(groups: list[Any]) -> tuple[list[GroupPart], int]:
+    """A peer's ``groups`` as parts, and how many were dropped for their key
+    (GroupKeyRefused). Raises ValueError for any other group that is not a part."""
+    parts: list[GroupPart] = []
+    refused = 0
+    for doc in groups:
+        try:
+            parts.append(GroupPart.from_dict(doc))
+        except GroupKeyRefused:
+            refused += 1
+    return parts, refused
+
+
 class MeshUsage:
     """The usage route of this node's mesh listener, and the gathering over peers (module doc).
     ``ledger_path``: this node's usage file. Construct before ``mesh.start()``."""
@@ -74,10 +89,13 @@ class MeshUsage:
         self.mesh = mesh
         self.ledger_path = ledger_path
         self.answered = 0
+        # Peers' groups dropped for their key (GroupKeyRefused), since the start.
+        self.refused_groups = 0
         mesh.node.app.router.add_get(USAGE_PATH, self.handle_usage)
 
-    async def _own(self, since_ms: int, by: Grouping) -> tuple[list[GroupPart], int]:
-        return await asyncio.to_thread(read_parts, self.ledger_path, since_ms, by)
+    async def _own(self, since_ms: int, by: Grouping) -> tuple[list[GroupPart], int, int]:
+        parts, left_out = await asyncio.to_thread(read_parts, self.ledger_path, since_ms, by)
+        return parts, left_out, 0
 
     async def handle_usage(self, request: web.Request) -> web.Response:
         """GET /mesh/v1/usage from a peer: ``{"node", "groups": [part], "left_out"}``."""
@@ -88,7 +106,7 @@ class MeshUsage:
         except UsageQueryError as exc:
             return error_response(400, str(exc), code=ErrorCode.INVALID_MESSAGE)
         try:
-            parts, left_out = await self._own(since_ms, by)
+            parts, left_out, _ = await self._own(since_ms, by)
         except (sqlite3.Error, SchemaNewer) as exc:
             return error_response(503, f"cannot read the usage file: {exc}")
         self.answered += 1
@@ -105,7 +123,7 @@ class MeshUsage:
                                        return_exceptions=True)
         nodes: dict[str, str] = {}
         parts: list[GroupPart] = []
-        left_out = 0
+        left_out = refused = 0
         for name, answer in zip([self.mesh.config.node.name] + [t.id for t in targets], answers, strict=True):
             if isinstance(answer, BaseException):
                 if not isinstance(answer, Exception):
@@ -114,11 +132,12 @@ class MeshUsage:
                 continue
             parts.extend(answer[0])
             left_out += answer[1]
+            refused += answer[2]
             nodes[name] = "ok"
         return {"since_ms": since_ms, "by": by.value, "nodes": nodes,
-                "groups": [r.as_dict() for r in merge(parts)], "left_out": left_out}
+                "groups": [r.as_dict() for r in merge(parts)], "left_out": left_out, "refused_groups": refused}
 
-    async def _ask(self, target: PeerTarget, since_ms: int, by: Grouping) -> tuple[list[GroupPart], int]:
+    async def _ask(self, target: PeerTarget, since_ms: int, by: Grouping) -> tuple[list[GroupPart], int, int]:
         session = self.mesh.session
         if session is None:
             raise RuntimeError("the mesh is not started")
@@ -139,6 +158,11 @@ class MeshUsage:
             left_out = doc["left_out"]
             if not isinstance(groups, list) or not isinstance(left_out, int):
                 raise ValueError("groups must be a list, left_out an integer")
-            return [GroupPart.from_dict(g) for g in groups], left_out
+            parts, refused = decode_parts(groups)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise RuntimeError(f"not a usage answer: {exc}") from None
+        if refused:
+            self.refused_groups += refused
+            log.warning("usage from %s: %d group(s) dropped for a key with a control character or over %d "
+                        "characters", target.id, refused, MAX_KEY_CHARS)
+        return parts, left_out, refused

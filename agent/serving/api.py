@@ -238,7 +238,8 @@ class ClientApi:
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        request_id = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._id_counter):016x}"
+        request_id = client_request_id(request.headers.get("X-Request-Id")) or \
+            f"{self._id_prefix}{next(self._id_counter):016x}"
         try:
             body = await read_body(request, self.max_body_bytes, "api.max_body_bytes", self.body_read_timeout_s,
                                    self.body_timeout_s)
@@ -277,7 +278,7 @@ class ClientApi:
         again; otherwise 429/503 with ``X-Viiwork-Refused`` so the origin can try another
         peer before the first byte)."""
         arrived = asyncio.get_running_loop().time()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = client_request_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
         # Bounded by this node's api.max_body_bytes, the limit the origin applied (not the
         # listener's client_max_size, which bounds gossip's request.read()).
         try:
@@ -419,6 +420,21 @@ def _for_usage(call: Call, payload: dict[str, Any]) -> None:
         body = ask_stream_usage(payload)
         if body is not None:
             call.body, call.strip_usage = body, True
+
+
+#: The longest ``X-Request-Id`` taken from a client or a peer (docs/routing.md, "Response headers").
+MAX_REQUEST_ID_CHARS = 128
+
+
+def client_request_id(header: str | None) -> str | None:
+    """``header`` (an ``X-Request-Id``) when it is 1..MAX_REQUEST_ID_CHARS visible ASCII
+    characters (``!`` to ``~``: no space, control or non-ASCII character), else None and the
+    request gets a fresh id. The id is stored in the usage ledger, sent to the engine and
+    peers, logged and echoed in the answer's ``X-Request-Id``, so a client cannot make it
+    kilobytes long nor hide a line break or an escape sequence in it."""
+    if not header or len(header) > MAX_REQUEST_ID_CHARS:
+        return None
+    return header if all("!" <= c <= "~" for c in header) else None
 
 
 def _queued_s(header: str | None) -> float | None:

@@ -96,6 +96,16 @@ def bucket_middle_ms(bucket: int) -> float:
     return math.exp((bucket - 0.5) * _LOG_RATIO)
 
 
+#: The longest group key a peer may send (a tenant, model or node name).
+MAX_KEY_CHARS = 256
+
+
+class GroupKeyRefused(ValueError):
+    """A peer's group whose key is over MAX_KEY_CHARS or holds a character that is not
+    printable (a control character, a line break, a bidi override): the group is dropped and
+    counted, the rest of the answer kept (agent/peering/mesh_usage.py)."""
+
+
 @dataclass(frozen=True)
 class GroupPart:
     """One node's share of a group: the sums of :class:`SummaryRow` and ``durations``, bucket
@@ -116,7 +126,8 @@ class GroupPart:
 
     @classmethod
     def from_dict(cls, doc: Any) -> GroupPart:
-        """Read a part a peer sent (``as_dict``'s shape); ValueError when it is not one."""
+        """Read a part a peer sent (``as_dict``'s shape); ValueError when it is not one,
+        GroupKeyRefused (a ValueError) when only its key is refused."""
         def count(value: Any, optional: bool = False) -> int | None:
             if value is None and optional:
                 return None
@@ -124,8 +135,10 @@ class GroupPart:
                 raise ValueError(f"expected a count, got {str(value)[:20]!r}")
             return value
 
-        if not isinstance(doc, dict) or not isinstance(doc.get("key"), str) or len(doc["key"]) > 256:
+        if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
             raise ValueError("a group without a key")
+        if len(doc["key"]) > MAX_KEY_CHARS or not doc["key"].isprintable():
+            raise GroupKeyRefused(f"a group key over {MAX_KEY_CHARS} characters or with a control character")
         buckets = doc.get("durations")
         if not isinstance(buckets, list) or len(buckets) > MAX_BUCKET + 1:
             raise ValueError("durations: expected at most one [bucket, rows] per bucket")

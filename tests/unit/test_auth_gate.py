@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -114,6 +116,40 @@ def test_a_valid_key_answers_through_bearer_and_x_api_key(keyed: tuple[Agent, Ke
     status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), bearer(keys.good))
     assert status == 200, body
     status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(), {"x-api-key": keys.good})
+    assert status == 200, body
+
+
+def _raw_post(url: str, headers: list[tuple[str, str]]) -> tuple[int, str, dict]:
+    """POST a chat body with ``headers`` sent as given, repeated names included (urllib folds them)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        body = json.dumps(chat()).encode()
+        conn.putrequest("POST", parts.path)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        raw = resp.read().decode(errors="replace")
+        return resp.status, resp.getheader("Content-Type") or "", json.loads(raw) if raw.startswith("{") else {"text": raw}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("repeated", ["authorization_then_garbage", "authorization_twice_same", "x_api_key_two_keys"])
+def test_a_repeated_key_header_is_refused_as_malformed(keyed: tuple[Agent, Keys], repeated: str) -> None:
+    agent, keys = keyed
+    headers = {
+        "authorization_then_garbage": [("Authorization", f"Bearer {keys.good}"), ("Authorization", "garbage")],
+        "authorization_twice_same": [("Authorization", f"Bearer {keys.good}")] * 2,
+        "x_api_key_two_keys": [("x-api-key", keys.good), ("X-Api-Key", keys.reader)],
+    }[repeated]
+    status, _, body = _raw_post(f"{agent.url}/v1/chat/completions", headers)
+    assert status == 401, body
+    assert body["error"]["code"] == "invalid_api_key"
+    assert "(malformed)" in body["error"]["message"]
+    # One copy of each is still fine.
+    status, _, body = _raw_post(f"{agent.url}/v1/chat/completions", headers[:1])
     assert status == 200, body
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from viiwork.agent.cli.usage import _print_table
 from viiwork.agent.usage.ledger import Ledger
+from viiwork.agent.usage.query import Grouping, SummaryRow
 from viiwork.agent.usage.store import UsageRow
 
 
@@ -91,3 +93,14 @@ def test_the_file_is_found_from_the_config(tmp_path: Path) -> None:
     done = usage("--config", str(config))
     assert done.returncode == 1
     assert f"no usage file at {state / 'usage.sqlite3'}" in done.stderr
+
+
+def test_group_names_print_as_text_never_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    """A group name from a peer (``--mesh``) is shown as it is: ``[/red]`` does not raise, a
+    ``[link=...]`` makes no hyperlink, an escape sequence is shown escaped."""
+    names = ["[/red]", "[link=https://e.vil]a[/link]", "\x1b[2Jwiped", "[bold]loud[/bold]"]
+    _print_table([SummaryRow(n, 1, 0, 1, 1, 0, 5.0) for n in names], Grouping("tenant"), 3600)
+    out = capsys.readouterr().out
+    assert "[/red]" in out and "[link=https://e.vil]a[/link]" in out and "[bold]loud[/bold]" in out
+    assert "\x1b" not in out and "\\x1b[2Jwiped" in out
+    assert "\x1b]8;" not in out  # no OSC 8 hyperlink

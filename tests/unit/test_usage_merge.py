@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from viiwork.agent.peering.mesh_usage import decode_parts
 from viiwork.agent.usage.query import (
     DURATION_BUCKET_RATIO,
     MAX_BUCKET,
     Grouping,
+    GroupKeyRefused,
     GroupPart,
     merge,
     summarise,
@@ -76,3 +78,16 @@ def test_a_part_round_trips_and_a_bad_one_is_refused() -> None:
                 [good]):
         with pytest.raises(ValueError):
             GroupPart.from_dict(bad)
+
+
+def test_a_peer_group_key_with_a_control_character_is_dropped_and_counted() -> None:
+    good = GroupPart("acme", 1, 0, 1, 1, 0, {3: 1}).as_dict()
+    bad_keys = ["\x1b[2J", "a\nb", "rtl\u202e", "k" * 257]
+    for key in bad_keys:
+        with pytest.raises(GroupKeyRefused):
+            GroupPart.from_dict({**good, "key": key})
+    assert GroupPart.from_dict({**good, "key": "k" * 256}).key == "k" * 256
+    parts, refused = decode_parts([good, *({**good, "key": k} for k in bad_keys), {**good, "key": "[/red]"}])
+    assert [p.key for p in parts] == ["acme", "[/red]"] and refused == len(bad_keys)
+    with pytest.raises(ValueError):  # any other fault still refuses the whole answer
+        decode_parts([good, {**good, "requests": 7}])

@@ -193,3 +193,37 @@ def test_kill_9_while_streams_run_loses_no_row_of_a_finished_request(tmp_path: P
     missing = [r for r in finished if r not in got]
     assert not missing, f"{len(missing)} of {len(finished)} finished requests have no row: {missing[:5]}"
     assert all(got[r].completion_tokens == 4 for r in finished)
+
+
+def test_a_client_request_id_is_kept_only_when_short_visible_ascii(agent: Agent) -> None:
+    """X-Request-Id (docs/routing.md, "Response headers"): 1..128 visible ASCII characters are
+    kept (echoed, in the row); anything else (too long, a space, a control or non-ASCII
+    character) gets a fresh id, echoed, and that is the row's."""
+    host, port = agent.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 1}).encode()
+
+    def send(request_id: str) -> str:
+        conn = http.client.HTTPConnection(host, int(port), timeout=20)
+        try:
+            conn.putrequest("POST", "/v1/chat/completions")
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(body)))
+            conn.putheader("X-Request-Id", request_id.encode("utf-8"))
+            conn.endheaders(body)
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, (request_id[:20], resp.status)
+            echoed = resp.getheader("X-Request-Id")
+            assert echoed
+            return echoed
+        finally:
+            conn.close()
+
+    kept = "k" * 127 + "~"
+    assert send(kept) == kept
+    # (An ESC or other control character but tab is refused by aiohttp's parser before: 400.)
+    fresh = {send(bad) for bad in ("k" * 129, "x" * 6000, "caf\u00e9-1", "two words", "tab\there")}
+    assert len(fresh) == 5 and all(len(f) == 32 and int(f, 16) >= 0 for f in fresh), fresh
+    got = rows(agent)
+    assert kept in got and fresh <= set(got)
+    assert not any(len(k) > 128 or not k.isascii() for k in got)
