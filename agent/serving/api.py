@@ -422,6 +422,18 @@ def _for_usage(call: Call, payload: dict[str, Any]) -> None:
             call.body, call.strip_usage = body, True
 
 
+def _queued_s(header: str | None) -> float | None:
+    """A forward's ``X-Viiwork-Queued-Ms`` (the origin's wait) in seconds; None when absent or
+    not a finite number from 0 to one day."""
+    if not header:
+        return None
+    try:
+        ms = float(header)
+    except ValueError:
+        return None
+    return ms / 1000 if 0 <= ms <= 86_400_000 else None
+
+
 #: The longest ``X-Request-Id`` taken from a client or a peer (docs/routing.md, "Response headers").
 MAX_REQUEST_ID_CHARS = 128
 
@@ -435,18 +447,6 @@ def client_request_id(header: str | None) -> str | None:
     if not header or len(header) > MAX_REQUEST_ID_CHARS:
         return None
     return header if all("!" <= c <= "~" for c in header) else None
-
-
-def _queued_s(header: str | None) -> float | None:
-    """A forward's ``X-Viiwork-Queued-Ms`` (the origin's wait) in seconds; None when absent or
-    not a finite number from 0 to one day."""
-    if not header:
-        return None
-    try:
-        ms = float(header)
-    except ValueError:
-        return None
-    return ms / 1000 if 0 <= ms <= 86_400_000 else None
 
 
 def _render(outcome: web.StreamResponse | Refuse) -> web.StreamResponse:
