@@ -50,7 +50,7 @@ from viiwork.agent.peering.mesh_usage import MeshUsage
 from viiwork.agent.peering.revocation_sync import RevocationSync, operator_push
 from viiwork.agent.peering.usage_share import UsageShare
 from viiwork.agent.serving import protocol_log
-from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.api import PARSER_MAX_FIELD_BYTES, ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
 from viiwork.agent.serving.browser_guard import BrowserGuard, BrowserPolicy
 from viiwork.agent.serving.ejections import Ejections
@@ -258,7 +258,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         api.extra_status["state_dir"] = lambda: {"path": str(config.node.state_dir),
                                                  "pending_writes": writes.status() + key_writes.status()}
         app_runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
-                                   keepalive_timeout=config.api.keepalive_timeout_s)
+                                   keepalive_timeout=config.api.keepalive_timeout_s,
+                                   max_field_size=PARSER_MAX_FIELD_BYTES, max_line_size=PARSER_MAX_FIELD_BYTES)
         await app_runner.setup()
         stack.push_async_callback(app_runner.cleanup)
         actions = node_actions(supervisor=supervisor, api=api, config_path=config_path,

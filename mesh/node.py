@@ -52,7 +52,13 @@ from viiwork.mesh.probing import ProbeNode, ProbeSettings
 from viiwork.mesh.publisher import LocalPublisher
 from viiwork.mesh.signing import NodeSigner
 from viiwork.mesh.summary import PROTOCOL_VERSION, GpuCapacity, ModelCapacity, PublishedState
-from viiwork.mesh.transport import KEEPALIVE_TIMEOUT_S, GossipClient, MutualTlsSite, gossip_routes
+from viiwork.mesh.transport import (
+    KEEPALIVE_TIMEOUT_S,
+    MAX_HEADER_FIELD_BYTES,
+    GossipClient,
+    MutualTlsSite,
+    gossip_routes,
+)
 from viiwork.mesh.trust import (
     NODE_CERT_FILE,
     OPEN_NODE_CERT_FILE,
@@ -297,8 +303,11 @@ class MeshNode:
         # client goes away").
         # keepalive_timeout: aiohttp's default is 3630 s; idle established connections are
         # bounded (mesh/transport.py, "Established connections are bounded too").
+        # max_field_size/max_line_size: a forward carries the client's key (up to 8 KiB plus
+        # its header name), over aiohttp's default of 8190 bytes a header line.
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True,
-                                     keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+                                     keepalive_timeout=KEEPALIVE_TIMEOUT_S, max_field_size=MAX_HEADER_FIELD_BYTES,
+                                     max_line_size=MAX_HEADER_FIELD_BYTES)
         await self._runner.setup()
         self._site = MutualTlsSite(self._runner, listen_host, listen_port, self.server_ssl_context,
                                    on_handshake_failure=self._handshake_failed,

@@ -93,6 +93,9 @@ MAX_PENDING_PER_ADDRESS = 16
 MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_ADDRESS = 128
 FIRST_REQUEST_TIMEOUT_S = 5.0
+#: The longest header line or value the mesh listener's parser takes (aiohttp's default is
+#: 8190): a forward carries the client's key, which may be 8 KiB (agent/auth/jws.py).
+MAX_HEADER_FIELD_BYTES = 16 * 1024
 # Idle time between requests before the listener closes a connection: above the 30 s for
 # which GossipClient and agent/peering/mesh_link.py keep an idle connection pooled.
 KEEPALIVE_TIMEOUT_S = 40.0

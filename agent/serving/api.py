@@ -39,6 +39,7 @@ from aiohttp import web
 
 from viiwork import __version__
 from viiwork.agent.auth.gate import AuthGate, claims_of
+from viiwork.agent.auth.headers import MAX_HEADER_BYTES
 from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.accounting import Accounting
@@ -433,6 +434,13 @@ def _queued_s(header: str | None) -> float | None:
         return None
     return ms / 1000 if 0 <= ms <= 86_400_000 else None
 
+
+#: The HTTP parser's limit on the client API's header lines and values (aiohttp's
+#: ``max_field_size`` and ``max_line_size``; its own default is 8190 bytes). Above a client key's MAX_HEADER_BYTES
+#: (8,256), so a key's header over that limit reaches our check and is the OpenAI-shaped 401
+#: ``invalid_api_key`` (malformed), not aiohttp's text/plain 400; a value over this is still
+#: aiohttp's 400 (docs/routing.md, "Status codes").
+PARSER_MAX_FIELD_BYTES = 2 * MAX_HEADER_BYTES
 
 #: The longest ``X-Request-Id`` taken from a client or a peer (docs/routing.md, "Response headers").
 MAX_REQUEST_ID_CHARS = 128

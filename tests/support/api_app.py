@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from viiwork.agent.serving.api import ClientApi
+from viiwork.agent.serving.api import PARSER_MAX_FIELD_BYTES, ClientApi
 from viiwork.agent.serving.browser_guard import BrowserGuard
 from viiwork.agent.serving.proxy import Upstream
 from viiwork.agent.supervision.backends import ModelRuntime
@@ -24,7 +24,8 @@ async def agent_api(runtimes: Mapping[str, ModelRuntime], *, max_body_bytes: int
         api = ClientApi(node_name="test-node", runtimes=dict(runtimes), upstream=upstream,
                         max_body_bytes=max_body_bytes, queue_max=queue_max, queue_timeout_s=queue_timeout_s,
                         status_source=lambda: [{"name": n} for n in runtimes], browser=browser)
-        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None,
+                               max_field_size=PARSER_MAX_FIELD_BYTES, max_line_size=PARSER_MAX_FIELD_BYTES)
         await runner.setup()
         site = web.TCPSite(runner, host, 0)
         await site.start()

@@ -31,6 +31,7 @@ from support.agent import Agent, run_agent
 from support.client_keys import AUD, bearer, chat, ctl, issue, jti_of, request
 from support.engines import fake_engine_binary
 from viiwork.agent.auth.claims import KeyClaims
+from viiwork.agent.auth.headers import MAX_HEADER_BYTES
 from viiwork.agent.auth.issuing import load_issuer, new_jti, sign_key
 from viiwork.agent.auth.keyset import KeySet
 from viiwork.agent.auth.revocations import RevocationStore
@@ -151,6 +152,17 @@ def test_a_repeated_key_header_is_refused_as_malformed(keyed: tuple[Agent, Keys]
     # One copy of each is still fine.
     status, _, body = _raw_post(f"{agent.url}/v1/chat/completions", headers[:1])
     assert status == 200, body
+
+
+@pytest.mark.parametrize("name", ["Authorization", "x-api-key"])
+def test_a_key_header_over_the_limit_is_an_openai_shaped_401(keyed: tuple[Agent, Keys], name: str) -> None:
+    """Our 8 KiB limit decides, not aiohttp's 8190-byte header line (agent/serving/api.py,
+    PARSER_MAX_FIELD_BYTES): a value just over MAX_HEADER_BYTES is the JSON 401 malformed."""
+    agent, _ = keyed
+    value = ("Bearer " if name == "Authorization" else "") + "a" * MAX_HEADER_BYTES
+    status, content_type, body = _raw_post(f"{agent.url}/v1/chat/completions", [(name, value)])
+    assert status == 401 and content_type.startswith("application/json"), (status, content_type, body)
+    assert body["error"]["code"] == "invalid_api_key" and "(malformed)" in body["error"]["message"]
 
 
 def test_model_outside_the_key_is_403_and_models_lists_only_its_own(keyed: tuple[Agent, Keys]) -> None:
