@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +23,9 @@ import pytest
 from support.agent import Agent, run_agent
 from support.client_keys import bearer, chat, ctl, issue, jti_of, request
 from support.engines import fake_engine_binary
+from viiwork.agent.auth.claims import KeyClaims
+from viiwork.agent.auth.issuing import load_issuer, new_jti, sign_key
+from viiwork.agent.auth.jws import MAX_TOKEN_BYTES
 from viiwork.agent.auth.keyset import KeySet
 from viiwork.agent.auth.revocations import RevocationStore
 
@@ -36,6 +40,19 @@ def mesh_section(seeds: list[str]) -> dict:
             "dead_after_ms": 3000}
 
 
+def longest_key(key: Path) -> str:
+    """A key of MAX_TOKEN_BYTES (8192) characters (a long model list): its header lines, at
+    the origin and in the forward, are over aiohttp's default limit of 8190 bytes."""
+    issuer = load_issuer(key)
+    for pad in range(1, 128):
+        models = ("only-b", *(f"model-{i:03d}-" + "x" * 100 for i in range(51)), "p" * pad)
+        token = sign_key(issuer, KeyClaims(iss=issuer.name, aud=(MESH_ID,), jti=new_jti(), exp=int(time.time()) + 3600,
+                                           tenant="acme", models=models))
+        if len(token) == MAX_TOKEN_BYTES:
+            return token
+    raise AssertionError("no padding gives a key of MAX_TOKEN_BYTES")
+
+
 @pytest.fixture(scope="module")
 def mesh2() -> Iterator[tuple[Agent, Agent, dict[str, str]]]:
     tmp = Path(tempfile.mkdtemp(prefix="viiwork-keys-mesh-", dir="/tmp"))
@@ -43,7 +60,7 @@ def mesh2() -> Iterator[tuple[Agent, Agent, dict[str, str]]]:
         ctl("keys", "issuer", "init", "--out", str(tmp / "issuer"))
         key, pub = tmp / "issuer" / "issuer.key", tmp / "issuer" / "issuer.pub"
         tokens = {"good": issue(key, "--scope", "inference,read", audience=MESH_ID),
-                  "revoked_at_b": issue(key, audience=MESH_ID)}
+                  "revoked_at_b": issue(key, audience=MESH_ID), "longest": longest_key(key)}
         # The issuer's next key (a rotation): B has its public half installed, A not yet.
         ctl("keys", "issuer", "init", "--out", str(tmp / "next"))
         keys_b = tmp / "keys-b"
@@ -85,6 +102,17 @@ def test_a_forward_carries_the_key_and_runs_on_the_peer(mesh2: tuple[Agent, Agen
     assert set(stats["authorizations"]) == {b.engine_headers("only-b")["Authorization"]}
     assert tokens["good"] not in json.dumps(stats)
     assert tokens["good"] not in a.log_text() and tokens["good"] not in b.log_text()
+
+
+def test_a_key_of_the_largest_size_passes_both_listeners(mesh2: tuple[Agent, Agent, dict[str, str]]) -> None:
+    """The client API's and the mesh listener's parsers take a header line above the key's
+    8 KiB (agent/serving/api.py PARSER_MAX_FIELD_BYTES, mesh/transport.py
+    MAX_HEADER_FIELD_BYTES): the longest key a client may hold runs across the hop."""
+    a, _, tokens = mesh2
+    for headers in (bearer(tokens["longest"]), {"x-api-key": tokens["longest"]}):
+        status, body, got = request(f"{a.url}/v1/chat/completions", chat("only-b"), headers)
+        assert status == 200, body
+        assert got["x-viiwork-node"] == "node-b"
 
 
 def test_the_serving_node_verifies_the_key_again(mesh2: tuple[Agent, Agent, dict[str, str]]) -> None:
