@@ -7,7 +7,9 @@
   need a valid key with the ``inference`` scope: 401 ``invalid_api_key`` for every
   ``InvalidApiKey`` reason, 403 ``permission_denied`` without the scope. Once the body names the
   model (``admit``): 403 ``model_not_allowed`` for a model outside the key's ``models``, then the
-  key's limits (agent/auth/limits.py; a whole answer's ``usage`` replaces the token estimate;
+  key's limits (agent/auth/limits.py; an answer's ``usage`` replaces the token estimate, a
+  stream cut before it is charged the events relayed; no ``max_tokens``: estimated at what the
+  key has left;
   in a mesh, counted with the peers' reports and paced first: agent/peering/usage_share.py):
   429 ``rate_limit_exceeded`` with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, which
   an admitted request's answer carries too.
