@@ -7,7 +7,9 @@
   need a valid key with the ``inference`` scope: 401 ``invalid_api_key`` for every
   ``InvalidApiKey`` reason, 403 ``permission_denied`` without the scope. Once the body names the
   model (``admit``): 403 ``model_not_allowed`` for a model outside the key's ``models``, then the
-  key's limits (agent/auth/limits.py; a whole answer's ``usage`` replaces the token estimate;
+  key's limits (agent/auth/limits.py; an answer's ``usage`` replaces the token estimate, a
+  stream cut before it is charged the events relayed; no ``max_tokens``: estimated at what the
+  key has left;
   in a mesh, counted with the peers' reports and paced first: agent/peering/usage_share.py):
   429 ``rate_limit_exceeded`` with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, which
   an admitted request's answer carries too.
@@ -42,12 +44,12 @@ from viiwork.agent.auth.claims import KeyClaims, Scope
 from viiwork.agent.auth.errors import InvalidApiKey, Reason, RevocationReason, RevocationRefused
 from viiwork.agent.auth.headers import token_from_request
 from viiwork.agent.auth.keyset import INSTALL_HINT, IssuerKeyError, KeySet
-from viiwork.agent.auth.limits import Admission, Limiter, LimitExceeded, estimate_tokens
+from viiwork.agent.auth.limits import Admission, Limiter, LimitExceeded, estimate_tokens, prompt_tokens_estimate
 from viiwork.agent.auth.revocations import RevocationList, RevocationStore
 from viiwork.agent.auth.verifier import Verifier
 from viiwork.agent.config.schema import Config, auth_audience, is_loopback
 from viiwork.agent.serving.errors import error_response
-from viiwork.agent.serving.tokens import USAGE, Usage
+from viiwork.agent.serving.tokens import RELAYED_STREAM, USAGE, Usage
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ OPEN_PATHS = frozenset({"/health"})
 _CLAIMS = "viiwork.auth.claims"
 _TOKEN = "viiwork.auth.token"
 _ADMISSION = "viiwork.auth.admission"
+_PROMPT_ESTIMATE = "viiwork.auth.prompt_estimate"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -248,7 +251,8 @@ class AuthGate:
         finally:
             admission = request.get(_ADMISSION)
             if isinstance(admission, Admission):
-                self.limiter.finish(admission, _used_tokens(response) if admission.tracks_tokens else None)
+                used = _used_tokens(request, response) if admission.tracks_tokens else None
+                self.limiter.finish(admission, used)
 
     async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """An admitted request's answer carries its key's ``x-ratelimit-*`` headers."""
@@ -280,8 +284,16 @@ class AuthGate:
         refusal = self._model_refusal(claims, model, request)
         if refusal is not None:
             return refusal
+        prompt = prompt_tokens_estimate(payload)
+        request[_PROMPT_ESTIMATE] = prompt
+        unbounded = 0
+        if claims.tpm is not None and request.path != "/v1/embeddings":
+            # An answer without max_tokens may use what the key has left in this window, no
+            # more: one such request at a time (docs/security.md, "Limits").
+            _, tokens, _, peer_tokens = self.limiter.usage_of(claims.jti)
+            unbounded = max(1, claims.tpm - tokens - peer_tokens - prompt)
         try:
-            admission = self.limiter.admit(claims, estimate_tokens(payload))
+            admission = self.limiter.admit(claims, estimate_tokens(payload, unbounded))
         except LimitExceeded as exc:
             log.debug("request for %s by key %s refused: %s", model, claims.jti, exc)
             return error_response(429, str(exc), code="rate_limit_exceeded", retry_after_s=exc.retry_after_s,
@@ -357,15 +369,22 @@ class AuthGate:
 MAX_USAGE_BODY_BYTES = 1 << 20
 
 
-def _used_tokens(response: web.StreamResponse | None) -> int | None:
-    """The tokens the engine counted for an answer: those the relay read (``USAGE``: a
-    stream's usage event, which the agent asks for on every stream, agent/serving/tokens.py;
-    a whole answer this node's engine gave), else ``usage.total_tokens`` of a whole 2xx JSON
-    answer; None for an error, or an answer without usage."""
-    if response is None:
-        return None
-    usage: Usage | None = response.get(USAGE)
+def _used_tokens(request: web.Request, response: web.StreamResponse | None) -> int | None:
+    """The tokens an admitted request used: the engine's count when the relay read it
+    (``USAGE``: a stream's usage event, which the agent asks for on every stream,
+    agent/serving/tokens.py; a whole answer this node's engine gave), else ``usage.total_tokens``
+    of a whole 2xx JSON answer; for a stream that ended without the engine's usage (its client
+    went away, the engine broke off), the events relayed (``RELAYED_STREAM``, one a token)
+    plus the prompt's estimate. None for an error or an answer without usage (the estimate
+    stands)."""
+    usage: Usage | None = response.get(USAGE) if response is not None else None
+    if usage is None:
+        tail = request.get(RELAYED_STREAM)
+        usage = tail.delivered() if tail is not None else None
     if usage is not None and usage.total_tokens is not None:
+        if usage.prompt_tokens is None:  # the engine did not say: the estimate the admission used
+            prompt = request.get(_PROMPT_ESTIMATE)
+            return usage.total_tokens + (prompt if isinstance(prompt, int) else 0)
         return usage.total_tokens
     if not isinstance(response, web.Response) or not 200 <= response.status < 300:
         return None
@@ -373,10 +392,10 @@ def _used_tokens(response: web.StreamResponse | None) -> int | None:
     if not isinstance(body, bytes) or len(body) > MAX_USAGE_BODY_BYTES or b'"usage"' not in body:
         return None
     try:
-        usage = json.loads(body).get("usage")
+        usage_doc = json.loads(body).get("usage")
     except (ValueError, AttributeError, RecursionError):
         return None
-    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    total = usage_doc.get("total_tokens") if isinstance(usage_doc, dict) else None
     return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
 
 

@@ -8,7 +8,8 @@ client can get at most twice its limit across one window boundary, the price of 
 four integers per key, which a mesh can add up node by node).
 
 Tokens are debited before admission from an estimate (``estimate_tokens``: prompt characters
-/ 4 + ``max_tokens``); :meth:`Limiter.finish` replaces the estimate with the real count when
+/ 4, plus ``max_tokens`` times ``n``, or for an answer without a bound what the key has left:
+docs/security.md, "Limits"); :meth:`Limiter.finish` replaces the estimate with the real count when
 the caller knows it (the engine's ``usage``), in the window the request was admitted in.
 
 Mesh-wide limits (issue 17, item 6; agent/peering/usage_share.py) build on
@@ -34,7 +35,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from viiwork.agent.auth.claims import KeyClaims
 
@@ -46,19 +47,64 @@ def _wall_clock() -> float:
     return time.time()
 
 
-def estimate_tokens(payload: Mapping[str, Any]) -> int:
-    """A request's tokens before it runs: characters of its prompt / 4 (rounded up) plus the
-    completion it may ask for (``max_tokens``, else ``max_completion_tokens``, else 0).
+def estimate_tokens(payload: Mapping[str, Any], unbounded: int = 0) -> int:
+    """A request's tokens before it runs: its prompt (:func:`prompt_tokens_estimate`) plus the
+    completion it may ask for.
 
-    The prompt is the text of ``messages`` (string contents and ``text`` parts), ``prompt``
-    (a string or strings) or ``input`` (embeddings: a string or strings). Returns >= 1.
+    The completion is the first non-null of ``max_tokens`` and ``max_completion_tokens`` (a
+    positive integer: the body checks refuse any other value, agent/serving/body.py) times
+    ``n`` (a positive integer, else 1); without one it is ``unbounded`` (>= 0, all choices
+    together): the caller's bound for an answer with no limit
+    (:meth:`AuthGate.admit` passes what the key has left in the window, docs/security.md,
+    "Limits"). Returns >= 1.
+    """
+    limit = _first_given(payload, "max_tokens", "max_completion_tokens")
+    if limit is None:
+        completion = max(0, unbounded)
+    else:
+        n = payload.get("n")
+        completion = (limit if _positive_int(limit) else 0) * (n if _positive_int(n) else 1)
+    return max(1, prompt_tokens_estimate(payload) + completion)
+
+
+def prompt_tokens_estimate(payload: Mapping[str, Any]) -> int:
+    """A request's prompt tokens before it runs: characters of its text / 4 (rounded up), plus
+    one per token id where the prompt is given as token ids.
+
+    The text is that of ``messages`` (string contents and ``text`` parts), ``prompt`` (a
+    string or strings) or ``input`` (embeddings: a string or strings); ``prompt``/``input``
+    may also be a list of token ids or a list of such lists (OpenAI's forms). Returns >= 0.
     """
     chars = 0
     for text in _texts(payload):
         chars += len(text)
-    limit = payload.get("max_tokens", payload.get("max_completion_tokens"))
-    completion = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
-    return max(1, math.ceil(chars / 4) + completion)
+    return math.ceil(chars / 4) + _token_ids(payload)
+
+
+def _first_given(payload: Mapping[str, Any], *names: str) -> Any:
+    for name in names:
+        value = payload.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _token_ids(payload: Mapping[str, Any]) -> int:
+    count = 0
+    for name in ("prompt", "input"):
+        value = payload.get(name)
+        if not isinstance(value, list):
+            continue
+        for item in value:
+            if isinstance(item, int) and not isinstance(item, bool):
+                count += 1
+            elif isinstance(item, list):
+                count += sum(1 for i in item if isinstance(i, int) and not isinstance(i, bool))
+    return count
 
 
 def _texts(payload: Mapping[str, Any]) -> Iterator[str]:

@@ -44,7 +44,7 @@ from viiwork.agent.peering.mesh_link import MeshLink
 from viiwork.agent.peering.offers import OFFER_HEADER
 from viiwork.agent.serving.accounting import Accounting
 from viiwork.agent.serving.assemble import ASSEMBLED_PATHS
-from viiwork.agent.serving.body import BodyError, parse_json_object, read_body
+from viiwork.agent.serving.body import BodyError, count_param_error, parse_json_object, read_body
 from viiwork.agent.serving.browser_guard import BrowserGuard
 from viiwork.agent.serving.dashboard import Dashboard, RequestStats
 from viiwork.agent.serving.drain import InFlight
@@ -252,6 +252,9 @@ class ClientApi:
             message = "'model' is required and must be a string"
             return self._refused_early(started, error_response(400, message, param="model",
                                                                code=ErrorCode.MISSING_MODEL), message)
+        if (bad := count_param_error(payload)) is not None:
+            param, code, message = bad
+            return self._refused_early(started, error_response(400, message, param=param, code=code), message)
         if self.auth is not None:
             await self.auth.pace(request, payload)  # then admit, with no await between (UsageShare.pace)
             if (refusal := self.auth.admit(request, model, payload)) is not None:
@@ -292,6 +295,9 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
                                   param="model", code=ErrorCode.MISSING_MODEL)
+        if (bad := count_param_error(payload)) is not None:
+            param, code, message = bad
+            return error_response(400, f"forwarded request is malformed: {message}", param=param, code=code)
         if self.auth is not None and (refusal := self.auth.check_forwarded(request, model)) is not None:
             return refusal
         call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,

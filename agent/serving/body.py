@@ -8,6 +8,10 @@ forward, want and offer routes) reads it here, so any input ends in a clear 4xx
   arrive (a chunked or compressed body has no honest ``Content-Length``). Reading the
   stream ourselves, not ``request.read()``, makes the limit per route: the application's
   ``client_max_size`` only bounds ``read()``/``post()``.
+- :func:`count_param_error`: the counts a request asks for (``max_tokens``,
+  ``max_completion_tokens``, ``n``) are integers >= 1 or null, as OpenAI requires (it answers
+  400 otherwise); llama.cpp takes a negative ``max_tokens`` as "no limit", and key limits
+  estimate a request's tokens from them (agent/auth/limits.py).
 - :func:`parse_json_object`: UTF-8 JSON (RFC 8259 §8.1) whose arrays and objects nest at
   most :data:`MAX_JSON_DEPTH` deep, checked before ``json.loads`` runs. CPython's parser
   recurses once per level; 1,000 nested ``[`` raise RecursionError.
@@ -144,3 +148,36 @@ def parse_json_object(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str,
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return " ".join(line.strip() for line in text[:2])[:200] if text else type(exc).__name__
+
+
+#: The parameters that bound what a request may generate: integers >= 1 when given (OpenAI's rule).
+COUNT_PARAMS = ("max_tokens", "max_completion_tokens", "n")
+
+
+def count_param_error(payload: dict[str, Any]) -> tuple[str, str, str] | None:
+    """``(param, code, message)`` for the first of :data:`COUNT_PARAMS` given (not null) that
+    is not an integer >= 1 (``code``: ``invalid_type`` or ``integer_below_min_value``,
+    OpenAI's); None when all are absent, null or valid."""
+    for name in COUNT_PARAMS:
+        value = payload.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            return name, ErrorCode.INVALID_TYPE, (f"Invalid type for '{name}': expected an integer, but got "
+                                                 f"{_json_type(value)} instead.")
+        if value < 1:
+            return name, ErrorCode.INTEGER_BELOW_MIN_VALUE, (f"Invalid '{name}': integer below minimum value. "
+                                                             f"Expected a value >= 1, but got {value} instead.")
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

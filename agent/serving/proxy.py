@@ -75,7 +75,7 @@ from viiwork.agent.serving.errors import (
     error_response,
     sse_error_event,
 )
-from viiwork.agent.serving.tokens import USAGE, StreamTail, usage_in_body, usage_of
+from viiwork.agent.serving.tokens import RELAYED_STREAM, USAGE, StreamTail, usage_in_body, usage_of
 from viiwork.agent.supervision.backends import Backend
 from viiwork.agent.supervision.engine_keys import auth_headers
 from viiwork.engines.contract import Engine, stops_nonstream_on_disconnect
@@ -329,6 +329,7 @@ class Upstream:
                 return _failed(await _recorded(whole, end), upstream)
             adapter = self.engine_of(backend) if isinstance(backend, Backend) else engine
             tail = StreamTail(strip=strip_usage, hold=end is not None)
+            request[RELAYED_STREAM] = tail
             return await self._relay_stream(request, upstream, backend, headers, adapter, tail, end)
         finally:
             if watch is not None:
@@ -463,11 +464,11 @@ class Upstream:
                     response[FIRST_CHUNK_AT] = asyncio.get_running_loop().time()
         except asyncio.CancelledError:  # the client went away (handler cancellation)
             if end is not None:
-                end.soon(CLIENT_GONE, tail.usage, response.get(FIRST_CHUNK_AT))
+                end.soon(CLIENT_GONE, tail.delivered(), response.get(FIRST_CHUNK_AT))
             raise
         except _ClientStalled:
             if end is not None:
-                end.soon(CLIENT_GONE, tail.usage, response.get(FIRST_CHUNK_AT))
+                end.soon(CLIENT_GONE, tail.delivered(), response.get(FIRST_CHUNK_AT))
             self.client_stalls += 1
             log.warning("client of a stream from %s read nothing for %g s (api.client_stall_timeout_s); "
                         "closing both connections", backend.id, stall)
@@ -479,7 +480,7 @@ class Upstream:
             # and the engine stops generating.
             upstream.close()
             if end is not None:
-                end.soon(CLIENT_GONE, tail.usage, response.get(FIRST_CHUNK_AT))
+                end.soon(CLIENT_GONE, tail.delivered(), response.get(FIRST_CHUNK_AT))
             return response
         except PeerLost:
             self.stream_errors += 1
@@ -539,11 +540,12 @@ class Upstream:
 async def _record_stream(end: RequestEnd | None, status: int, tail: StreamTail,
                          response: web.StreamResponse) -> None:
     """A stream's row (``end``; nothing when None), with the usage ``tail`` read (also set on
-    ``response`` for the limiter, agent/auth/gate.py)."""
+    ``response`` for the limiter, agent/auth/gate.py), or without one the events it relayed
+    (``StreamTail.delivered``)."""
     if tail.usage is not None:
         response[USAGE] = tail.usage
     if end is not None:
-        await end(status, tail.usage, response.get(FIRST_CHUNK_AT))
+        await end(status, tail.delivered(), response.get(FIRST_CHUNK_AT))
 
 
 async def _recorded(response: web.Response, end: RequestEnd | None) -> web.Response:

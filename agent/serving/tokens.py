@@ -109,17 +109,20 @@ class StreamTail:
     ``"usage":{`` (text in a JSON string cannot hold it: its quotes are escaped) and only a
     chunk that holds one is cut into lines; the incomplete last line of a chunk waits for its
     end (engines write whole events, so it is nearly always empty), at most MAX_LINE_BYTES.
-    ``usage``: the last usage event's counts, None until one came. Never raises.
+    ``usage``: the last usage event's counts, None until one came. ``events``: the ``data:``
+    events passed on (not ``[DONE]``, not a usage event of its own), what :meth:`delivered`
+    counts when the engine's usage never came. Never raises.
     """
 
     MAX_LINE_BYTES = 64 * 1024
 
-    __slots__ = ("_held", "_partial", "_skip_blank", "hold", "strip", "usage")
+    __slots__ = ("_held", "_partial", "_skip_blank", "events", "hold", "strip", "usage")
 
     def __init__(self, *, strip: bool, hold: bool) -> None:
         self.strip = strip
         self.hold = hold
         self.usage: Usage | None = None
+        self.events = 0
         self._partial = b""
         self._held: list[bytes] | None = None  # from the [DONE] line on, when holding
         self._skip_blank = False  # the usage event was removed: drop the blank line that ended it
@@ -142,6 +145,8 @@ class StreamTail:
             overflow, self._partial = self._partial, b""
         if (b"[DONE]" not in complete and _USAGE_MARKS[0] not in complete and _USAGE_MARKS[1] not in complete
                 and not self._skip_blank):
+            # ``complete`` starts a line, and a JSON string holds no raw newline: one per event.
+            self.events += complete.count(b"\ndata:") + complete.startswith(b"data:")
             return complete + overflow if overflow else complete
         out = self._lines(complete)
         if overflow:
@@ -171,8 +176,10 @@ class StreamTail:
                     break
                 out.append(raw)
                 continue
-            if text.startswith(b"data:") and (_USAGE_MARKS[0] in text or _USAGE_MARKS[1] in text):
-                raw = self._usage_line(text, raw)
+            if text.startswith(b"data:"):
+                self.events += 1
+                if _USAGE_MARKS[0] in text or _USAGE_MARKS[1] in text:
+                    raw = self._usage_line(text, raw)
             out.append(raw)
         return b"".join(out)
 
@@ -186,13 +193,25 @@ class StreamTail:
         if usage is None:
             return raw
         self.usage = usage
+        alone = event.get("choices") == []  # the usage event itself (OpenAI, vLLM, SGLang, llama.cpp)
+        if alone:
+            self.events -= 1  # no content of its own
         if not self.strip:
             return raw
-        if event.get("choices") == []:  # the usage event itself (OpenAI, vLLM, SGLang, llama.cpp)
+        if alone:
             self._skip_blank = True
             return b""
         del event["usage"]  # usage on a content event (older engines): the event without it
         return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+    def delivered(self) -> Usage | None:
+        """What this stream used: the engine's :attr:`usage` when it came; else, when events
+        were passed on, ``completion_tokens`` = :attr:`events` (an estimate: about one token per
+        event for llama.cpp, vLLM and SGLang, tests/engines/*/captures; the role and finish
+        events count too) and ``prompt_tokens`` None (the engine did not say); else None."""
+        if self.usage is not None:
+            return self.usage
+        return Usage(None, self.events, None) if self.events else None
 
     def rest(self) -> bytes:
         """What is held back: the ``[DONE]`` event and what followed it, and an unfinished line."""
@@ -200,3 +219,9 @@ class StreamTail:
         self._held = None
         rest, self._partial = held + self._partial, b""
         return rest
+
+
+#: The stream relayed for a request (set by the relay, agent/serving/proxy.py): what a stream
+#: without the engine's usage is charged by its key's limits (agent/auth/gate.py), also when
+#: the handler was cancelled and left no response.
+RELAYED_STREAM = web.RequestKey("viiwork_relayed_stream", StreamTail)

@@ -55,6 +55,8 @@ class Keys:
         self.concurrency1 = issue(self.key, "--concurrency", "1")
         self.tpm100 = issue(self.key, "--tpm", "100")
         self.tpm100_streams = issue(self.key, "--tpm", "100")
+        self.tpm100_cut = issue(self.key, "--tpm", "100")
+        self.tpm100_null = issue(self.key, "--tpm", "100")
         issuer = load_issuer(self.key)
         claims = KeyClaims(iss=issuer.name, aud=(AUD,), jti=new_jti(), exp=int(time.time()) - 3600, tenant="acme")
         self.expired = sign_key(issuer, claims)
@@ -238,6 +240,57 @@ async def test_tpm_debits_a_streams_real_usage_its_client_did_not_ask_for(keyed:
                 remaining.append(r.headers["x-ratelimit-remaining-tokens"])
             assert text.rstrip().endswith("data: [DONE]") and '"usage"' not in text, text
     assert remaining[0] == "49" and remaining[1] in ("37", "49"), remaining
+
+
+async def test_a_stream_without_max_tokens_may_use_what_is_left_and_a_cut_one_is_charged(
+        keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    url = f"{agent.url}/v1/chat/completions"
+    if 60 - time.time() % 60 < 10:  # the whole test in one window (the wall-clock minute)
+        await asyncio.sleep(60 - time.time() % 60 + 0.2)
+    async with aiohttp.ClientSession(headers=bearer(keys.tpm100_cut)) as http:
+        # No max_tokens: estimated at what the key has left (100), so one such request at a time.
+        first = await http.post(url, json=chat("slow", stream=True))
+        assert first.status == 200 and first.headers["x-ratelimit-remaining-tokens"] == "0", first.headers
+        async with http.post(url, json=chat("slow", stream=True)) as second:
+            assert second.status == 429, await second.text()
+            assert (await second.json())["error"]["code"] == "rate_limit_exceeded"
+        # The client reads 10 of the 20 content events and leaves before the usage event.
+        seen = 0
+        while seen < 10:
+            line = await first.content.readline()
+            assert line, "the stream ended early"
+            seen += b'"content":"' in line
+        first.close()
+        # Charged what was relayed (the role event and 10 or a few more content events, plus
+        # the prompt's 1), not the estimate: 100 - (12..16) - 2 (this request's estimate) left.
+        for _ in range(100):
+            async with http.post(url, json=chat(max_tokens=1)) as third:
+                if third.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+        assert third.status == 200, "the cut stream kept its key's whole minute"
+        assert 82 <= int(third.headers["x-ratelimit-remaining-tokens"]) <= 86, third.headers
+
+
+@pytest.mark.parametrize(("field", "value", "code"), [
+    ("max_tokens", -100, "integer_below_min_value"), ("max_completion_tokens", -1000, "integer_below_min_value"),
+    ("max_tokens", 0, "integer_below_min_value"), ("max_tokens", 1.5, "invalid_type"),
+    ("n", 0, "integer_below_min_value"), ("max_completion_tokens", "9", "invalid_type")])
+def test_a_count_below_1_or_not_an_integer_is_a_400_naming_it(keyed: tuple[Agent, Keys], field: str,
+                                                               value: object, code: str) -> None:
+    agent, keys = keyed
+    status, body, _ = request(f"{agent.url}/v1/chat/completions", chat(**{field: value}), bearer(keys.good))
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == field, body
+    assert body["error"]["code"] == code, body
+
+
+def test_a_null_max_tokens_does_not_hide_max_completion_tokens(keyed: tuple[Agent, Keys]) -> None:
+    agent, keys = keyed
+    status, body, _ = request(f"{agent.url}/v1/chat/completions",
+                              chat(max_tokens=None, max_completion_tokens=1000), bearer(keys.tpm100_null))
+    assert status == 429 and "about 1001" in body["error"]["message"], body
 
 
 async def test_concurrency_refuses_the_second_request_in_flight(keyed: tuple[Agent, Keys]) -> None:

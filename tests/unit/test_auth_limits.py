@@ -105,6 +105,20 @@ def test_estimate_and_duration_formats() -> None:
     assert estimate_tokens({"prompt": ["abcd", "efgh"], "max_completion_tokens": 5}) == 7
     assert estimate_tokens({"input": "a" * 9}) == 3
     assert estimate_tokens({"max_tokens": True}) == 1  # a boolean is not a count
+
+
+def test_the_estimate_takes_the_first_bound_given_n_choices_and_token_ids() -> None:
+    # A null max_tokens does not hide max_completion_tokens (issue 17 attack: estimated at 0).
+    assert estimate_tokens({"max_tokens": None, "max_completion_tokens": 1000}) == 1000
+    assert estimate_tokens({"max_tokens": 10, "max_completion_tokens": 1000}) == 10
+    # n choices each may reach the bound.
+    assert estimate_tokens({"prompt": "abcd", "max_tokens": 10, "n": 4}) == 41
+    # A prompt of token ids: one token per id (a flat list, or a list of lists).
+    assert estimate_tokens({"prompt": list(range(300)), "max_tokens": 1}) == 301
+    assert estimate_tokens({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1}) == 6
+    # No bound: what the caller gives for an unbounded answer (all choices together), else none.
+    assert estimate_tokens({"prompt": "abcd", "n": 3}, unbounded=60) == 61
+    assert estimate_tokens({"prompt": "abcd"}) == 1
     assert [format_duration(s) for s in (0.012, 7.5, 60.0, 59.9996)] == ["12ms", "7.5s", "1m0s", "1m0s"]
 
 
