@@ -223,3 +223,19 @@ def test_a_record_that_comes_before_its_summary_waits_for_it():
     push = Push(PROTOCOL_VERSION, SIM_MESH_ID, sender.membership.relay({origin.node_id: (1, 1)}, PROTOCOL_VERSION))
     observer.probe.receive(sender.node_id, sender.address, push)
     assert observer.membership.loads[origin.node_id] == rec and seen_busy(observer, origin) == 8
+
+
+def test_a_record_every_announcement_missed_is_repaired_by_the_version_pull():
+    sim = mesh()
+    origin, observer = sim.nodes[1], sim.nodes[0]
+    sim.freeze(observer.index)  # misses every copy of the news, and the pulls' answers
+    rec = record_of(sim, origin, 8)
+    sim.run_for(3000)  # the news retired everywhere (4 transmissions per node at 5 nodes)
+    assert not any(len(n.probe.queue) for n in sim.up_nodes())
+    sim.thaw(observer.index)
+    assert observer.probe.version_of(origin.node_id) < rec.order
+    pulls = observer.probe.counters["version_pulls"]
+    # Anti-entropy every ~5 s (x 0.75..1.25); three rounds in four are version pulls.
+    assert sim.run_until_true(lambda: observer.probe.version_of(origin.node_id) == rec.order, 20_000, 100), \
+        "the missed record was not repaired"
+    assert seen_busy(observer, origin) == 8 and observer.probe.counters["version_pulls"] > pulls
