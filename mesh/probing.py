@@ -46,9 +46,9 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
   heartbeats for it: re-signs its summary every ``heartbeat_ms`` (without news: probe-mode
   peers need no new version) and runs a digest exchange with ``fanout`` of them each round.
 
-One module (about 600 lines, a third of them docstrings) because :class:`ProbeNode` is one
-state machine: the probe in flight, the relays served, the pulls in flight, the claims seen
-and the broadcast queue are read and written together by every message handler and timer.
+One module (about 830 lines, a third of them docstrings) because :class:`ProbeNode` is one
+state machine: the probe in flight, the relays served, the pulls in flight, the claims seen,
+the load records parked and the broadcast queue are read and written together by every message handler and timer.
 
 Pure: no sockets, timers or asyncio. The caller calls :meth:`ProbeNode.poll` at
 :meth:`ProbeNode.next_wakeup` (or sooner) and :meth:`ProbeNode.receive` for each message,
