@@ -90,6 +90,7 @@ from viiwork.mesh.counters import DropReason, MeshCounters
 from viiwork.mesh.extensions import EMPTY as EMPTY_EXTENSIONS
 from viiwork.mesh.extensions import Extensions
 from viiwork.mesh.identity import NodeId
+from viiwork.mesh.load_record import LoadRecord, apply_load
 from viiwork.mesh.messages import (
     MAX_AGE_MS,
     MAX_MESSAGE_BYTES,
@@ -355,6 +356,9 @@ class Membership:
         # Probe mode (mesh/probing.py): liveness comes from the failure detector, not from the
         # age of the newest summary (change-only publishing leaves a live peer's summary old).
         self.liveness_hook: Callable[[NodeId], Liveness] | None = None
+        # Probe mode's newest load record per peer (mesh/load_record.py), kept only while it
+        # is newer than the summary held; :meth:`peers` shows its load. Written by ProbeNode.
+        self.loads: dict[NodeId, LoadRecord] = {}
 
     # --- this node ----------------------------------------------------------------------------
 
@@ -420,6 +424,7 @@ class Membership:
         for node_id in reap:
             del self.records[node_id]
             self.orders.pop(node_id, None)
+            self.loads.pop(node_id, None)
         if self.identity_conflict is not None or len(self.self_boots.boots) > 1:
             self._check_identity(now)
 
@@ -516,6 +521,7 @@ class Membership:
         victim = min(victims)[1]
         del self.records[victim]
         self.orders.pop(victim, None)
+        self.loads.pop(victim, None)
         return True
 
     def accept(self, item: RelayedSummary, now: float | None = None, wall: dt.datetime | None = None) -> bool:
@@ -602,6 +608,9 @@ class Membership:
         if len(rec.boots.boots) > 1:
             self._check_peer_identity(p.node_id, rec, now)
         self.orders[p.node_id] = order
+        held = self.loads.get(p.node_id)
+        if held is not None and held.order <= order:
+            del self.loads[p.node_id]  # the summary is newer: it holds the load now
         if cert_refresh:
             return True
         self.counters.summaries_accepted += 1
@@ -951,10 +960,14 @@ class Membership:
         out = []
         for nid, rec in self.records.items():
             p = rec.summary.payload
+            models, seq = p.models, p.seq
+            load = self.loads.get(nid)
+            if load is not None and load.order > rec.order and load.base == rec.order:
+                models, seq = apply_load(models, load), load.seq  # the newer of summary and record
             out.append(PeerView(
                 node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._view_liveness(rec, now),
                 state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
-                generation=p.generation, boot=p.boot, seq=p.seq, models=p.models, rtt_ms=rec.rtt_ms,
+                generation=p.generation, boot=p.boot, seq=seq, models=models, rtt_ms=rec.rtt_ms,
                 certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus, conflict=rec.conflict,
                 extensions=p.extensions,
             ))

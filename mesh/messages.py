@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 from viiwork.mesh.bounds import MAX_INT
 from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.load_record import LoadRecord
 from viiwork.mesh.summary import (
     MalformedSummary,
     OversizedSummary,
@@ -179,7 +180,19 @@ class Pull:
     wants: Entries
 
 
-ProbeMessage = Ping | Ack | PingReq | Nack | Gossip | Pull
+@dataclass(frozen=True, slots=True)
+class Loads:
+    """Load records (:mod:`viiwork.mesh.load_record`) answering a :class:`Pull`: the newest
+    record the sender holds of each wanted node, where it is newer than that node's summary.
+    ``rejected``: reasons of records dropped while decoding (the rest are used)."""
+
+    protocol: int
+    mesh_id: str
+    records: tuple[LoadRecord, ...]
+    rejected: tuple[str, ...] = ()
+
+
+ProbeMessage = Ping | Ack | PingReq | Nack | Gossip | Pull | Loads
 
 CLAIM_BYTES = 140  # '["c","<16>",g,sssss,"<16>","<88 base64>"],'
 NEWS_BYTES = 30  # '["n","<16>",g,sssss],'
@@ -229,6 +242,8 @@ def estimate_size(msg: Message | ProbeMessage) -> int:
     percent of ``len(encode_message(msg))`` for typical messages."""
     if isinstance(msg, Pull):  # '{"type":"pull","protocol":4,"mesh_id":"","wants":[]}', then entries
         return 52 + len(msg.mesh_id) + ENTRY_BYTES * len(msg.wants)
+    if isinstance(msg, Loads):  # '{"type":"loads","protocol":4,"mesh_id":"","records":[]}', then records
+        return 54 + len(msg.mesh_id) + sum(r.wire_size() for r in msg.records)
     if isinstance(msg, Ping | Ack | PingReq | Nack | Gossip):
         extra = 0 if isinstance(msg, Gossip) else 8  # ',"id":N'
         if isinstance(msg, PingReq):

@@ -9,9 +9,12 @@ their own codec there. Shapes (JSON objects; ``mesh_id`` must be the receiver's)
     {"type": "ping-req", ... same keys as ping, "target": "<node id>", "address": "host:port"}
     {"type": "gossip", "protocol": 4, "mesh_id": "...", "news": [I, ...]}
     {"type": "pull", "protocol": 4, "mesh_id": "...", "wants": [["<node id>", g, s], ...]}
+    {"type": "loads", "protocol": 4, "mesh_id": "...", "records": [R, ...]}
 
 where an item ``I`` is ``["n", "<node id>", g, s]`` (news) or ``["c", "<node id>", g, s,
-"<by node id>", "<signature, base64>"]`` (a suspicion claim). At most
+"<by node id>", "<signature, base64>"]`` (a suspicion claim), and ``R`` a load record
+(:func:`~viiwork.mesh.load_record.decode_load_record`; one that does not decode is left out
+and its reason listed in ``Loads.rejected``, the rest of the message is used). At most
 :data:`MAX_PROBE_ITEMS` items or wants and :data:`MAX_PROBE_MESSAGE_BYTES` bytes:
 :class:`~viiwork.mesh.summary.OversizedSummary`; anything mis-shaped is
 :class:`~viiwork.mesh.summary.MalformedSummary` naming the field; a protocol this node does
@@ -28,6 +31,7 @@ from typing import Any
 
 from viiwork.mesh.bounds import MAX_INT
 from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.load_record import decode_load_record, load_record_obj
 from viiwork.mesh.messages import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -35,6 +39,7 @@ from viiwork.mesh.messages import (
     Digest,
     Entries,
     Gossip,
+    Loads,
     Message,
     Nack,
     News,
@@ -54,9 +59,10 @@ MAX_PROBE_MESSAGE_BYTES = 64 * 1024
 MAX_PROBE_ITEMS = 1024
 SIGNATURE_BYTES = 64
 
-_TYPES: dict[type, str] = {Ping: "ping", Ack: "ack", Nack: "nack", PingReq: "ping-req", Gossip: "gossip", Pull: "pull"}
+_TYPES: dict[type, str] = {Ping: "ping", Ack: "ack", Nack: "nack", PingReq: "ping-req", Gossip: "gossip", Pull: "pull",
+                           Loads: "loads"}
 _KEYS = {"ping": {"id", "news"}, "ack": {"id", "news"}, "nack": {"id", "news"},
-         "ping-req": {"id", "news", "target", "address"}, "gossip": {"news"}, "pull": {"wants"}}
+         "ping-req": {"id", "news", "target", "address"}, "gossip": {"news"}, "pull": {"wants"}, "loads": {"records"}}
 
 
 def _item_obj(item: News | Claim) -> list[Any]:
@@ -70,6 +76,8 @@ def encode_probe_message(msg: ProbeMessage) -> bytes:
     obj: dict[str, Any] = {"type": _TYPES[type(msg)], "protocol": msg.protocol, "mesh_id": msg.mesh_id}
     if isinstance(msg, Pull):
         obj["wants"] = [[nid, g, s] for nid, (g, s) in msg.wants.items()]
+    elif isinstance(msg, Loads):
+        obj["records"] = [load_record_obj(r) for r in msg.records]
     else:
         if not isinstance(msg, Gossip):
             obj["id"] = msg.ping_id
@@ -176,6 +184,14 @@ def _from_obj(obj: dict[str, Any], accepted: tuple[int, ...]) -> ProbeMessage:
                 raise MalformedSummary(f"wants[{i}]: node {nid} listed twice")
             wants[nid] = _order(w[1], w[2], f"wants[{i}]")
         return Pull(protocol, mesh_id, wants)
+    if kind == "loads":
+        records, rejected = [], []
+        for i, v in enumerate(_list(obj["records"], "records")):
+            try:
+                records.append(decode_load_record(v, f"records[{i}]"))
+            except MalformedSummary as exc:
+                rejected.append(exc.reason)
+        return Loads(protocol, mesh_id, tuple(records), tuple(rejected))
     news = tuple(_item(v, f"news[{i}]") for i, v in enumerate(_list(obj["news"], "news")))
     if kind == "gossip":
         return Gossip(protocol, mesh_id, news)

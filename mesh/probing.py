@@ -26,6 +26,16 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
   :class:`LoadQuantiser`; a structural change is published at once, a load change when the
   :class:`PublishLimiter` allows; besides that only a refutation (a claim suspects this node)
   or the ``republish_ms`` timer re-signs the summary.
+- **Load records** (:mod:`viiwork.mesh.load_record`): a load-only change goes out as a
+  ~135-byte signed record at the summary's next ``seq`` rather than a new ~500-byte summary
+  (while no heartbeat-mode member is live: those read summaries only). Its news is the same
+  ``News(node id, order)``; a pull names the *summary* version held, and is answered with a
+  ``Push`` (the summary, when the asker's is older) and a ``Loads`` message (the newest
+  record, when it is newer than that summary). A record is kept when newer than both the
+  summary and the record held (checked before its signature: verified once per version)
+  and it amends the summary held; one that comes before its summary is parked until the
+  summary comes. The table's load of a peer is the newer of the two
+  (:meth:`~viiwork.mesh.membership.Membership.peers`).
 - **Anti-entropy** at a low rate: one digest exchange with one random live member (and the
   due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
   probe interval while no member is known.
@@ -36,9 +46,9 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
   heartbeats for it: re-signs its summary every ``heartbeat_ms`` (without news: probe-mode
   peers need no new version) and runs a digest exchange with ``fanout`` of them each round.
 
-One module (about 600 lines, a third of them docstrings) because :class:`ProbeNode` is one
-state machine: the probe in flight, the relays served, the pulls in flight, the claims seen
-and the broadcast queue are read and written together by every message handler and timer.
+One module (about 830 lines, a third of them docstrings) because :class:`ProbeNode` is one
+state machine: the probe in flight, the relays served, the pulls in flight, the claims seen,
+the load records parked and the broadcast queue are read and written together by every message handler and timer.
 
 Pure: no sockets, timers or asyncio. The caller calls :meth:`ProbeNode.poll` at
 :meth:`ProbeNode.next_wakeup` (or sooner) and :meth:`ProbeNode.receive` for each message,
@@ -52,7 +62,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +70,7 @@ from viiwork.mesh.broadcasts import BroadcastQueue
 from viiwork.mesh.counters import DropReason
 from viiwork.mesh.detector import Alive, Dead, Detector, DetectorSettings, Probe, Refute, Suspected
 from viiwork.mesh.identity import NodeId
+from viiwork.mesh.load_record import LoadRecord, load_problem, load_signing_input
 from viiwork.mesh.membership import GossipTarget, Liveness, Membership
 from viiwork.mesh.messages import (
     CLAIM_BYTES,
@@ -69,6 +80,7 @@ from viiwork.mesh.messages import (
     Digest,
     Entries,
     Gossip,
+    Loads,
     Nack,
     News,
     Order,
@@ -80,10 +92,11 @@ from viiwork.mesh.messages import (
     Reply,
     claim_signing_input,
 )
-from viiwork.mesh.probe_codec import decode_any, encode_any
+from viiwork.mesh.probe_codec import MAX_PROBE_ITEMS, decode_any, encode_any
 from viiwork.mesh.publisher import HEARTBEAT_SLACK, LocalPublisher
 from viiwork.mesh.quantise import LoadQuantiser, PublishLimiter, compare_models
 from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryError
+from viiwork.mesh.trust import NameConflict, TrustError
 
 Outgoing = tuple[str, Any]
 """``(address, message)`` for the caller to send."""
@@ -105,6 +118,10 @@ class ProbeSettings:
     - ``republish_ms`` (60000): the summary is re-signed at least this often.
     - ``pull_timeout_ms`` (100) / ``pull_attempts`` (3): a pull not answered by then is sent
       again, to the same address, up to that many times in all (a LAN round trip is ~1 ms).
+    - ``digest_every`` (4): one anti-entropy round in this many is a digest exchange (it finds
+      nodes this one lacks altogether), and every round while the table grew since the last;
+      the others pull every member at the version held (the only repair of a load record
+      that every copy of its news missed).
     """
 
     detector: DetectorSettings = field(default_factory=DetectorSettings)
@@ -116,12 +133,13 @@ class ProbeSettings:
     republish_ms: float = 60_000.0
     pull_timeout_ms: float = 100.0
     pull_attempts: int = 3
+    digest_every: int = 4
 
     def __post_init__(self) -> None:
         for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"probe.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("gossip_nodes", "piggyback_bytes", "retransmit_mult", "pull_attempts"):
+        for name in ("gossip_nodes", "piggyback_bytes", "retransmit_mult", "pull_attempts", "digest_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"probe.{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -194,6 +212,11 @@ class ProbeNode:
         self._syncs: dict[str, GossipTarget] = {}
         self._members: list[NodeId] = []
         self._heartbeaters: dict[NodeId, str] = {}  # heartbeat-mode member -> the boot that said so
+        self._sync_count = 0
+        self._synced_members = 0
+        self._parked: dict[NodeId, LoadRecord] = {}  # records that came before the summary they amend
+        self.on_load: list[Callable[[NodeId, LoadRecord], None]] = []
+        """Called with (node id, record) for each load record published here or accepted."""
         now = membership.clock()
         self._next_gossip = now
         self._next_sync = now
@@ -209,14 +232,20 @@ class ProbeNode:
         self._wanted = self.quantiser.quantise(sorted(models, key=lambda m: m.name))
 
     def publish(self, force: bool = False) -> SignedSummary | None:
-        """Publish what is due now (``force``: a new version whatever changed); the new
-        summary or None."""
+        """Publish what is due now (``force``: a new summary whatever changed); the new
+        summary or None (also when a load record carried the change: module doc)."""
         now = self.m.clock()
         changed = force or self.m.required_generation > self.pub.generation
         if self._wanted is not None:
             change = compare_models(self.pub.models, self._wanted)
             if (change.structural or change.load) and (force or self.limiter.due(
                     now, self._n_live(), change.structural, change.load)):
+                record = None
+                if not (changed or change.structural or self._heartbeaters):
+                    record = self.pub.publish_load(self._wanted)
+                if record is not None:
+                    self._published_load(record)
+                    return None
                 self.pub.set_local(self._wanted, self.pub.state)
                 changed = True
         if not (changed or now - self.m.self_published_at >= self.settings.republish_ms * HEARTBEAT_SLACK):
@@ -225,6 +254,27 @@ class ProbeNode:
         if summary is not None:
             self._published(summary)
         return summary
+
+    def _published_load(self, record: LoadRecord) -> None:
+        self.limiter.published(self.m.clock())
+        self.counters["loads_published"] += 1
+        self.queue.put(self.m.node_id, News(self.m.node_id, record.order), NEWS_BYTES, record.order)
+        for cb in self.on_load:
+            cb(self.m.node_id, record)
+
+    def version_of(self, node_id: NodeId) -> Order | None:
+        """The newest version held of ``node_id``: its summary's or its load record's
+        ``(generation, seq)``, whichever is newer (this node's own included); None when
+        unknown."""
+        if node_id == self.m.node_id:
+            own, load = self.m.self_summary, self.pub.last_load
+            held = None if own is None else own.payload.order
+        else:
+            rec, load = self.m.records.get(node_id), self.m.loads.get(node_id)
+            held = None if rec is None else rec.order
+        if load is not None and (held is None or load.order > held):
+            return load.order
+        return held
 
     def _publish_now(self) -> None:
         summary = self.pub.maybe_publish()
@@ -296,6 +346,9 @@ class ProbeNode:
         if pending is not None and pending.order <= order:
             del self._pulls[node_id]
         self.queue.put(node_id, News(node_id, order), NEWS_BYTES, order)
+        parked = self._parked.pop(node_id, None)
+        if parked is not None and parked.base == order:
+            self._take_load(parked)
         if rec.summary.payload.state is PublishedState.LEAVING:
             self._heartbeaters.pop(node_id, None)
             self.detector.remove(node_id)
@@ -396,9 +449,30 @@ class ProbeNode:
         interval = self.settings.detector.probe_interval_ms if alone else self.settings.sync_interval_ms
         self._next_sync = now + interval * self.rng.uniform(0.75, 1.25)
         self._syncs.clear()
+        self._sync_count += 1
+        # A digest while the table grows (a join spreads through digests' replies), else one
+        # round in digest_every.
+        joining = len(self.m.records) != self._synced_members
+        self._synced_members = len(self.m.records)
         for t in chosen:
-            self._syncs[t.address] = t
-            out.append((t.address, self.m.make_digest(t)))
+            if t.candidate or alone or joining or self._sync_count % self.settings.digest_every == 0:
+                self._syncs[t.address] = t
+                out.append((t.address, self.m.make_digest(t)))
+            else:
+                out.append((t.address, self._version_pull()))
+
+    def _version_pull(self) -> Pull:
+        """Anti-entropy for load records (which digests do not list): a pull of every member
+        at the version held, summary or record (at most MAX_PROBE_ITEMS, a random sample
+        beyond); the answer brings whatever the target holds newer."""
+        wants: Entries = {}
+        for nid in self.m.records:
+            version = self.version_of(nid)
+            wants[nid] = (0, 0) if version is None or self.m.orders.get(nid) == (0, 0) else version
+        if len(wants) > MAX_PROBE_ITEMS:
+            wants = dict(self.rng.sample(sorted(wants.items()), MAX_PROBE_ITEMS))
+        self.counters["version_pulls"] += 1
+        return Pull(self.m.protocol, self.m.mesh_id, wants)
 
     def sync_target(self, address: str) -> GossipTarget | None:
         """The anti-entropy target a ``Digest`` returned by :meth:`poll` for ``address`` was
@@ -526,6 +600,16 @@ class ProbeNode:
             summaries = self.m.relay(msg.wants, msg.protocol)
             if summaries:
                 out.append((address, Push(msg.protocol, self.m.mesh_id, summaries)))
+            records = self._loads_for(msg.wants)
+            if records:
+                out.append((address, Loads(msg.protocol, self.m.mesh_id, records)))
+            return out
+        if isinstance(msg, Loads):
+            for reason in msg.rejected:
+                self.counters["loads_rejected"] += 1
+                self.m.counters.drop(reason)
+            for record in msg.records:
+                self._take_load(record)
             return out
         now = self.m.clock()
         self._take_items(sender, address, msg.news, now, out)
@@ -598,7 +682,7 @@ class ProbeNode:
                 continue
             if item.node_id == self.m.node_id:
                 continue
-            held = self.m.orders.get(item.node_id)
+            held = self.version_of(item.node_id)
             if held is not None and held >= item.order:
                 continue
             pending = self._pulls.get(item.node_id)
@@ -621,13 +705,86 @@ class ProbeNode:
             if pull.attempts_left <= 0:
                 del self._pulls[nid]
                 continue
-            held = self.m.orders.get(nid)
+            held = self.version_of(nid)
+            if held is not None and held >= pull.order:
+                del self._pulls[nid]  # a load record answered it (summaries clear it in _on_update)
+                continue
             again.setdefault(pull.address, {})[nid] = (0, 0) if held is None else held
             pull.attempts_left -= 1
             pull.deadline = now + self.settings.pull_timeout_ms
         for address, wants in again.items():
             self.counters["pulls_sent"] += 1
             out.append((address, Pull(self.m.protocol, self.m.mesh_id, wants)))
+
+    def _loads_for(self, wants: Entries) -> tuple[LoadRecord, ...]:
+        """The load records to answer a pull with: for each wanted node (the value is the
+        newest version the asker holds, summary or record), the newest record held here when
+        it is newer than both that and this node's summary of the node (the summary itself,
+        when newer than the asker's version, goes in the ``Push``: the record amends it, and a
+        record is never newer than a summary it does not amend, as both take their ``seq``
+        from one counter)."""
+        out = []
+        for nid in wants:
+            if nid == self.m.node_id:
+                load, own = self.pub.last_load, self.m.self_summary
+                summary_order = None if own is None else own.payload.order
+            else:
+                load, rec = self.m.loads.get(nid), self.m.records.get(nid)
+                if rec is None or rec.liveness is Liveness.DEAD:
+                    continue
+                summary_order = rec.order
+            if load is not None and summary_order is not None and load.order > summary_order \
+                    and load.order > wants[nid]:
+                out.append(load)
+        return tuple(out)
+
+    def _take_load(self, record: LoadRecord) -> None:
+        """A load record: kept when it is newer than both the summary and the record held of
+        its node (checked before the signature, so each version is verified once), fits the
+        summary it amends (held: else parked until that summary comes, or dropped when the
+        summary held is newer), and its signature verifies with that summary's certificate."""
+        nid = record.node_id
+        rec = self.m.records.get(nid)
+        if nid == self.m.node_id:
+            self.counters["loads_own"] += 1
+            return
+        if rec is None or record.base > rec.order:
+            parked = self._parked.get(nid)
+            if rec is not None and (parked is None or parked.order < record.order):
+                self._parked[nid] = record  # one per known node: bounded by the table
+            self.counters["loads_parked" if rec is not None else "loads_unknown"] += 1
+            if rec is None:
+                self.m.counters.drop(DropReason.UNKNOWN_SIGNER)
+            return
+        held = self.version_of(nid)
+        if held is not None and record.order <= held:
+            self.counters["loads_old"] += 1
+            self.m.counters.drop(DropReason.REPLAY if record.order == held else DropReason.OLD_SEQ)
+            return
+        if record.base != rec.order or load_problem(record, rec.summary.payload) is not None:
+            self.counters["loads_unfit"] += 1
+            self.m.counters.drop(DropReason.MALFORMED)
+            return
+        try:
+            self.m.policy.verify_certificate(rec.cert.der, self.m.wall_clock())
+        except (TrustError, NameConflict):
+            self.counters["loads_untrusted"] += 1
+            self.m.counters.drop(DropReason.INVALID_CERTIFICATE)
+            return
+        data = load_signing_input(self.m.mesh_id, nid, record.generation, record.seq, record.base_seq, record.loads)
+        self.counters["loads_verified"] += 1
+        if not self.m.policy.verify_signature(rec.cert, data, record.signature):
+            self.counters["loads_forged"] += 1
+            self.m.counters.drop(DropReason.BAD_SIGNATURE)
+            return
+        self.m.loads[nid] = record
+        self.counters["loads_accepted"] += 1
+        pending = self._pulls.get(nid)
+        if pending is not None and pending.order <= record.order:
+            del self._pulls[nid]
+        self.queue.put(nid, News(nid, record.order), NEWS_BYTES, record.order)
+        for cb in self.on_load:
+            cb(nid, record)
 
     def _claim_incarnation(self, claim: Claim) -> Order:
         """The incarnation a claim is taken at. A summary's ``(generation, seq)`` moves with

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from viiwork.mesh.boot import Boot
 from viiwork.mesh.extensions import EMPTY as EMPTY_EXTENSIONS
 from viiwork.mesh.extensions import Extensions
+from viiwork.mesh.load_record import LoadRecord, sign_load
 from viiwork.mesh.membership import Membership
 from viiwork.mesh.signing import Signer
 from viiwork.mesh.summary import (
@@ -63,6 +64,7 @@ class LocalPublisher:
         self._changed = True
         self._last_protocol = 0
         self.last: SignedSummary | None = None
+        self.last_load: LoadRecord | None = None  # the newest load record, while newer than ``last``
 
     def set_local(self, models: Iterable[ModelCapacity], state: PublishedState | str = PublishedState.SERVING,
                   gpus: Iterable[GpuCapacity] | None = None) -> None:
@@ -74,6 +76,32 @@ class LocalPublisher:
         if models != self.models or state is not self.state or new_gpus != self.gpus:
             self.models, self.state, self.gpus = models, state, new_gpus
             self._changed = True
+
+    @property
+    def pending(self) -> bool:
+        """Content set since the last summary that only a new summary can carry."""
+        return self._changed
+
+    def publish_load(self, models: Iterable[ModelCapacity]) -> LoadRecord | None:
+        """Publish a change of ``busy``/``waiting`` alone as a signed load record
+        (:mod:`viiwork.mesh.load_record`) at ``seq + 1``, amending the last summary; the
+        models are kept as the content of the next summary, which carries them in any case.
+        None (nothing published) when only a summary can carry the change: none published
+        yet, content pending, another generation or protocol due, or ``models`` differ from
+        the last summary's in more than ``busy``/``waiting``."""
+        models = tuple(sorted(models, key=lambda m: m.name))
+        last, m = self.last, self.membership
+        if (last is None or self._changed or m.required_generation > self.generation
+                or m.emit_protocol() != self._last_protocol or len(models) != len(last.payload.models)
+                or any(dataclasses.replace(a, busy=b.busy, waiting=b.waiting) != b
+                       for a, b in zip(last.payload.models, models, strict=True))):
+            return None
+        self.seq += 1
+        record = sign_load(m.mesh_id, self.signer.node_id, self.generation, self.seq, last.payload.seq, models,
+                           self.signer.sign)
+        self.models = models
+        self.last_load = record
+        return record
 
     def set_extensions(self, extensions: Extensions) -> None:
         """New ``ext`` fields (mesh/extensions.py: ``Extensions.of({SPEC: value})``), published
@@ -131,6 +159,7 @@ class LocalPublisher:
             self.seq -= 1
             return None
         m.publish(summary)
+        self.last_load = None
         self._changed = False
         self._last_protocol = protocol
         self.last = summary

@@ -257,6 +257,7 @@ class Simulator:
         node.membership, node.publisher = m, pub
         if probing:
             node.probe = ProbeNode(m, pub, self.probe_settings, random.Random(self.rng.random()))
+            node.probe.on_load.append(lambda origin, record: self._notify(node, origin))
             node.probe.set_load(node.models)
             node.probe.publish()
         else:
@@ -516,6 +517,14 @@ class Simulator:
 
     def view_of(self, observer: int, origin: int) -> Liveness | None:
         return self.nodes[observer].membership.liveness(self.nodes[origin].node_id)
+
+    def version_of(self, observer: SimNode, origin: NodeId) -> tuple[int, int] | None:
+        """The newest version of ``origin`` that ``observer`` holds: its summary's, or in
+        probe mode its load record's when newer."""
+        if observer.probe is not None:
+            return observer.probe.version_of(origin)
+        rec = observer.membership.records.get(origin)
+        return None if rec is None else rec.order
 
     def heard_at_global(self, observer: SimNode, origin: SimNode) -> float | None:
         """When (virtual ms) ``observer`` believes ``origin`` last published."""

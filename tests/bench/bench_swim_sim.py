@@ -50,7 +50,7 @@ from viiwork.mesh.summary import ModelCapacity
 SLOTS = 8
 CHANGES_PER_S = 2.0
 _KINDS = {"ping": "probe", "ack": "probe", "pingreq": "probe", "nack": "probe", "gossip": "dissem",
-          "pull": "dissem", "push": "dissem", "digest": "sync", "reply": "sync"}
+          "pull": "dissem", "push": "dissem", "loads": "dissem", "digest": "sync", "reply": "sync"}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -112,9 +112,17 @@ class Seen:
                 self.pending[node.node_id].append([summary.payload.order, self.sim.now, 0])
 
         m.publish = publish_and_note  # type: ignore[method-assign]
+        if node.probe is not None:  # probe mode: a load change goes out as a load record
+            def record_and_note(origin: NodeId, record: Any) -> None:
+                if self.active and origin == node.node_id:
+                    self.pending[origin].append([record.order, self.sim.now, 0])
+
+            node.probe.on_load.append(record_and_note)
 
     def _on_update(self, observer: SimNode, origin: NodeId) -> None:
-        order = observer.membership.records[origin].order
+        order = self.sim.version_of(observer, origin)  # the newer of summary and load record
+        if origin == observer.node_id or order is None:
+            return
         key = (observer.index, origin)
         before = self.last.get(key, (0, 0))
         self.last[key] = max(before, order)

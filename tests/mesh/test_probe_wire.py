@@ -142,6 +142,9 @@ def test_a_new_capacity_reaches_the_peers(mesh):
         b.set_busy(busy)
         wait_until(lambda busy=busy: all((p := x.peer(b)) is not None and p["models"][0]["busy"] == busy
                                          for x in (a, c)), 2, f"b's busy = {busy} at a and c")
+    # Load alone changed: carried by signed load records (mesh/load_record.py), not new summaries.
+    assert b.get("/v1/counters")["probe"]["loads_published"] >= 3  # a refutation under load may be a summary
+    assert all(x.get("/v1/counters")["probe"]["loads_accepted"] >= 3 for x in (a, c))
 
 
 async def _client_post(node_dir: Path, address: str, bodies: list[bytes], at_once: bool = False) -> list[tuple[int, bytes]]:

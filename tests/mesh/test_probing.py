@@ -124,8 +124,11 @@ def test_each_new_summary_version_is_verified_once():
     sim.run_for(3000)
     for node in sim.nodes:
         m = node.membership
-        assert node.policy.signature_verifications == m.counters.summaries_accepted + node.probe.counters[
-            "claims_verified"], node.name
+        c = node.probe.counters
+        assert node.policy.signature_verifications == (m.counters.summaries_accepted + c["claims_verified"]
+                                                       + c["loads_verified"]), node.name
+        assert c["loads_verified"] == c["loads_accepted"], node.name  # each record version once
+    assert sum(n.probe.counters["loads_published"] for n in sim.nodes) > 0, "no load change went out as a record"
     # A copy of a version already held (a late push, a second pull's answer) is not verified again.
     observer, holder, about = sim.nodes[0], sim.nodes[1], sim.nodes[2]
     copies = holder.membership.relay({about.node_id: (0, 0)}, holder.membership.protocol)
