@@ -108,6 +108,23 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value
         pass  # the loop is closed: nobody waits any more
 
 
+def _resolve_rows(pending: list[_Pending], value: object) -> None:
+    """Answer every row of one group commit with one wake-up per event loop (not one per row:
+    each ``call_soon_threadsafe`` writes the loop's self-pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[Any]]] = {}
+    for p in pending:
+        by_loop.setdefault(p.loop, []).append(p.future)
+    for loop, futures in by_loop.items():
+        def set_them(futures: list[asyncio.Future[Any]] = futures) -> None:
+            for future in futures:
+                if not future.done():  # a waiter may have been cancelled: its row is kept regardless
+                    future.set_result(value)
+        try:
+            loop.call_soon_threadsafe(set_them)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+
 class Ledger:
     """The usage file at ``path``, written by one thread (module docstring).
 
@@ -284,8 +301,7 @@ class Ledger:
                 self._note_error(exc)
                 self._hold(rows)
                 retry_at = time.monotonic() + self._retry_interval_s
-                for p in pending:
-                    _resolve(p.loop, p.future, Recorded.BACKLOGGED)
+                _resolve_rows(pending, Recorded.BACKLOGGED)
                 for item in items:
                     if isinstance(item, _Prune):
                         _resolve(item.loop, item.future, 0)
@@ -311,8 +327,7 @@ class Ledger:
                 retry_at = time.monotonic() + self._retry_interval_s
         if outcome is Recorded.BACKLOGGED:
             self._hold(rows)
-        for p in pending:
-            _resolve(p.loop, p.future, outcome)
+        _resolve_rows(pending, outcome)
         for item in items:
             if isinstance(item, _Prune):
                 with self._lock:
