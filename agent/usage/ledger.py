@@ -98,31 +98,27 @@ class _Prune:
 _STOP = object()
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: object) -> None:
-    def set_it() -> None:
-        if not future.done():  # the waiter may have been cancelled: the row is kept regardless
-            future.set_result(value)
+def _resolve(loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future[Any]], value: object) -> None:
+    """Set ``futures`` (all of ``loop``) to ``value`` with one wake-up of ``loop`` (each
+    ``call_soon_threadsafe`` writes its self-pipe); a waiter that was cancelled is skipped: its
+    row is kept regardless."""
+    def set_them() -> None:
+        for future in futures:
+            if not future.done():
+                future.set_result(value)
     try:
-        loop.call_soon_threadsafe(set_it)
+        loop.call_soon_threadsafe(set_them)
     except RuntimeError:
         pass  # the loop is closed: nobody waits any more
 
 
 def _resolve_rows(pending: list[_Pending], value: object) -> None:
-    """Answer every row of one group commit with one wake-up per event loop (not one per row:
-    each ``call_soon_threadsafe`` writes the loop's self-pipe)."""
+    """Answer every row of one group commit: one wake-up per event loop, not one per row."""
     by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[Any]]] = {}
     for p in pending:
         by_loop.setdefault(p.loop, []).append(p.future)
     for loop, futures in by_loop.items():
-        def set_them(futures: list[asyncio.Future[Any]] = futures) -> None:
-            for future in futures:
-                if not future.done():  # a waiter may have been cancelled: its row is kept regardless
-                    future.set_result(value)
-        try:
-            loop.call_soon_threadsafe(set_them)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits any more
+        _resolve(loop, futures, value)
 
 
 class Ledger:
@@ -304,7 +300,7 @@ class Ledger:
                 _resolve_rows(pending, Recorded.BACKLOGGED)
                 for item in items:
                     if isinstance(item, _Prune):
-                        _resolve(item.loop, item.future, 0)
+                        _resolve(item.loop, [item.future], 0)
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -335,7 +331,7 @@ class Ledger:
                 while not self._prune_all():
                     pass
                 with self._lock:
-                    _resolve(item.loop, item.future, self._pruned - before)
+                    _resolve(item.loop, [item.future], self._pruned - before)
         if not rows and not failing and time.monotonic() >= self._next_prune:
             done = self._prune_all()
             self._next_prune = time.monotonic() + (self._prune_interval_s if done else 0.0)

@@ -22,7 +22,7 @@ import pytest
 from support.agent import Agent, run_agent
 from support.client_keys import bearer, chat, ctl, issue, jti_of, request
 from support.engines import fake_engine_binary
-from viiwork.agent.usage.store import UsageRow, open_read_only, read_rows
+from support.ledger_rows import rows
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,15 +61,6 @@ def mesh2() -> Iterator[tuple[Agent, Agent, str]]:
             yield a, b, token
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def rows(agent: Agent) -> dict[str, UsageRow]:
-    assert agent.state_dir is not None
-    conn = open_read_only(agent.state_dir / "usage.sqlite3")
-    try:
-        return {r.request_id: r for r in read_rows(conn)}
-    finally:
-        conn.close()
 
 
 def stream(agent: Agent, token: str, doc: dict, request_id: str) -> list[dict]:

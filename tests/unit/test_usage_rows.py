@@ -25,7 +25,7 @@ import pytest
 
 from support.agent import Agent, run_agent
 from support.engines import fake_engine_binary
-from viiwork.agent.usage.store import UsageRow, open_read_only, read_rows
+from support.ledger_rows import rows
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,15 +48,6 @@ def post(agent: Agent, doc: dict, request_id: str, timeout_s: float = 20) -> tup
 
 def events(raw: bytes) -> list[str]:
     return [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
-
-
-def rows(agent: Agent) -> dict[str, UsageRow]:
-    assert agent.state_dir is not None
-    conn = open_read_only(agent.state_dir / "usage.sqlite3")
-    try:
-        return {r.request_id: r for r in read_rows(conn)}
-    finally:
-        conn.close()
 
 
 @pytest.fixture(scope="module")
