@@ -195,7 +195,8 @@ class Loads:
 ProbeMessage = Ping | Ack | PingReq | Nack | Gossip | Pull | Loads
 
 CLAIM_BYTES = 140  # '["c","<16>",g,sssss,"<16>","<88 base64>"],'
-NEWS_BYTES = 30  # '["n","<16>",g,sssss],'
+NEWS_BYTES = 19  # packed (probe_codec): 10-byte id + 1-byte generation + 3-byte seq, in base64
+NEWS_PACK_BYTES = 9  # '["p",""],' around a message's packed news
 
 
 def claim_signing_input(mesh_id: str, node_id: NodeId, order: Order, by: NodeId) -> bytes:
@@ -248,7 +249,9 @@ def estimate_size(msg: Message | ProbeMessage) -> int:
         extra = 0 if isinstance(msg, Gossip) else 8  # ',"id":N'
         if isinstance(msg, PingReq):
             extra += 40 + len(msg.address)  # ',"target":"<id>","address":"..."'
-        return 52 + len(msg.mesh_id) + extra + sum(item_size(i) for i in msg.news)
+        news = sum(item_size(i) for i in msg.news)
+        packed = NEWS_PACK_BYTES if news and any(isinstance(i, News) for i in msg.news) else 0
+        return 52 + len(msg.mesh_id) + extra + news + packed
     head = 60 + len(msg.mesh_id)
     if isinstance(msg, Digest):
         return head + ENTRY_BYTES * len(msg.entries)

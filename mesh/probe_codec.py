@@ -11,7 +11,8 @@ their own codec there. Shapes (JSON objects; ``mesh_id`` must be the receiver's)
     {"type": "pull", "protocol": 4, "mesh_id": "...", "wants": [["<node id>", g, s], ...]}
     {"type": "loads", "protocol": 4, "mesh_id": "...", "records": [R, ...]}
 
-where an item ``I`` is ``["n", "<node id>", g, s]`` (news) or ``["c", "<node id>", g, s,
+where an item ``I`` is ``["p", "<base64>"]`` (news, packed: see below), ``["n", "<node id>",
+g, s]`` (one news item, the form of earlier builds, still read) or ``["c", "<node id>", g, s,
 "<by node id>", "<signature, base64>"]`` (a suspicion claim), and ``R`` a load record
 (:func:`~viiwork.mesh.load_record.decode_load_record`; one that does not decode is left out
 and its reason listed in ``Loads.rejected``, the rest of the message is used). At most
@@ -20,6 +21,15 @@ and its reason listed in ``Loads.rejected``, the rest of the message is used). A
 :class:`~viiwork.mesh.summary.MalformedSummary` naming the field; a protocol this node does
 not accept is :class:`~viiwork.mesh.summary.UnsupportedProtocol`. Nothing else is raised for
 any input bytes.
+
+**Packed news** (docs/mesh.md, "Probe mode"): a message's news items travel as one ``["p",
+...]`` item, the standard base64 of the concatenation, per item, of the node id's 10 raw bytes
+(its base32 decoded) and the generation and seq as unsigned LEB128 varints (at most 8 bytes
+each, values 0..2**53): 14 bytes (~19 characters) for a small generation and a seq below
+2**21, against ~30 for ``["n", ...]``. At 1,000 nodes each node sends ~125 publications a
+second 8 times each, so news are most of the gossip bytes: measured in
+docs/benchmarks-mesh.md. Probe-mode builds before packing refuse a message holding a ``"p"``
+item (malformed): mixed meshes of those development builds are not supported.
 """
 
 from __future__ import annotations
@@ -27,10 +37,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from viiwork.mesh.bounds import MAX_INT
-from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.identity import NODE_ID_BYTES, NodeId, is_node_id
 from viiwork.mesh.load_record import decode_load_record, load_record_obj
 from viiwork.mesh.messages import (
     MAX_MESSAGE_BYTES,
@@ -65,10 +76,75 @@ _KEYS = {"ping": {"id", "news"}, "ack": {"id", "news"}, "nack": {"id", "news"},
          "ping-req": {"id", "news", "target", "address"}, "gossip": {"news"}, "pull": {"wants"}, "loads": {"records"}}
 
 
-def _item_obj(item: News | Claim) -> list[Any]:
-    if isinstance(item, News):
-        return ["n", item.node_id, item.order[0], item.order[1]]
-    return ["c", item.node_id, item.order[0], item.order[1], item.by, base64.b64encode(item.signature).decode("ascii")]
+_MAX_VARINT_BYTES = 8  # 7 bits each: 56 bits hold MAX_INT (2**53)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def pack_news(news: Sequence[News]) -> str:
+    """The base64 text of a ``["p", ...]`` item (module doc: packed news)."""
+    raw = bytearray()
+    for item in news:
+        raw += base64.b32decode(item.node_id.upper())
+        raw += _varint(item.order[0]) + _varint(item.order[1])
+    return base64.b64encode(bytes(raw)).decode("ascii")
+
+
+def _read_varint(raw: bytes, at: int, where: str) -> tuple[int, int]:
+    value = 0
+    for i in range(_MAX_VARINT_BYTES):
+        if at + i >= len(raw):
+            raise MalformedSummary(f"{where}: packed news end inside a number")
+        byte = raw[at + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            if value > MAX_INT:
+                raise MalformedSummary(f"{where}: packed number above {MAX_INT}")
+            return value, at + i + 1
+    raise MalformedSummary(f"{where}: packed number longer than {_MAX_VARINT_BYTES} bytes")
+
+
+def unpack_news(text: Any, where: str, limit: int = MAX_PROBE_ITEMS) -> list[News]:
+    """The news of a ``["p", text]`` item. Raises MalformedSummary (not base64, a truncated
+    item, a number out of range) or OversizedSummary (more than ``limit`` items)."""
+    try:
+        raw = base64.b64decode(text, validate=True) if isinstance(text, str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None:
+        raise MalformedSummary(f"{where}: expected base64 text")
+    out: list[News] = []
+    at = 0
+    while at < len(raw):
+        if len(out) >= limit:
+            raise OversizedSummary(f"{where}: more than {limit} packed news items")
+        if at + NODE_ID_BYTES > len(raw):
+            raise MalformedSummary(f"{where}: packed news end inside a node id")
+        nid = NodeId(base64.b32encode(raw[at:at + NODE_ID_BYTES]).decode("ascii").lower())
+        generation, at = _read_varint(raw, at + NODE_ID_BYTES, where)
+        seq, at = _read_varint(raw, at, where)
+        out.append(News(nid, (generation, seq)))
+    return out
+
+
+def _items_obj(items: Sequence[News | Claim]) -> list[Any]:
+    news = [i for i in items if isinstance(i, News)]
+    out: list[Any] = [["p", pack_news(news)]] if news else []
+    for item in items:
+        if isinstance(item, Claim):
+            out.append(["c", item.node_id, item.order[0], item.order[1], item.by,
+                        base64.b64encode(item.signature).decode("ascii")])
+    return out
 
 
 def encode_probe_message(msg: ProbeMessage) -> bytes:
@@ -83,7 +159,7 @@ def encode_probe_message(msg: ProbeMessage) -> bytes:
             obj["id"] = msg.ping_id
         if isinstance(msg, PingReq):
             obj["target"], obj["address"] = msg.target, msg.address
-        obj["news"] = [_item_obj(i) for i in msg.news]
+        obj["news"] = _items_obj(msg.news)
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
@@ -123,7 +199,20 @@ def _item(value: Any, where: str) -> News | Claim:
         if len(raw) != SIGNATURE_BYTES:
             raise MalformedSummary(f"{where}: expected a base64 signature of {SIGNATURE_BYTES} bytes")
         return Claim(_node(value[1], where), _order(value[2], value[3], where), _node(value[4], where + "[by]"), raw)
-    raise MalformedSummary(f"{where}: expected [\"n\", id, g, s] or [\"c\", id, g, s, by, sig], got {value!r:.60}")
+    raise MalformedSummary(f"{where}: expected [\"p\", packed], [\"n\", id, g, s] or [\"c\", id, g, s, by, sig], "
+                           f"got {value!r:.60}")
+
+
+def _news(value: Any) -> tuple[News | Claim, ...]:
+    out: list[News | Claim] = []
+    for i, v in enumerate(_list(value, "news")):
+        if isinstance(v, list) and len(v) == 2 and v[0] == "p":
+            out += unpack_news(v[1], f"news[{i}]", MAX_PROBE_ITEMS - len(out))
+        else:
+            out.append(_item(v, f"news[{i}]"))
+        if len(out) > MAX_PROBE_ITEMS:
+            raise OversizedSummary(f"news: more than {MAX_PROBE_ITEMS} items")
+    return tuple(out)
 
 
 def _parse(data: bytes, limit: int) -> dict[str, Any]:
@@ -192,7 +281,7 @@ def _from_obj(obj: dict[str, Any], accepted: tuple[int, ...]) -> ProbeMessage:
             except MalformedSummary as exc:
                 rejected.append(exc.reason)
         return Loads(protocol, mesh_id, tuple(records), tuple(rejected))
-    news = tuple(_item(v, f"news[{i}]") for i, v in enumerate(_list(obj["news"], "news")))
+    news = _news(obj["news"])
     if kind == "gossip":
         return Gossip(protocol, mesh_id, news)
     ping_id = _count(obj["id"], "id")
@@ -209,4 +298,4 @@ def _from_obj(obj: dict[str, Any], accepted: tuple[int, ...]) -> ProbeMessage:
 
 
 __all__ = ["MAX_PROBE_ITEMS", "MAX_PROBE_MESSAGE_BYTES", "decode_any", "decode_probe_message", "encode_any",
-           "encode_probe_message"]
+           "encode_probe_message", "pack_news", "unpack_news"]

@@ -128,6 +128,7 @@ class ProbeSettings:
     gossip_interval_ms: float = 200.0
     gossip_nodes: int = 3
     piggyback_bytes: int = 1024
+    gossip_bytes: int = 4096
     retransmit_mult: int = 2
     sync_interval_ms: float = 5000.0
     republish_ms: float = 60_000.0
@@ -139,7 +140,7 @@ class ProbeSettings:
         for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"probe.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("gossip_nodes", "piggyback_bytes", "retransmit_mult", "pull_attempts", "digest_every"):
+        for name in ("gossip_nodes", "piggyback_bytes", "gossip_bytes", "retransmit_mult", "pull_attempts", "digest_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"probe.{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -409,7 +410,7 @@ class ProbeNode:
         if now >= self._next_gossip and len(self.queue):
             self._next_gossip = now + self.settings.gossip_interval_ms
             for nid in self._gossip_targets():
-                items = self._items(nid)
+                items = self._items(nid, self.settings.gossip_bytes)
                 if items:
                     out.append((self._address(nid), Gossip(self.m.protocol, self.m.mesh_id, items)))
         if now >= self._next_sync:
@@ -495,8 +496,8 @@ class ProbeNode:
     def _address(self, node_id: NodeId) -> str:
         return self.m.records[node_id].summary.payload.mesh
 
-    def _items(self, to: NodeId | None) -> tuple[News | Claim, ...]:
-        items = self.queue.take(len(self.m.records) + 1, self.settings.piggyback_bytes)
+    def _items(self, to: NodeId | None, room: int | None = None) -> tuple[News | Claim, ...]:
+        items = self.queue.take(len(self.m.records) + 1, self.settings.piggyback_bytes if room is None else room)
         if to is not None and self.detector.state(to) in ("suspect", "dead") and to in self._claims:
             # Tell a member it is suspected (memberlist: a dead node learns it and refutes).
             items = [self._claims[to], *items]

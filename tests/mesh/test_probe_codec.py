@@ -3,11 +3,15 @@ and a probe-mode mesh over encoded bytes."""
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from viiwork.mesh.bounds import MAX_INT
 from viiwork.mesh.membership import Liveness
 from viiwork.mesh.messages import Ack, Claim, Gossip, Nack, News, Ping, PingReq, Pull, estimate_size
 from viiwork.mesh.probe_codec import (
@@ -16,6 +20,8 @@ from viiwork.mesh.probe_codec import (
     decode_probe_message,
     encode_any,
     encode_probe_message,
+    pack_news,
+    unpack_news,
 )
 from viiwork.mesh.sim import Simulator, sim_node_id
 from viiwork.mesh.summary import MalformedSummary, OversizedSummary, SummaryError, UnsupportedProtocol
@@ -80,3 +86,56 @@ def test_a_probe_mode_mesh_over_encoded_bytes_detects_a_crash():
     assert all(sim.knows(a, b) for a in sim.up_nodes() for b in sim.up_nodes() if a is not b)
     assert not any(n.membership.counters.drops["malformed"] for n in sim.nodes)
     assert encode_any(MESSAGES[0]) == encode_probe_message(MESSAGES[0])
+
+
+_ids = st.integers(0, 2**16).map(sim_node_id)
+_orders = st.tuples(st.integers(0, MAX_INT), st.integers(0, MAX_INT))
+
+
+@given(st.lists(st.builds(News, _ids, _orders), max_size=40))
+def test_packed_news_round_trip_any_ids_and_orders(news):
+    assert unpack_news(pack_news(news), "news[0]") == news
+
+
+def test_news_travel_packed_and_cost_about_19_bytes_each():
+    news = tuple(News(sim_node_id(i), (1, 100_000 + i)) for i in range(50))
+    data = encode_probe_message(Gossip(4, "m", news))
+    obj = json.loads(data)
+    assert [item[0] for item in obj["news"]] == ["p"]
+    assert len(obj["news"][0][1]) == 4 * -(-50 * 14 // 3)  # 10-byte id + 1 + 3 varint bytes, base64
+    assert decode_probe_message(data, (4,)) == Gossip(4, "m", news)
+
+
+def test_the_single_news_item_form_of_earlier_builds_is_still_read():
+    data = json.dumps({"type": "gossip", "protocol": 4, "mesh_id": "m", "news": [["n", A, 3, 17], ["p", pack_news(
+        [News(B, (1, 2))])]]}).encode()
+    assert decode_probe_message(data, (4,)).news == (News(A, (3, 17)), News(B, (1, 2)))
+
+
+def _gossip(*items):
+    return json.dumps({"type": "gossip", "protocol": 4, "mesh_id": "m", "news": list(items)}).encode()
+
+
+_ID = base64.b32decode(A.upper())
+
+
+@pytest.mark.parametrize("item,error", [
+    (["p", "not base64!"], MalformedSummary),
+    (["p", 17], MalformedSummary),
+    (["p", base64.b64encode(_ID[:7]).decode()], MalformedSummary),  # ends inside a node id
+    (["p", base64.b64encode(_ID + b"\x01\x81").decode()], MalformedSummary),  # ends inside the seq
+    (["p", base64.b64encode(_ID + b"\x01" + b"\xff" * 9 + b"\x01").decode()], MalformedSummary),  # 10-byte varint
+    (["p", base64.b64encode(_ID + b"\x01" + b"\xff" * 7 + b"\x7f").decode()], MalformedSummary),  # 2**56 - 1
+    (["p", base64.b64encode((_ID + b"\x01\x01") * (MAX_PROBE_ITEMS + 1)).decode()], OversizedSummary),
+    (["p", "", "extra"], MalformedSummary),
+])
+def test_malformed_packed_news_is_refused_with_a_typed_error(item, error):
+    with pytest.raises(error):
+        decode_probe_message(_gossip(item), (4,))
+
+
+def test_packed_and_single_items_together_are_bounded_by_max_probe_items():
+    packed = ["p", base64.b64encode((_ID + b"\x01\x01") * MAX_PROBE_ITEMS).decode()]
+    assert len(decode_probe_message(_gossip(packed), (4,)).news) == MAX_PROBE_ITEMS
+    with pytest.raises(OversizedSummary):
+        decode_probe_message(_gossip(packed, ["n", A, 1, 1]), (4,))

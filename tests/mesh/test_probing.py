@@ -10,9 +10,9 @@ from __future__ import annotations
 from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness
-from viiwork.mesh.messages import Claim, Gossip, Ping, PingReq, Push, claim_signing_input
+from viiwork.mesh.messages import NEWS_BYTES, Claim, Gossip, News, Ping, PingReq, Push, claim_signing_input, item_size
 from viiwork.mesh.quantise import LoadQuantiser
-from viiwork.mesh.sim import SIM_MESH_ID, Simulator
+from viiwork.mesh.sim import SIM_MESH_ID, Simulator, sim_node_id
 from viiwork.mesh.summary import ModelCapacity
 
 BUSY = (ModelCapacity("model-x", "llamacpp", "chat", 8, 7, 3, 4096, 2, 2, "fp-x"),)
@@ -176,3 +176,22 @@ def test_a_ping_req_pings_the_targets_own_address_never_the_one_it_names():
                                   PingReq(protocol, SIM_MESH_ID, 8, who, "127.0.0.1:9"))
         assert not [to for to, msg in out if isinstance(msg, Ping)], who
     assert relay.probe.counters["ping_req_unknown_target"] == 3
+
+
+def test_gossip_messages_carry_up_to_gossip_bytes_of_news_while_probes_carry_piggyback_bytes():
+    """At 1,000 nodes each node must send ~125 news a second 8 times each: the room of a
+    gossip message (4 kB) is what keeps the queue short (docs/benchmarks-mesh.md)."""
+    sim = probe_mesh(10, seed=3)
+    probe = sim.nodes[0].probe
+    settings = probe.settings
+    assert settings.gossip_bytes > settings.piggyback_bytes
+    for i in range(3 * settings.gossip_bytes // NEWS_BYTES):
+        nid = sim_node_id(1000 + i)
+        probe.queue.put(nid, News(nid, (1, 1)), NEWS_BYTES, (1, 1))
+    probe._next_gossip = 0.0
+    gossip = [msg for _, msg in probe.poll() if isinstance(msg, Gossip)]
+    assert len(gossip) == settings.gossip_nodes
+    for msg in gossip:
+        assert settings.gossip_bytes - NEWS_BYTES < sum(item_size(i) for i in msg.news) <= settings.gossip_bytes
+    piggyback = probe._items(sim.nodes[1].node_id)
+    assert settings.piggyback_bytes - NEWS_BYTES < sum(item_size(i) for i in piggyback) <= settings.piggyback_bytes
