@@ -139,3 +139,10 @@ def test_packed_and_single_items_together_are_bounded_by_max_probe_items():
     assert len(decode_probe_message(_gossip(packed), (4,)).news) == MAX_PROBE_ITEMS
     with pytest.raises(OversizedSummary):
         decode_probe_message(_gossip(packed, ["n", A, 1, 1]), (4,))
+
+
+def test_unpacking_stops_at_its_limit_rather_than_reading_the_whole_item():
+    text = pack_news([News(sim_node_id(i), (1, i)) for i in range(4)])
+    assert len(unpack_news(text, "news[0]", limit=4)) == 4
+    with pytest.raises(OversizedSummary):
+        unpack_news(text, "news[0]", limit=3)
