@@ -15,11 +15,11 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
   that accepts a newer summary (or publishes its own) queues a ``News`` item ``(node id,
   generation, seq)``; claims are queued likewise. Every outgoing probe message carries queued
   items within ``piggyback_bytes``, and while any are queued a ``Gossip`` message goes to
-  ``gossip_nodes`` random alive members every ``gossip_interval_ms``; each item is sent
+  ``gossip_nodes`` random alive members every ``gossip_interval_ms`` (within ``gossip_bytes``); each item is sent
   ``retransmit_mult * ceil(log10(n + 1))`` times by each node that queued it. A receiver
   that holds an older version (or none) asks the sender with one ``Pull`` and gets a
   ``Push`` (the sender holds what it announced): the ~450-byte summary travels to each node
-  about once, the 30-byte news a few times. Verification stays once per new ``(node,
+  about once, the ~19-byte news (packed: viiwork.mesh.probe_codec) a few times. Verification stays once per new ``(node,
   generation, seq)``: Membership drops a replay before verifying (a claim is verified once per
   distinct claim, kept in a bounded seen-set).
 - **Publication on change** (:mod:`viiwork.mesh.quantise`): the true load goes through the
@@ -112,7 +112,10 @@ class ProbeSettings:
     - ``detector``: the probe timings (:class:`~viiwork.mesh.detector.DetectorSettings`).
     - ``gossip_interval_ms`` (200) / ``gossip_nodes`` (3): broadcast-only messages while items
       are queued (memberlist's LAN GossipInterval and GossipNodes).
-    - ``piggyback_bytes`` (1024): room for items on one message.
+    - ``piggyback_bytes`` (1024): room for items on a ping, ack, ping-req or nack.
+    - ``gossip_bytes`` (4096): room for items on a gossip message. At 1,000 nodes a node
+      sends ~1,000 news a second (docs/mesh.md, "Probe mode"); 1 kB gossip messages could
+      not carry them and the queue's tail set the publication latency.
     - ``retransmit_mult`` (2): see :class:`~viiwork.mesh.broadcasts.BroadcastQueue`.
     - ``sync_interval_ms`` (5000): one anti-entropy exchange per node.
     - ``republish_ms`` (60000): the summary is re-signed at least this often.
