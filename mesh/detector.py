@@ -27,10 +27,15 @@ configuration):
   this node at or above its own incarnation yields :class:`Refute` (the caller publishes a
   newer one) and raises the health score.
 - **Local health** (Lifeguard's awareness), ``0 .. awareness_max_multiplier - 1``: the probe
-  interval, probe timeout, indirect timeout and relay timeout are multiplied by ``score +
-  1``. +1 for a probe that ends without an ack, +1 for each relay that stayed silent
-  (neither ack nor nack: our own path is the likely fault), +1 for each refuted claim about
-  this node; -1 for a direct ack. A slow node thus probes less and waits longer before it
+  interval, probe timeout and indirect timeout are multiplied by ``score + 1`` (not the
+  relay timeout: see :meth:`Detector.relay_timeout_ms`). +1 for each relay that stayed
+  silent (neither ack nor nack: our own path is the likely fault), +1 for a probe that ends
+  without an ack when there was no relay to ask, +1 for each refuted claim about this node;
+  -1 for a probe acked directly or through a relay. As memberlist does, a probe of a member
+  that really crashed, which every relay answers with a nack, costs nothing: charging it +1
+  slowed every prober while a crashed member stayed suspect (with three of ten nodes
+  crashing at once, the third was first suspected 9.4 s after the crash in one seed:
+  docs/benchmarks-mesh.md). A slow node thus probes less and waits longer before it
   accuses anyone. A silent relay that is itself found suspect or dead before it is next
   acked gives its +1 back (counted ``relay_refunds``): its silence is explained by its own
   crash, not by this node's path (with three of ten nodes crashing at once the crashed
@@ -377,8 +382,13 @@ class Detector:
 
     def relay_timeout_ms(self) -> float:
         """For a ping-req received: wait this long (ms) for each of up to
-        ``settings.relay_attempts`` pings of the target, then answer ack or nack."""
-        return self.settings.probe_timeout_ms * (self._score + 1)
+        ``settings.relay_attempts`` pings of the target, then answer ack or nack. Not scaled
+        by this node's health (memberlist's relay waits its plain probe timeout too): the
+        requester waits ``indirect_timeout_ms`` scaled by *its* health, and a nack that came
+        after that counted as a silent relay there, charging the requester's health for this
+        node's slowness (with three of ten nodes crashing, one node's raised score spread
+        to its requesters that way)."""
+        return self.settings.probe_timeout_ms
 
     def _probe_budget_ms(self, probe: Probe) -> float:
         scale = self._score + 1
@@ -458,11 +468,12 @@ class Detector:
     def indirect_result(self, probe_id: int, acks: int, nacks: int,
                         silent: Collection[NodeId] | None = None) -> Suspected | None:
         """Report the relays' answers within the plan's timeout: ``acks`` relays reached the
-        target, ``nacks`` answered without reaching it, the rest were silent (each silent
-        relay: health +1; ``silent`` names them, so that the charge is given back if one is
-        found suspect or dead first). Any ack: the target is alive. None: it becomes suspect
-        (health +1) and :class:`Suspected` ``by_self`` is returned, unless this node already
-        suspects it. Raises ValueError when the counts are negative or exceed the relays."""
+        target, ``nacks`` answered without reaching it, the rest were silent. Any ack: the
+        target is alive (health -1). None: each silent relay costs health +1 (``silent``
+        names them, so that the charge is given back if one is found suspect or dead first;
+        +1 when there were no relays), and the target becomes suspect: :class:`Suspected`
+        ``by_self`` is returned, unless this node already suspects it. Raises ValueError when
+        the counts are negative or exceed the relays."""
         flight = self._current(probe_id, direct=False)
         if flight is None:
             return None
@@ -470,13 +481,15 @@ class Detector:
         if acks < 0 or nacks < 0 or acks + nacks > len(flight.relays):
             raise ValueError(f"acks={acks}, nacks={nacks} for {len(flight.relays)} relays")
         self._in_flight = None
-        self._adjust_health(len(flight.relays) - acks - nacks)
+        if acks > 0:
+            self._adjust_health(-1)
+            return None
+        # No ack: the relays that answered nack vouch for this node's own path, so the miss
+        # costs only the silent ones; with no relay to ask, the miss itself costs 1.
+        self._adjust_health(len(flight.relays) - nacks if flight.relays else 1)
         for relay in silent or ():
             if relay in flight.relays and relay in self._members:
                 self._charged[relay] = self._charged.get(relay, 0) + 1
-        if acks > 0:
-            return None
-        self._adjust_health(1)
         target = flight.probe.target
         member = self._members[target]
         if member.state == "dead" or self.self_id in member.suspectors:

@@ -238,7 +238,7 @@ def test_local_health_scales_interval_and_timeouts_and_decays_on_acks():
     assert det.health_score == 2
     probe = det.next_probe()
     assert probe is not None and probe.timeout_ms == 3 * DEFAULTS.probe_timeout_ms
-    assert det.relay_timeout_ms() == 3 * DEFAULTS.probe_timeout_ms
+    assert det.relay_timeout_ms() == DEFAULTS.probe_timeout_ms  # a relay answers within the requester's window
     assert det.direct_result(probe.probe_id, True) is None  # an ack: 2 -> 1
     assert det.health_score == 1
     assert det.due() == 2 * DEFAULTS.probe_interval_ms
@@ -250,9 +250,9 @@ def test_local_health_scales_interval_and_timeouts_and_decays_on_acks():
     plan = det.direct_result(probe.probe_id, False)
     assert plan is not None and plan.timeout_ms == 2 * DEFAULTS.indirect_timeout_ms
     assert len(plan.relays) == 2
-    # Both relays silent (+2), no ack (+1): our own network is the likely fault.
+    # Both relays silent (+2): our own network is the likely fault.
     assert det.indirect_result(plan.probe_id, 0, 0) is not None
-    assert det.health_score == 4
+    assert det.health_score == 3
     for _ in range(20):
         det.suspect(SELF, (1, 0), by="a")
     assert det.health_score == DEFAULTS.awareness_max_multiplier - 1
@@ -265,15 +265,15 @@ def test_a_silent_relay_found_suspect_gives_its_health_charge_back():
     plan = det.direct_result(probe.probe_id, False)
     assert plan is not None and len(plan.relays) == 4
     crashed, *answering = plan.relays
-    # Three relays nack, one stays silent (+1), no ack (+1).
+    # Three relays nack, one stays silent (+1); the nacks vouch for this node's path.
     assert det.indirect_result(plan.probe_id, 0, 3, silent=[crashed]) is not None
-    assert det.health_score == 2
+    assert det.health_score == 1
     # The silent relay turns out to have crashed (another node's claim): its silence was its
     # own, not this node's path: the +1 it cost is given back, once.
     assert isinstance(det.suspect(crashed, (1, 0), by="other"), Suspected)
-    assert det.health_score == 1 and det.counters["relay_refunds"] == 1
+    assert det.health_score == 0 and det.counters["relay_refunds"] == 1
     det.suspect(crashed, (1, 0), by="third")
-    assert det.health_score == 1
+    assert det.health_score == 0
     # A silent relay acked later keeps its charge (the fault was on this node's side).
     now[0] += 10_000
     probe = det.next_probe()
@@ -375,3 +375,29 @@ def test_relays_are_distinct_alive_members_other_than_the_target(n_peers):
         assert len(plan.relays) == min(DEFAULTS.indirect_checks, len(others))
         assert len(set(plan.relays)) == len(plan.relays) and set(plan.relays) <= others
         det.indirect_result(plan.probe_id, 1, 0)
+
+
+def test_a_crashed_member_that_every_relay_nacks_costs_no_health_and_an_indirect_ack_lowers_it():
+    """memberlist's rule (Lifeguard): a failed probe costs the missing nacks, not the miss
+    itself, when relays were asked. A crashed member stays suspect for seconds and is probed
+    on every pass; charging each such probe slowed the whole mesh's detection of the next
+    crash (docs/benchmarks-mesh.md)."""
+    det, now = _detector(6)
+    for _ in range(3):
+        det.suspect(SELF, (1, 0), by="a")
+    assert det.health_score == 3
+    for _ in range(3):
+        now[0] += 60_000
+        probe = det.next_probe()
+        assert probe is not None
+        plan = det.direct_result(probe.probe_id, False)
+        assert plan is not None and plan.relays
+        det.indirect_result(plan.probe_id, 0, len(plan.relays))
+        assert det.health_score == 3  # every relay answered: the target is the fault
+    now[0] += 60_000
+    probe = det.next_probe()
+    assert probe is not None
+    plan = det.direct_result(probe.probe_id, False)
+    assert plan is not None
+    assert det.indirect_result(plan.probe_id, 1, 0) is None
+    assert det.health_score == 2
