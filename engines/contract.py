@@ -22,10 +22,54 @@ ModelName = NewType("ModelName", str)
 
 
 class Kind(StrEnum):
-    """What a backend serves: llama-server's ``--embedding`` restricts a server to embeddings."""
+    """What a backend serves: llama-server's ``--embedding`` restricts a server to embeddings,
+    its ``--reranking`` (vLLM's and SGLang's pooling runners alike) to scoring documents
+    against a query (a cross-encoder, or a model with a classification head)."""
 
     CHAT = "chat"
     EMBEDDING = "embedding"
+    RERANK = "rerank"
+
+
+class Endpoint(StrEnum):
+    """An inference endpoint of the client API, by the name the capacity summary carries
+    (the ``endpoints`` extension, docs/mesh.md "Extensions"); ``path`` is its HTTP path, the
+    same on the agent and on every engine that serves it (docs/routing.md, "Endpoints")."""
+
+    CHAT = "chat"                  # /v1/chat/completions (OpenAI)
+    COMPLETIONS = "completions"    # /v1/completions (OpenAI)
+    EMBEDDINGS = "embeddings"      # /v1/embeddings (OpenAI)
+    MESSAGES = "messages"          # /v1/messages (Anthropic)
+    COUNT_TOKENS = "count_tokens"  # /v1/messages/count_tokens (Anthropic)
+    RESPONSES = "responses"        # /v1/responses (OpenAI Responses)
+    RERANK = "rerank"              # /v1/rerank (Jina/Cohere-style)
+    SCORE = "score"                # /v1/score (the engine's own scoring API)
+    TOKENIZE = "tokenize"          # /tokenize
+    DETOKENIZE = "detokenize"      # /detokenize
+
+    @property
+    def path(self) -> str:
+        return ENDPOINT_PATHS[self]
+
+
+ENDPOINT_PATHS: Mapping[Endpoint, str] = {
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.EMBEDDINGS: "/v1/embeddings",
+    Endpoint.MESSAGES: "/v1/messages",
+    Endpoint.COUNT_TOKENS: "/v1/messages/count_tokens",
+    Endpoint.RESPONSES: "/v1/responses",
+    Endpoint.RERANK: "/v1/rerank",
+    Endpoint.SCORE: "/v1/score",
+    Endpoint.TOKENIZE: "/tokenize",
+    Endpoint.DETOKENIZE: "/detokenize",
+}
+ENDPOINT_OF_PATH: Mapping[str, Endpoint] = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
+
+CLASSIC_ENDPOINTS: frozenset[Endpoint] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS})
+"""What a backend is taken to serve when nothing says more: a peer that publishes no
+``endpoints`` extension (an agent from before it), or an adapter without ``endpoints``. The
+model's kind still tells chat from embeddings (400 ``wrong_model_kind``)."""
 
 
 class EngineError(Exception):
@@ -62,7 +106,7 @@ class BackendSpec:
 
     Fields:
         model: the mesh-wide model name the backend must answer to.
-        kind: chat or embedding.
+        kind: chat, embedding or rerank.
         path: model path (file for GGUF, directory or hub id for vLLM/SGLang).
         gpus: this backend's GPUs as configured (NVML indexes or UUIDs); empty = CPU.
         port: loopback port assigned by the supervisor; 0 when ``socket_path`` is set.
@@ -287,6 +331,31 @@ def stops_nonstream_on_disconnect(engine: object) -> bool:
 
 
 # Optional capabilities: implemented only where the engine can answer honestly.
+
+
+@runtime_checkable
+class ServesEndpoints(Protocol):
+    """The endpoints a backend of ``kind`` started with the operator's ``args`` serves (read
+    from the engine's own routes: docs/engines.md, "Endpoints")."""
+
+    def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]: ...
+
+
+def served_endpoints(engine: object, kind: Kind, args: tuple[str, ...] = ()) -> frozenset[Endpoint]:
+    """What a backend of ``engine`` serves: its adapter's ``endpoints(kind, args)`` when it has
+    one, else :data:`CLASSIC_ENDPOINTS`. An adapter that raises or answers anything but a set
+    of :class:`Endpoint` counts as having none (a broken declaration never takes a model off
+    the classic endpoints)."""
+    method = getattr(engine, "endpoints", None)
+    if method is None:
+        return CLASSIC_ENDPOINTS
+    try:
+        declared = method(kind, args)
+    except Exception:  # noqa: BLE001 - an adapter bug is "cannot tell", not a crash
+        return CLASSIC_ENDPOINTS
+    if not isinstance(declared, (set, frozenset)) or not all(isinstance(e, Endpoint) for e in declared):
+        return CLASSIC_ENDPOINTS
+    return frozenset(declared)
 
 
 @runtime_checkable

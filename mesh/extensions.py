@@ -295,8 +295,8 @@ def decode_extensions(obj: Any, registry: Registry | None = None, where: str = "
 
 
 # --- the registered specs (v1) ----------------------------------------------------------------
-# Small on purpose: issue 18 (speeds, prefixes), 21 (gangs) and 17 (revocations, the priority
-# of a want) own their meaning and may change them under a new extension version.
+# Small on purpose: issue 18 (speeds, prefixes), 21 (gangs), 17 (revocations, the priority
+# of a want) and 19 (endpoints) own their meaning and may change them under a new extension version.
 
 
 def _bad(where: str, what: str) -> BadExtensionValue:
@@ -491,6 +491,64 @@ def _encode_priority(value: Priority) -> Any:
     return value.value
 
 
+MAX_ENDPOINT_GROUPS = 8
+MAX_ENDPOINT_NAMES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEndpoints:
+    """The endpoints a model's backends on the publishing node serve, by name (``chat``,
+    ``messages``, ``rerank``...: engines/contract.py ``Endpoint``)."""
+
+    model: str
+    endpoints: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """``endpoints`` v1 (issue 19): which endpoints each model serves on the publishing node,
+    sorted by model. Wire: a list of at most 8 groups ``[[name, ...], [model, ...]]``, the
+    models of a group serving the same names (one group on a node whose models share an
+    engine and kind), so the value stays under its 1 KiB cap. A name is
+    ``[a-z][a-z0-9_]{0,31}`` (at most 32 a group); a name this node does not know is kept
+    and matches no endpoint it routes. A model in no group: the publisher did not say
+    (:meth:`of` is None; the reader assumes the classic endpoints)."""
+
+    models: tuple[ModelEndpoints, ...]
+
+    def of(self, model: str) -> frozenset[str] | None:
+        return next((m.endpoints for m in self.models if m.model == model), None)
+
+
+def _decode_endpoints(value: Any) -> Endpoints:
+    if not isinstance(value, list) or len(value) > MAX_ENDPOINT_GROUPS:
+        raise _bad("endpoints", f"expected a list of at most {MAX_ENDPOINT_GROUPS} groups")
+    out: dict[str, frozenset[str]] = {}
+    for i, group in enumerate(value):
+        where = f"endpoints[{i}]"
+        if not isinstance(group, list) or len(group) != 2:
+            raise _bad(where, "expected [[endpoint, ...], [model, ...]]")
+        names, models = group
+        if not isinstance(names, list) or not 1 <= len(names) <= MAX_ENDPOINT_NAMES \
+                or not all(isinstance(n, str) and _NAME.match(n) for n in names):
+            raise _bad(where, f"expected 1..{MAX_ENDPOINT_NAMES} endpoint names matching [a-z][a-z0-9_]{{0,31}}")
+        if not isinstance(models, list) or not 1 <= len(models) <= MAX_MODELS:
+            raise _bad(where, f"expected 1..{MAX_MODELS} models")
+        for model in models:
+            name = _label(model, where, MAX_MODEL_NAME_CHARS)
+            if name in out:
+                raise _bad(where, f"model {name:.40} in two groups")
+            out[name] = frozenset(names)
+    return Endpoints(tuple(ModelEndpoints(m, out[m]) for m in sorted(out)))
+
+
+def _encode_endpoints(value: Endpoints) -> Any:
+    groups: dict[frozenset[str], list[str]] = {}
+    for m in value.models:
+        groups.setdefault(m.endpoints, []).append(m.model)
+    return [[sorted(names), models] for names, models in sorted(groups.items(), key=lambda g: sorted(g[0]))]
+
+
 # Caps: a model entry of speeds is ~60 bytes with a 20-character name (64 models would not fit
 # next to their 64 model entries in 16 KiB anyway); one digest is 19 bytes.
 SPEEDS = ExtensionSpec("speeds", 1, 2048, _decode_speeds, _encode_speeds)
@@ -498,6 +556,9 @@ PREFIXES = ExtensionSpec("prefixes", 1, 4096, _decode_prefixes, _encode_prefixes
 GANGS = ExtensionSpec("gangs", 1, 2048, _decode_gangs, _encode_gangs)
 REVOCATIONS = ExtensionSpec("revocations", 1, 64, _decode_revocations, _encode_revocations)
 PRIORITY = ExtensionSpec("priority", 1, 16, _decode_priority, _encode_priority)
+# At most UNKNOWN_EXTENSION_CAP: a node from before this extension refuses a summary whose
+# unknown value is larger. All ten endpoints take 130 bytes; the rest is model names.
+ENDPOINTS = ExtensionSpec("endpoints", 1, UNKNOWN_EXTENSION_CAP, _decode_endpoints, _encode_endpoints)
 
 
 def registry_of(*specs: ExtensionSpec[Any]) -> Registry:
@@ -511,4 +572,4 @@ def registry_of(*specs: ExtensionSpec[Any]) -> Registry:
 
 
 #: The extensions this node understands.
-REGISTRY: Registry = registry_of(SPEEDS, PREFIXES, GANGS, REVOCATIONS, PRIORITY)
+REGISTRY: Registry = registry_of(SPEEDS, PREFIXES, GANGS, REVOCATIONS, PRIORITY, ENDPOINTS)

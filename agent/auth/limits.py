@@ -58,7 +58,7 @@ def estimate_tokens(payload: Mapping[str, Any], unbounded: int = 0) -> int:
     (:meth:`AuthGate.admit` passes what the key has left in the window, docs/security.md,
     "Limits"). Returns >= 1.
     """
-    limit = _first_given(payload, "max_tokens", "max_completion_tokens")
+    limit = _first_given(payload, "max_tokens", "max_completion_tokens", "max_output_tokens")
     if limit is None:
         completion = max(0, unbounded)
     else:

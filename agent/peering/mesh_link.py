@@ -11,7 +11,8 @@ supervisor's models and to the pure router (``viiwork.agent.serving.router``):
 
 - the capacity summary is built from the local ``ModelRuntime``s on every gossip round, with
   the ``speeds`` extension when a speed moved by more than its step
-  (``viiwork.agent.peering.speed_ext``);
+  (``viiwork.agent.peering.speed_ext``) and the ``endpoints`` each model serves
+  (``viiwork.agent.peering.endpoint_ext``);
 - ``route`` gives the router a fresh picture of local backends and peers;
 - forwarded requests travel over the mesh listener's mutual TLS (``session``), so the
   receiver knows the origin from its certificate, and every request names the peer it is for
@@ -53,6 +54,7 @@ from viiwork import __version__
 from viiwork.agent.auth.gate import forward_headers
 from viiwork.agent.config.schema import Config
 from viiwork.agent.host.gpus import GpuInventory
+from viiwork.agent.peering.endpoint_ext import endpoints_of
 from viiwork.agent.peering.offers import (
     OFFER_HEADER,
     WANT_FANOUT,
@@ -87,7 +89,7 @@ from viiwork.engines.contract import Engine
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.extensions import EMPTY as NO_EXTENSIONS
-from viiwork.mesh.extensions import SPEEDS, Extensions, ExtensionSpec, Priority
+from viiwork.mesh.extensions import ENDPOINTS, SPEEDS, Extensions, ExtensionSpec, Priority
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -290,6 +292,8 @@ class MeshLink:
         ext = self.speeds.update(self.runtimes.values())
         if ext is not None:  # a speed moved by more than the step: published with this round's capacity
             self.publish_extension(SPEEDS, ext.get(SPEEDS))  # None: no model measured
+        # The endpoints each model serves (agent/peering/endpoint_ext.py): changes only on a reload.
+        self.publish_extension(ENDPOINTS, endpoints_of(self.runtimes.values()))
         models = []
         for rt in self.runtimes.values():
             cap = rt.capacity()  # the one sum (agent/supervision/backends.py): stale readings left out
@@ -325,12 +329,12 @@ class MeshLink:
         return [PeerSnapshot.from_view(v) for v in self.node.peers()]
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = ()) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
         assert self.router is not None, "MeshLink.start() first"
         peers = self.peers()
         ejected = self.ejections.ejected_peers(model, (p.node_id for p in peers))
         return self.router.route(model, self.local_models(), peers, affinity=affinity, host=host,
-                                 exclude=exclude, avoid=avoid, ejected=ejected)
+                                 exclude=exclude, avoid=avoid, ejected=ejected, endpoint=endpoint)
 
     def elsewhere(self, model: str, exclude: Collection[NodeId], avoid: Collection[str]) -> bool:
         runtime = self.runtimes.get(model)

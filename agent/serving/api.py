@@ -1,12 +1,17 @@
 """The client API: OpenAI-compatible endpoints in front of this node's backends (docs/routing.md).
 
-Routes: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``;
+Routes: ``POST`` at every inference endpoint (engines/contract.py ``ENDPOINT_PATHS``: OpenAI's
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``; Anthropic's
+``/v1/messages`` and ``/v1/messages/count_tokens``; ``/v1/rerank``, ``/v1/score``, ``/tokenize``,
+``/detokenize``; docs/routing.md, "Endpoints"), all through the one pipeline;
 ``GET /v1/models``, ``/health``, ``/v1/status``, ``/metrics``, and the dashboard under ``/ui``
 (agent/serving/dashboard.py), all behind the browser checks (agent/serving/browser_guard.py:
 403 a rebinding Host or a cross-site Origin, 415 a browser's form POST). Every error is OpenAI-shaped
-(``agent/serving/errors.py``): 400 malformed JSON, missing model or the wrong endpoint for the model's
-kind; 404 unknown model (naming the known ones) or path; 405 wrong method; 413 body too large;
-429 queue full or timed out and 503 nothing can serve, both with ``Retry-After``.
+(``agent/serving/errors.py``), rewritten in Anthropic's shape on ``/v1/messages*`` (``_dialect``):
+400 malformed JSON, missing model, the wrong endpoint for the model's kind, an endpoint none of its
+backends serves, or a Responses request using stored state; 404 unknown model (naming the known
+ones) or path; 405 wrong method; 413 body too large; 429 queue full or timed out and 503 nothing
+can serve, both with ``Retry-After``.
 
 This module parses, validates and renders; a request's life (admit, route, run locally,
 forward, wait) is ``agent/serving/pipeline.py``, on a standalone node and in a mesh alike, and a
@@ -49,7 +54,7 @@ from viiwork.agent.serving.browser_guard import BrowserGuard
 from viiwork.agent.serving.dashboard import Dashboard, RequestStats
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
-from viiwork.agent.serving.errors import ErrorCode, error_response
+from viiwork.agent.serving.errors import Dialect, ErrorCode, as_anthropic, dialect_of, error_response
 from viiwork.agent.serving.metrics import MetricSource, build_registry, exposition
 from viiwork.agent.serving.observe import Observers
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
@@ -59,11 +64,13 @@ from viiwork.agent.serving.tokens import ask_stream_usage
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.backends import ModelRuntime
 from viiwork.agent.usage.ledger import Ledger
-from viiwork.engines.contract import Kind
+from viiwork.engines.contract import ENDPOINT_OF_PATH, Kind
 from viiwork.mesh.transport import peer_of
 
 log = logging.getLogger(__name__)
 
+# The kind of model the classic endpoints need (400 wrong_model_kind otherwise); the others need
+# only a backend that serves them (400 endpoint_not_supported: agent/serving/router.py).
 _KIND_OF_PATH = {
     "/v1/chat/completions": Kind.CHAT,
     "/v1/completions": Kind.CHAT,
@@ -149,7 +156,7 @@ class ClientApi:
         # path waits for them: viiwork.agent.serving.drain).
         self.in_flight = InFlight()
         if mesh is not None:  # forwards from peers enter the pipeline at "run locally"
-            mesh.accept_forwards(self.handle_forwarded, _KIND_OF_PATH, self.in_flight)
+            mesh.accept_forwards(self.handle_forwarded, ENDPOINT_OF_PATH, self.in_flight)
         # /metrics: a registry of this API's own, read at scrape time (agent/serving/metrics.py);
         # its request histograms join ``observers``.
         self.registry, self.histograms = build_registry(self)
@@ -189,11 +196,12 @@ class ClientApi:
         # Bodies are bounded by our own check (413 JSON); aiohttp's limit is a backstop.
         # Every route, the dashboard's and the 404 included, is behind the browser checks,
         # then (keys mode) the client-key gate.
-        middlewares = [self.browser.middleware()] + ([self.auth.middleware] if self.auth is not None else [])
+        # The dialect rewrite is outermost: it sees every error, the browser checks' and the keys' too.
+        middlewares = [_dialect, self.browser.middleware()] + ([self.auth.middleware] if self.auth is not None else [])
         app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=middlewares)
         if self.auth is not None:
             app.on_response_prepare.append(self.auth.on_response_prepare)
-        for path in _KIND_OF_PATH:
+        for path in ENDPOINT_OF_PATH:
             resource = app.router.add_resource(path)
             resource.add_route("POST", self.handle_inference)
             resource.add_route("*", self._inference_method_not_allowed)
@@ -230,9 +238,8 @@ class ClientApi:
                                                            headers={"Allow": "POST"}), message)
 
     async def handle_not_found(self, request: web.Request) -> web.Response:
-        return error_response(404, f"no such endpoint: {request.method} {request.path}; see /v1/models, "
-                              "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/status",
-                              code=ErrorCode.NOT_FOUND)
+        return error_response(404, f"no such endpoint: {request.method} {request.path}; see /v1/models, /v1/status "
+                              f"and POST {', '.join(ENDPOINT_OF_PATH)}", code=ErrorCode.NOT_FOUND)
 
     # -- inference: parse and validate, run the pipeline (agent/serving/pipeline.py), render -------
 
@@ -252,15 +259,16 @@ class ClientApi:
             message = "'model' is required and must be a string"
             return self._refused_early(started, error_response(400, message, param="model",
                                                                code=ErrorCode.MISSING_MODEL), message)
-        if (bad := count_param_error(payload)) is not None:
+        if (bad := count_param_error(payload) or stored_state_error(request.path, payload)) is not None:
             param, code, message = bad
             return self._refused_early(started, error_response(400, message, param=param, code=code), message)
         if self.auth is not None:
             await self.auth.pace(request, payload)  # then admit, with no await between (UsageShare.pace)
             if (refusal := self.auth.admit(request, model, payload)) is not None:
                 return self._refused_early(started, refusal, "client key refused")
-        call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
-                    request_id, host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
+        call = Call(request, body, model, _kind_of(request.path), payload.get("stream") is True,
+                    request_id, endpoint=ENDPOINT_OF_PATH[request.path].value,
+                    host=request.query.get("host") or request.headers.get("X-Viiwork-Host"),
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"),
                     arrived=started, **_queue_place(request))
         _for_usage(call, payload)
@@ -295,13 +303,14 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
                                   param="model", code=ErrorCode.MISSING_MODEL)
-        if (bad := count_param_error(payload)) is not None:
+        if (bad := count_param_error(payload) or stored_state_error(request.path, payload)) is not None:
             param, code, message = bad
             return error_response(400, f"forwarded request is malformed: {message}", param=param, code=code)
         if self.auth is not None and (refusal := self.auth.check_forwarded(request, model)) is not None:
             return refusal
-        call = Call(request, body, model, _KIND_OF_PATH[request.path].value, payload.get("stream") is True,
-                    request_id, queued_s=_queued_s(request.headers.get("X-Viiwork-Queued-Ms")),
+        call = Call(request, body, model, _kind_of(request.path), payload.get("stream") is True,
+                    request_id, endpoint=ENDPOINT_OF_PATH[request.path].value,
+                    queued_s=_queued_s(request.headers.get("X-Viiwork-Queued-Ms")),
                     origin=str(peer_of(request) or ""), arrived=arrived, **_queue_place(request))
         _for_usage(call, payload)
         return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
@@ -408,6 +417,54 @@ class ClientApi:
         """GET /metrics: Prometheus text (OpenMetrics when ``Accept`` asks), docs/metrics.md."""
         body, content_type = exposition(self.registry, request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+def _kind_of(path: str) -> str | None:
+    """The kind of model ``path`` needs (a classic endpoint), None for any other endpoint."""
+    kind = _KIND_OF_PATH.get(path)
+    return kind.value if kind is not None else None
+
+
+#: Fields of a Responses request that use state kept on the engine (docs/routing.md, "Stored state").
+_STORED_STATE_FIELDS = ("previous_response_id", "conversation")
+
+
+def stored_state_error(path: str, payload: dict[str, Any]) -> tuple[str, str, str] | None:
+    """``(param, code, message)`` for a ``/v1/responses`` request that stores or reads a response
+    kept on an engine (``store: true``, ``previous_response_id``, ``conversation``), else None.
+
+    Refused by default: a stored response lives on the one backend that made it, where any
+    client routed there could read it back by id, and the next request of the conversation
+    may be routed to another backend that does not have it (docs/routing.md, "Stored state").
+    A request without ``store`` is forwarded as is (llama-server keeps nothing; vLLM keeps
+    responses only with ``VLLM_ENABLE_RESPONSES_API_STORE``)."""
+    if path != "/v1/responses":
+        return None
+    if payload.get("store") is True:
+        return ("store", ErrorCode.STORED_RESPONSES,
+                "'store': true is not supported: a stored response would live on one backend, readable by "
+                "whoever is routed there, and a later request may run on another; send 'store': false and "
+                "the conversation's input with each request")
+    for name in _STORED_STATE_FIELDS:
+        if payload.get(name) is not None:
+            return (name, ErrorCode.STORED_RESPONSES,
+                    f"{name!r} is not supported: it reads a response stored on one backend, and this request "
+                    "may run on another; send the conversation's input with each request instead")
+    return None
+
+
+@web.middleware
+async def _dialect(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An error answer on Anthropic's endpoints in Anthropic's shape (agent/serving/errors.py):
+    every error is made in OpenAI's shape, whoever made it (the browser checks, the keys, the
+    pipeline, an engine's error as ``engine_error`` renders it), and rewritten here once."""
+    response: web.StreamResponse = await handler(request)
+    if (response.status >= 400 and dialect_of(request.path) is Dialect.ANTHROPIC
+            and isinstance(response, web.Response) and not response.prepared and isinstance(response.body, bytes)):
+        body = as_anthropic(response.status, response.body)
+        if body is not None:
+            response.body = body
+    return response
+
 
 def _queue_place(request: web.Request) -> dict[str, Any]:
     """A :class:`Call`'s ``priority`` and ``tenant``: its verified key's (for a forward, as this

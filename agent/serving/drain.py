@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from viiwork.agent.serving.errors import ErrorCode, error_response, sse_error_event
+from viiwork.agent.serving.errors import Dialect, ErrorCode, dialect_of, error_response, sse_error_event
+from viiwork.engines.contract import ENDPOINT_OF_PATH
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class InFlight:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method != "POST" or not request.path.startswith("/v1/"):
+        if request.method != "POST" or not (request.path.startswith("/v1/") or request.path in ENDPOINT_OF_PATH):
             return await handler(request)
         task = asyncio.current_task()
         assert task is not None
@@ -105,13 +106,15 @@ class InFlight:
 
     async def _cut_answer(self, task: asyncio.Task[object]) -> web.StreamResponse:
         response = self._prepared.get(task)
+        request = self._running.get(task)
+        dialect = dialect_of(request.path) if request is not None else Dialect.OPENAI
         if response is None:
             self.cut_unstarted += 1
             return error_response(503, self._message, code=ErrorCode.DRAINING, retry_after_s=RETRY_AFTER_S)
         self.cut_streams += 1
         # The client may be gone, or the stream already complete (write after its end).
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await response.write(sse_error_event(503, self._message, code=ErrorCode.DRAINING))
+            await response.write(sse_error_event(503, self._message, code=ErrorCode.DRAINING, dialect=dialect))
             await response.write_eof()
         return response
 

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+"""The agent's error answers: OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``,
+and Anthropic's on Anthropic's endpoints (:class:`Dialect`).
 
 ``type`` follows the HTTP status (``invalid_request_error`` for 400, ...); ``code`` is one
 of :class:`ErrorCode` (OpenAI's own where one exists, e.g. ``model_not_found``,
@@ -9,6 +10,13 @@ An engine's own error answer is rewritten into this shape by :func:`engine_error
 keeps its status and the engine's message; a 5xx that the engine adapter classifies as the
 client's fault (optional ``client_fault(status, body) -> str | None`` of engines/contract.py)
 becomes 400 with the engine's message; any other 5xx becomes 502.
+
+On ``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API) a client's SDK
+reads Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with Anthropic's
+error types (:data:`ANTHROPIC_TYPES`; docs.anthropic.com, "Errors"): every answer is built in
+OpenAI's shape and rewritten there once, whoever made it (``anthropic_error_body``, applied by
+the client API's dialect middleware, agent/serving/api.py), and an SSE error event is written
+in the dialect of the request's path (:func:`sse_error_event`).
 """
 
 from __future__ import annotations
@@ -39,6 +47,61 @@ _TYPES = {
     504: "timeout_error",
 }
 
+# Anthropic's error types by status (docs.anthropic.com/en/api/errors); a status without its
+# own type takes invalid_request_error below 500 and api_error from 500. The HTTP status is kept
+# (Anthropic's own API answers 529 when overloaded; the agent's 503 says the same).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+class Dialect(StrEnum):
+    """Which error shape a client reads: OpenAI's, or Anthropic's on its Messages API."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def dialect_of(path: str) -> Dialect:
+    """The dialect of a request at ``path``: Anthropic's at ``/v1/messages`` and under it."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return Dialect.ANTHROPIC
+    return Dialect.OPENAI
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for ``status``."""
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def as_anthropic(status: int, body: bytes) -> bytes | None:
+    """An error answer ``body`` in OpenAI's shape (the agent's, or an engine's as
+    :func:`engine_error` renders it) rewritten in Anthropic's, keeping its message; None when
+    ``body`` is not such an object (an answer already in Anthropic's shape, or not JSON)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    inner = doc.get("error") if isinstance(doc, dict) and doc.get("type") != "error" else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("message"), str):
+        return None
+    return json.dumps(anthropic_error_body(status, inner["message"])).encode()
+
+
 # An engine's message is kept up to this many characters (an error body can be anything).
 ENGINE_MESSAGE_MAX_CHARS = 1000
 
@@ -62,6 +125,8 @@ class ErrorCode(StrEnum):
     WRONG_MODEL_KIND = "wrong_model_kind"          # 400: chat endpoint, embedding model (or the reverse)
     MODEL_NOT_FOUND = "model_not_found"            # 404: no node serves the model
     MODEL_NOT_ON_HOST = "model_not_on_host"        # 400: the pinned node does not serve it
+    ENDPOINT_NOT_SUPPORTED = "endpoint_not_supported"  # 400: no backend of the model serves the endpoint
+    STORED_RESPONSES = "stored_responses_not_supported"  # 400: /v1/responses with store or previous_response_id
     HOST_NOT_FOUND = "host_not_found"              # 404: pinned to an unknown node
     HOST_AMBIGUOUS = "host_ambiguous"              # 404: pinned to a name several nodes carry
     NOT_FOUND = "not_found"                        # 404: no such endpoint
@@ -95,8 +160,12 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
                         content_type="application/json", headers=out)
 
 
-def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
-    """A terminal SSE event that tells a streaming client the stream broke (no [DONE])."""
+def sse_error_event(status: int, message: str, code: str | None = None,
+                    dialect: Dialect = Dialect.OPENAI) -> bytes:
+    """A terminal SSE event that tells a streaming client the stream broke (no [DONE]): OpenAI's
+    ``data: {"error": ...}``, or Anthropic's named ``event: error`` with its error object."""
+    if dialect is Dialect.ANTHROPIC:
+        return b"event: error\ndata: " + json.dumps(anthropic_error_body(status, message)).encode() + b"\n\n"
     return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"
 
 

@@ -45,7 +45,7 @@ from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode
 from viiwork.agent.serving.proxy import BROKE, Failed, Refused, Upstream
-from viiwork.agent.serving.router import Decision, Queue, Refuse, RunLocal, RunOnPeer
+from viiwork.agent.serving.router import Decision, Queue, Refuse, RunLocal, RunOnPeer, endpoint_refusal
 from viiwork.agent.serving.waitqueue import Queues, Waiter, WaitQueue
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
 from viiwork.mesh.extensions import Priority
@@ -63,9 +63,11 @@ class Call:
     request: web.Request
     body: bytes
     model: str
-    kind: str  # the kind the endpoint needs (chat, embedding)
+    kind: str | None  # the kind the endpoint needs (chat, embedding); None: any (the endpoint decides)
     stream: bool
     request_id: str
+    # The endpoint's name (engines/contract.py ``Endpoint``): only backends that serve it run it.
+    endpoint: str | None = None
     host: str | None = None  # ?host= / X-Viiwork-Host
     affinity: str | None = None  # X-Session-Id / X-Session-Affinity
     # Seconds from admission to its last dispatch to a backend or peer (X-Viiwork-Queued-Ms);
@@ -101,9 +103,9 @@ class Peers(Protocol):
         """A request pinned to ``host`` (None: not pinned) may run on this node."""
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = ()) -> Decision:
-        """Where ``model``'s request runs now; ``exclude``: peers tried for it, ``avoid``: local
-        backends it failed on."""
+              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
+        """Where ``model``'s request at ``endpoint`` (None: any) runs now; ``exclude``: peers tried
+        for it, ``avoid``: local backends it failed on."""
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
                       headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
@@ -155,8 +157,10 @@ class NoPeers:
         return True  # no other node to pin to: ?host= means nothing here
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = ()) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
         runtime = self.runtimes[model]
+        if endpoint is not None and endpoint not in runtime.endpoints:
+            return endpoint_refusal(model, endpoint, runtime.endpoints)
         best = runtime.most_free()
         if best is None or best.id in avoid:  # every free backend ejected, or this one failed it
             best = runtime.most_free_outside(avoid)
@@ -269,7 +273,7 @@ class Pipeline:
                     decision = RunOnPeer(offer[0], self.peers.peer_name(offer[0]), 1)
                 else:
                     decision = self.peers.route(model, host=call.host, affinity=call.affinity, exclude=tried,
-                                                avoid=avoid)
+                                                avoid=avoid, endpoint=call.endpoint)
                 # 3a. Run locally.
                 if isinstance(decision, RunLocal):
                     backend = granted or queue.take(decision.backend_id)
@@ -371,6 +375,13 @@ class Pipeline:
         refusal = self._gate(model, call)
         if refusal is not None:
             return refusal
+        if call.endpoint is not None and call.endpoint not in self.runtimes[model].endpoints:
+            # The origin's picture was wrong (a reload here since): it routes elsewhere.
+            held = self.peers.claim(model, offer_id, origin)
+            if held is not None:
+                self._free(queue, held)
+            return _refusal(503, "not-served", f"node {self.node_name!r} does not serve model {model!r} at "
+                            f"{call.request.path}")
         backend = self.peers.admit_forward(queue, offer_id, origin, call.priority)
         if backend is None:
             return _refusal(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
@@ -388,7 +399,7 @@ class Pipeline:
         """The model's kind fits the endpoint, and the node admits new requests."""
         runtime = self.runtimes.get(model)
         kind = runtime.config.kind.value if runtime is not None else self.peers.kind_of(model)
-        if kind is not None and kind != call.kind:
+        if call.kind is not None and kind is not None and kind != call.kind:
             return Refuse(400, f"model {model!r} is {_a(kind)} model; {call.request.path} needs {_a(call.kind)} model",
                           param="model", code=ErrorCode.WRONG_MODEL_KIND)
         if self.draining:

@@ -68,7 +68,9 @@ from viiwork.agent.serving.assemble import (
     stream_lines,
 )
 from viiwork.agent.serving.errors import (
+    Dialect,
     ErrorCode,
+    dialect_of,
     engine_error,
     engine_failed,
     engine_message,
@@ -436,6 +438,7 @@ class Upstream:
         protocol = request.protocol
         # The engine's own error event, relayed as is: a failure unless the client's fault.
         watch = ErrorEventWatch()
+        dialect = dialect_of(request.path)  # of the agent's own error event
         find_error = watch.feed
         relayed = tail.feed
         first = True
@@ -489,21 +492,21 @@ class Upstream:
             log.warning("peer %s turned suspect mid-stream; ending the client's stream", backend.id)
             await _record_stream(end, 504, tail, response)
             await self._write_error(response, 504, f"peer {backend.id} stopped answering mid-stream (suspect "
-                                    "in this node's mesh view: mesh.suspect_after_ms)")
+                                    "in this node's mesh view: mesh.suspect_after_ms)", dialect=dialect)
         except TimeoutError:
             self.stream_errors += 1
             response[BROKE] = True
             log.warning("backend %s silent for %.0f s mid-stream; ending the client's stream", backend.id, idle)
             await _record_stream(end, 504, tail, response)
             await self._write_error(response, 504, f"backend {backend.id} went silent for {idle:g} s "
-                                    "(api.stream_idle_timeout_s)")
+                                    "(api.stream_idle_timeout_s)", dialect=dialect)
         except _UPSTREAM_BROKEN as exc:
             self.stream_errors += 1
             response[BROKE] = True
             log.warning("backend %s broke off a stream: %r", backend.id, exc)
             await _record_stream(end, 502, tail, response)
             await self._write_error(response, 502, f"backend {backend.id} broke off the stream: "
-                                    f"{exc.__class__.__name__}")
+                                    f"{exc.__class__.__name__}", dialect=dialect)
         else:
             error = watch.error
             if error is not None and engine_failed(error.status, error.body, adapter):
@@ -527,12 +530,13 @@ class Upstream:
 
     @staticmethod
     async def _write_error(response: web.StreamResponse, status: int, message: str,
-                           code: str | None = None) -> None:
-        """The terminal SSE error event; ``code`` defaults by ``status`` (agent/serving/errors.py)."""
+                           code: str | None = None, dialect: Dialect = Dialect.OPENAI) -> None:
+        """The terminal SSE error event in the client's ``dialect``; ``code`` defaults by
+        ``status`` (agent/serving/errors.py)."""
         if code is None:
             code = _STREAM_ERROR_CODES.get(status)
         try:
-            await response.write(sse_error_event(status, message, code))
+            await response.write(sse_error_event(status, message, code, dialect))
         except ConnectionError:
             pass
 

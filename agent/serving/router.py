@@ -71,6 +71,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from viiwork.agent.supervision.backends import ModelRuntime
+from viiwork.engines.contract import CLASSIC_ENDPOINTS, ENDPOINT_PATHS, Endpoint
+from viiwork.mesh.extensions import ENDPOINTS, Endpoints
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.summary import ModelCapacity, PublishedState
@@ -79,6 +81,9 @@ NEAR_FREE = 1  # slots: peers this close to the most free count as near-equals
 NEAR_RTT_MS = 2.0  # ms: among near-equals, RTTs within max(this, 2 x the lowest) are equal
 RESERVATION_MAX_AGE_MS = 600_000.0  # ms: safety net: a reservation never released expires
 PROBE_MIN_MS = 100.0  # ms: a peer known full more recently than this is not probed
+#: The endpoints of a model whose node says nothing more (a peer from before the ``endpoints``
+#: extension, engines/contract.py ``CLASSIC_ENDPOINTS``); its kind still tells chat from embeddings.
+CLASSIC = frozenset(e.value for e in CLASSIC_ENDPOINTS)
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -111,6 +116,7 @@ class LocalModel:
     ctx_per_slot: int = 0
     engine: str = ""
     ejected: tuple[LocalBackend, ...] = ()
+    endpoints: frozenset[str] = CLASSIC  # the endpoint names its backends serve
 
     @classmethod
     def from_runtime(cls, runtime: ModelRuntime) -> LocalModel:
@@ -120,7 +126,8 @@ class LocalModel:
                    backends=tuple(LocalBackend(b, free) for b, free in cap.free_by_backend),
                    slots=cap.slots, can_serve=runtime.can_ever_serve,
                    ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine,
-                   ejected=tuple(LocalBackend(b, free) for b, free in cap.ejected) if cap.ejected else ())
+                   ejected=tuple(LocalBackend(b, free) for b, free in cap.ejected) if cap.ejected else (),
+                   endpoints=runtime.endpoints)
 
     def restored(self) -> LocalModel:
         """This picture as if no backend were ejected."""
@@ -145,7 +152,8 @@ class PeerSnapshot:
 
     ``age_ms``: time since the peer published the summary we hold, by our clock; ``order``:
     the summary's (generation, seq), which tells reservations that a newer summary came;
-    ``rtt_ms``: the last measured round trip, None until measured."""
+    ``rtt_ms``: the last measured round trip, None until measured; ``endpoints``: its
+    ``endpoints`` extension, None when it publishes none (every model: :data:`CLASSIC`)."""
 
     node_id: NodeId
     name: str
@@ -155,18 +163,25 @@ class PeerSnapshot:
     order: tuple[int, int]
     models: tuple[ModelCapacity, ...]
     rtt_ms: float | None = None
+    endpoints: Endpoints | None = None
 
     @classmethod
     def from_view(cls, view: PeerView) -> PeerSnapshot:
         return cls(node_id=view.node_id, name=view.name, liveness=view.liveness, state=view.state,
                    age_ms=float(view.age_ms), order=(view.generation, view.seq), models=view.models,
-                   rtt_ms=view.rtt_ms)
+                   rtt_ms=view.rtt_ms, endpoints=view.extensions.get(ENDPOINTS))
 
     def model(self, name: str) -> ModelCapacity | None:
         for m in self.models:
             if m.name == name:
                 return m
         return None
+
+    def endpoints_of(self, model: str) -> frozenset[str]:
+        """The endpoint names this peer serves ``model`` at: as it publishes them, else
+        :data:`CLASSIC` (a peer, or a model, it says nothing of)."""
+        served = self.endpoints.of(model) if self.endpoints is not None else None
+        return CLASSIC if served is None else served
 
 
 # --- reservations -----------------------------------------------------------------------------
@@ -360,14 +375,17 @@ class Router:
     def route(self, model: str, local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot], *,
               affinity: str | None = None, host: str | None = None,
               exclude: Collection[NodeId] = (), avoid: Collection[str] = (),
-              ejected: Collection[NodeId] = ()) -> Decision:
-        """Decide where a request for ``model`` runs now.
+              ejected: Collection[NodeId] = (), endpoint: str | None = None) -> Decision:
+        """Decide where a request for ``model`` at ``endpoint`` runs now.
 
         ``local``: this node's models by name; ``peers``: every peer in the mesh table;
         ``affinity``: the session key, or None; ``host``: the pinned node (id or name), or
         None; ``exclude``: peers already tried for this request (they refused or failed
         before the first byte); ``avoid``: local backends it failed on; ``ejected``: peers
-        ejected for ``model`` in this node's view (outlier ejection, see the module doc).
+        ejected for ``model`` in this node's view (outlier ejection, see the module doc);
+        ``endpoint``: the endpoint's name (engines/contract.py ``Endpoint``): only this node and
+        the peers that serve it for ``model`` are considered, and when none does (the model is
+        known) 400 ``endpoint_not_supported`` (:func:`endpoint_refusal`); None: any.
         Never raises for any input; errors are :class:`Refuse`.
         """
         for p in peers:
@@ -378,6 +396,19 @@ class Router:
             known = ", ".join(m["id"] for m in mesh_models(local, peers)) or "none"
             return Refuse(404, f"model {model!r} is not served anywhere in the mesh; known models: {known}",
                           param="model", code="model_not_found")
+        if endpoint is not None:
+            here_serves = here is not None and endpoint in here.endpoints
+            serves = [p for p in serving if endpoint in p.endpoints_of(model)]
+            if not here_serves and not serves:
+                served = set(here.endpoints) if here is not None else set()
+                for p in serving:
+                    served |= p.endpoints_of(model)
+                return endpoint_refusal(model, endpoint, served)
+            if host is not None:
+                refusal = self._pinned_endpoint(model, endpoint, here, here_serves, peers, host)
+                if refusal is not None:
+                    return refusal
+            here, serving = (here if here_serves else None), serves
         if here is not None and avoid:
             here = here.without(avoid)
         if host is not None:
@@ -549,6 +580,21 @@ class Router:
         return Queue(f"pinned to {peer.name}, which has no free slot for {model!r} now "
                      f"({peer.liveness.value}, summary {peer.age_ms:.0f} ms old)")
 
+    def _pinned_endpoint(self, model: str, endpoint: str, here: LocalModel | None, here_serves: bool,
+                         peers: Sequence[PeerSnapshot], host: str) -> Refuse | None:
+        """400 ``endpoint_not_supported`` when the pinned node serves ``model`` but not at
+        ``endpoint``; None otherwise (:meth:`_pinned` then decides as for any request)."""
+        if host in (self.self_id, self.self_name) and not any(p.node_id == host or p.name == host for p in peers):
+            if here is not None and not here_serves:
+                return endpoint_refusal(model, endpoint, here.endpoints, f"host {host!r} (this node)")
+            return None
+        matches = [p for p in peers if p.node_id == host] or [p for p in peers if p.name == host]
+        if len(matches) == 1 and matches[0].model(model) is not None:
+            served = matches[0].endpoints_of(model)
+            if endpoint not in served:
+                return endpoint_refusal(model, endpoint, served, f"host {matches[0].name!r} ({matches[0].node_id})")
+        return None
+
     def _queue_or_refuse(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot]) -> Decision:
         if here is not None and here.can_serve:
             return Queue(f"no free slot for {model!r} on this node or a fresh peer")
@@ -567,6 +613,20 @@ class Router:
             where.append("peers that serve it: " + ", ".join(sorted(gone)))
         return Refuse(503, f"model {model!r} cannot be served now: " + "; ".join(where), code="no_capacity",
                       retry_after_s=5)
+
+
+def endpoint_refusal(model: str, endpoint: str, served: Iterable[str], where: str = "") -> Refuse:
+    """400 ``endpoint_not_supported``: no backend of ``model`` (on ``where``, a pinned node;
+    "": anywhere) serves ``endpoint``; the message names the endpoints it does serve
+    (``served``, names; those this node does not know are left out)."""
+    paths = sorted(ENDPOINT_PATHS[Endpoint(name)] for name in set(served) if name in _KNOWN_ENDPOINTS)
+    path = ENDPOINT_PATHS[Endpoint(endpoint)] if endpoint in _KNOWN_ENDPOINTS else endpoint
+    on = f" on {where}" if where else ""
+    return Refuse(400, f"model {model!r} is not served at {path}{on}; its backends serve: "
+                  f"{', '.join(paths) or 'no endpoint this node knows'}", param="model", code="endpoint_not_supported")
+
+
+_KNOWN_ENDPOINTS = frozenset(e.value for e in Endpoint)
 
 
 def _best_local(here: LocalModel) -> LocalBackend | None:
@@ -613,5 +673,5 @@ def mesh_models(local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot]) 
     return [seen[name] for name in sorted(seen)]
 
 
-__all__ = ["Decision", "LocalBackend", "LocalModel", "PeerSnapshot", "Queue", "Refuse", "Reservation",
-           "Reservations", "Router", "RunLocal", "RunOnPeer", "mesh_models"]
+__all__ = ["CLASSIC", "Decision", "LocalBackend", "LocalModel", "PeerSnapshot", "Queue", "Refuse", "Reservation",
+           "Reservations", "Router", "RunLocal", "RunOnPeer", "endpoint_refusal", "mesh_models"]

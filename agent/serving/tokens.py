@@ -13,6 +13,15 @@ Where the counts come from (captures in tests/engines/*/captures): ``usage.promp
 ``usage.completion_tokens``; cached prompt tokens from ``usage.prompt_tokens_details.
 cached_tokens`` (OpenAI, llama.cpp; vLLM with ``--enable-prompt-tokens-details``, SGLang with
 ``--enable-cache-report``), else llama.cpp's ``timings.cache_n``.
+
+Anthropic's Messages API and OpenAI's Responses API name them ``input_tokens`` and
+``output_tokens`` (read as prompt and completion tokens): a Messages answer's ``usage`` counts
+cached tokens apart (``input_tokens`` excludes ``cache_read_input_tokens`` and
+``cache_creation_input_tokens``: the prompt is their sum, the cached part the first), a
+Responses answer within (``input_tokens_details.cached_tokens``). In their streams the usage
+sits in ``message_start``'s ``message`` and ``message_delta`` (Anthropic: input, then output),
+and in ``response.completed``'s ``response``: the counts of successive events are merged.
+The agent never asks these streams for usage (they carry it unasked).
 """
 
 from __future__ import annotations
@@ -53,19 +62,48 @@ def _count(value: Any) -> int | None:
 
 
 def usage_of(answer: Any) -> Usage | None:
-    """The :class:`Usage` of a parsed answer or stream event (a dict with a ``usage`` object),
-    None when it has none. Never raises."""
+    """The :class:`Usage` of a parsed answer or stream event (a dict with a ``usage`` object,
+    or Anthropic's ``message`` / Responses' ``response`` holding one), None when it has none.
+    Never raises."""
     if not isinstance(answer, dict):
         return None
     usage = answer.get("usage")
     if not isinstance(usage, dict):
-        return None
+        inner = answer.get("message") if answer.get("type") == "message_start" else answer.get("response")
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+        if not isinstance(usage, dict):
+            return None
+    if "input_tokens" in usage or "output_tokens" in usage:
+        return _input_output_usage(usage)
     details = usage.get("prompt_tokens_details")
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
     if cached is None:
         timings = answer.get("timings")  # llama.cpp: prompt tokens taken from its cache
         cached = _count(timings.get("cache_n")) if isinstance(timings, dict) else None
     return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), cached)
+
+
+def _input_output_usage(usage: dict[str, Any]) -> Usage:
+    """Anthropic's or Responses' ``usage`` (module doc)."""
+    prompt = _count(usage.get("input_tokens"))
+    cached = None
+    details = usage.get("input_tokens_details")
+    if isinstance(details, dict):  # Responses: cached tokens are part of input_tokens
+        cached = _count(details.get("cached_tokens"))
+    elif prompt is not None:  # Anthropic: cache reads and writes are counted apart
+        cached = _count(usage.get("cache_read_input_tokens"))
+        prompt += (cached or 0) + (_count(usage.get("cache_creation_input_tokens")) or 0)
+    return Usage(prompt, _count(usage.get("output_tokens")), cached)
+
+
+def merged(old: Usage | None, new: Usage) -> Usage:
+    """``new``'s counts, ``old``'s where ``new`` does not say (Anthropic's stream gives input
+    and output tokens in two events)."""
+    if old is None:
+        return new
+    return Usage(new.prompt_tokens if new.prompt_tokens is not None else old.prompt_tokens,
+                 new.completion_tokens if new.completion_tokens is not None else old.completion_tokens,
+                 new.cached_tokens if new.cached_tokens is not None else old.cached_tokens)
 
 
 def usage_in_body(body: bytes) -> Usage | None:
@@ -192,7 +230,7 @@ class StreamTail:
         usage = usage_of(event)
         if usage is None:
             return raw
-        self.usage = usage
+        self.usage = merged(self.usage, usage)
         alone = event.get("choices") == []  # the usage event itself (OpenAI, vLLM, SGLang, llama.cpp)
         if alone:
             self.events -= 1  # no content of its own

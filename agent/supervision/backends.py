@@ -14,7 +14,7 @@ from typing import Any, NewType
 
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.supervision.speeds import ModelSpeed, SpeedEstimate, model_speed
-from viiwork.engines.contract import Engine, Load
+from viiwork.engines.contract import Engine, Load, served_endpoints
 
 BackendId = NewType("BackendId", str)
 
@@ -182,10 +182,21 @@ class ModelRuntime:
     backends: list[Backend] = field(default_factory=list)
     state: ModelState = ModelState.RUNNING
     listeners: list[Callable[[ModelRuntime], None]] = field(default_factory=list)
+    _endpoints: tuple[ModelConfig, Engine, frozenset[str]] | None = field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def endpoints(self) -> frozenset[str]:
+        """The endpoint names its backends serve (``served_endpoints`` of its engine, kind and
+        args: engines/contract.py), read per request by the router."""
+        cached = self._endpoints
+        if cached is None or cached[0] is not self.config or cached[1] is not self.engine:  # a reload
+            served = served_endpoints(self.engine, self.config.kind, tuple(self.config.args))
+            cached = self._endpoints = (self.config, self.engine, frozenset(e.value for e in served))
+        return cached[2]
 
     def notify(self) -> None:
         for listener in list(self.listeners):

