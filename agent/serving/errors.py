@@ -156,7 +156,7 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
     out = dict(headers or {})
     if retry_after_s is not None:
         out["Retry-After"] = str(retry_after_s)
-    return web.Response(status=status, body=json.dumps(error_body(status, message, param=param, code=code)),
+    return web.Response(status=status, body=json.dumps(error_body(status, message, param=param, code=code)).encode(),
                         content_type="application/json", headers=out)
 
 
