@@ -260,10 +260,10 @@ class OnePeer(NoPeers):
         self.answer, self.peer_first, self.forwards = answer, peer_first, 0
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = ()) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
         if PEER not in exclude and (self.peer_first or avoid):
             return RunOnPeer(PEER, "p", 1)
-        return super().route(model, host=host, affinity=affinity, exclude=exclude, avoid=avoid)
+        return super().route(model, host=host, affinity=affinity, exclude=exclude, avoid=avoid, endpoint=endpoint)
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
                       headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
