@@ -56,6 +56,8 @@ What it checks (check id: rule):
   ``CLIENT_FAULT_CODES`` and never raises, and returns None for a 2xx and for bodies that
   say nothing (not JSON, 50,000 and 100,000 nested brackets, 8 MiB, not UTF-8, JSON of
   other shapes).
+  ``capability.endpoints``: ``endpoints(kind, args)`` answers a set of ``Endpoint`` for every
+  kind, never raises, and includes the kind's own endpoint (docs/engines.md, "Endpoints").
 - ``embedding.answers``: an embedding backend answers ``POST /v1/embeddings`` with 200 and
   an OpenAI embeddings list (``data[0].embedding`` a non-empty list of finite numbers).
   Offline against ``EngineReplays.embeddings`` (a capture of the engine's embedding
@@ -88,6 +90,7 @@ from viiwork.engines.contract import (
     CLIENT_FAULT_CODES,
     BackendSpec,
     BoundGPU,
+    Endpoint,
     Engine,
     EngineError,
     EngineOptionsError,
@@ -99,6 +102,7 @@ from viiwork.engines.contract import (
     Probe,
     ReasoningSeparation,
     RunsOnCPU,
+    ServesEndpoints,
     UsageReporting,
     Version,
     WarmUp,
@@ -593,6 +597,7 @@ def _check_capabilities(engine: Engine, specs: Sequence[BackendSpec], out: list[
         except Exception as exc:  # noqa: BLE001
             out.append(Violation("capability.usage", f"stream_usage_supported raised {_exc(exc)}"))
     _check_client_fault(engine, out)
+    _check_endpoints(engine, out)
     if isinstance(engine, Version):
         try:
             if not isinstance(engine.minimum_version, str):
@@ -627,6 +632,31 @@ _FAULT_GARBAGE: dict[str, bytes] = {
     "error message is a number": b'{"error":{"message":5,"type":7,"code":"x"}}',
     "null": b"null",
 }
+
+
+# The endpoint a backend of each kind must serve whatever else it declares.
+_KIND_ENDPOINT = {Kind.CHAT: Endpoint.CHAT, Kind.EMBEDDING: Endpoint.EMBEDDINGS, Kind.RERANK: Endpoint.RERANK}
+
+
+def _check_endpoints(engine: Engine, out: list[Violation]) -> None:
+    """``capability.endpoints``: ``endpoints(kind, args)`` never raises, answers a set of
+    ``Endpoint`` for every kind (with and without operator args), and includes the kind's
+    own endpoint (chat, embeddings, rerank)."""
+    if not isinstance(engine, ServesEndpoints):
+        return
+    for kind in Kind:
+        for args in ((), _OPERATOR_ARGS):
+            try:
+                served = engine.endpoints(kind, args)
+            except Exception as exc:  # noqa: BLE001
+                out.append(Violation("capability.endpoints", f"endpoints({kind.value}, {args!r}) raised {_exc(exc)}"))
+                continue
+            if not isinstance(served, (set, frozenset)) or not all(isinstance(e, Endpoint) for e in served):
+                out.append(Violation("capability.endpoints",
+                                     f"endpoints({kind.value}, ...) must be a set of Endpoint, got {served!r}"))
+            elif _KIND_ENDPOINT[kind] not in served:
+                out.append(Violation("capability.endpoints", f"a {kind.value} backend must serve "
+                                     f"{_KIND_ENDPOINT[kind].path}, got {sorted(e.value for e in served)}"))
 
 
 def _check_client_fault(engine: Engine, out: list[Violation]) -> None:

@@ -337,3 +337,22 @@ def test_a_responses_stream_reads_usage_from_response_completed() -> None:
     tail = StreamTail(strip=False, hold=True)
     assert tail.feed(stream) == stream
     assert tail.usage == Usage(9, 2, 0)
+
+
+# --- the conformance kit's check --------------------------------------------------------------
+
+class _NoChat:
+    def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
+        return frozenset({Endpoint.TOKENIZE})
+
+
+def test_the_kit_flags_a_declaration_without_the_kinds_own_endpoint() -> None:
+    from viiwork.engines.conformance import Violation, _check_endpoints
+
+    out: list[Violation] = []
+    _check_endpoints(_NoChat(), out)  # type: ignore[arg-type]
+    assert {v.check for v in out} == {"capability.endpoints"} and len(out) == 2 * len(Kind)
+    for name in ("llamacpp", "vllm", "sglang"):
+        clean: list[Violation] = []
+        _check_endpoints(get_engine(name), clean)
+        assert clean == []
