@@ -401,3 +401,21 @@ def test_mode_none_beyond_loopback_warns_at_start(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_anthropic_sdk_gets_the_keys_refusals_in_anthropics_shape(keyed: tuple[Agent, Keys]) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    agent, keys = keyed
+    hello = [{"role": "user", "content": "hi"}]
+    revoked = anthropic.Anthropic(base_url=agent.url, api_key=keys.revoked, max_retries=0)  # sends x-api-key
+    with pytest.raises(anthropic.AuthenticationError) as unauthenticated:
+        revoked.messages.create(model="m", max_tokens=4, messages=hello)
+    assert unauthenticated.value.body["type"] == "error"
+    assert unauthenticated.value.body["error"]["type"] == "authentication_error"
+    assert "(revoked)" in unauthenticated.value.body["error"]["message"]
+    limited = anthropic.Anthropic(base_url=agent.url, api_key=keys.limited_models, max_retries=0)
+    with pytest.raises(anthropic.PermissionDeniedError) as forbidden:
+        limited.messages.count_tokens(model="other", messages=hello)
+    assert forbidden.value.body == {"type": "error", "error": {"type": "permission_error",
+                                                               "message": forbidden.value.body["error"]["message"]}}
+    assert "'other'" in forbidden.value.body["error"]["message"]
