@@ -66,6 +66,10 @@ ENDPOINT_PATHS: Mapping[Endpoint, str] = {
 }
 ENDPOINT_OF_PATH: Mapping[str, Endpoint] = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
 
+GENERATING_ENDPOINTS: frozenset[Endpoint] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.MESSAGES,
+                                                      Endpoint.RESPONSES})
+"""The endpoints whose answers generate tokens (a key's token estimate counts a completion)."""
+
 CLASSIC_ENDPOINTS: frozenset[Endpoint] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS})
 """What a backend is taken to serve when nothing says more: a peer that publishes no
 ``endpoints`` extension (an agent from before it), or an adapter without ``endpoints``. The

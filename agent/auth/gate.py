@@ -3,10 +3,8 @@
 ``AuthGate`` sits in front of the request pipeline (``[auth] mode = "keys"``):
 
 - ``/health`` is open.
-- Inference (every endpoint of docs/routing.md, "Endpoints": ``/v1/chat/completions``,
-  ``/v1/messages``, ``/v1/responses``, ``/v1/rerank``, ``/tokenize``...) and ``/v1/models``
-  need a valid key with the ``inference`` scope (on Anthropic's endpoints the answers are in
-  Anthropic's shape: agent/serving/errors.py): 401 ``invalid_api_key`` for every
+- Inference (docs/routing.md, "Endpoints"; Anthropic's error shape on ``/v1/messages*``) and
+  ``/v1/models`` need a key with the ``inference`` scope: 401 ``invalid_api_key`` for every
   ``InvalidApiKey`` reason, 403 ``permission_denied`` without the scope. Once the body names the
   model (``admit``): 403 ``model_not_allowed`` for a model outside the key's ``models``, then the
   key's limits (agent/auth/limits.py; an answer's ``usage`` replaces the token estimate, a
@@ -52,18 +50,14 @@ from viiwork.agent.auth.verifier import Verifier
 from viiwork.agent.config.schema import Config, auth_audience, is_loopback
 from viiwork.agent.serving.errors import error_response
 from viiwork.agent.serving.tokens import RELAYED_STREAM, USAGE, Usage
-from viiwork.engines.contract import ENDPOINT_PATHS, Endpoint
+from viiwork.engines.contract import ENDPOINT_PATHS, GENERATING_ENDPOINTS
 
 log = logging.getLogger(__name__)
 
 #: The header that carries a client's key on a forward to a peer (mutual TLS only).
 FORWARD_KEY_HEADER = "X-Viiwork-Api-Key"
-#: Every inference endpoint (engines/contract.py ``ENDPOINT_PATHS``: OpenAI's, Anthropic's
-#: messages and count_tokens, Responses, rerank, score, tokenize, detokenize).
-INFERENCE_PATHS = frozenset(ENDPOINT_PATHS.values())
-#: The endpoints that generate no tokens: no completion is estimated for them.
-_NOT_GENERATING = frozenset(ENDPOINT_PATHS[e] for e in (Endpoint.EMBEDDINGS, Endpoint.COUNT_TOKENS, Endpoint.RERANK,
-                                                       Endpoint.SCORE, Endpoint.TOKENIZE, Endpoint.DETOKENIZE))
+INFERENCE_PATHS = frozenset(ENDPOINT_PATHS.values())  # every inference endpoint (engines/contract.py)
+_GENERATING = frozenset(e.path for e in GENERATING_ENDPOINTS)  # the others: no completion is estimated
 READ_PATHS = frozenset({"/v1/status", "/metrics", "/v1/mesh"})
 DASHBOARD_STATE_PATH = "/ui/api/state"  # the dashboard's data; its page and static files are open
 OPEN_PATHS = frozenset({"/health"})
@@ -295,7 +289,7 @@ class AuthGate:
         prompt = prompt_tokens_estimate(payload)
         request[_PROMPT_ESTIMATE] = prompt
         unbounded = 0
-        if claims.tpm is not None and request.path not in _NOT_GENERATING:
+        if claims.tpm is not None and request.path in _GENERATING:
             # An answer without max_tokens may use what the key has left in this window, no
             # more: one such request at a time (docs/security.md, "Limits").
             _, tokens, _, peer_tokens = self.limiter.usage_of(claims.jti)

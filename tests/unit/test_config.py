@@ -240,9 +240,9 @@ ERROR_CASES = [
         [[models]]
         name = "a"
         engine = "llamacpp"
-        kind = "rerank"
+        kind = "generate"
         path = "/m.gguf"
-        """, "models[0].kind", "'chat' or 'embedding'", 4),
+        """, "models[0].kind", "'chat', 'embedding' or 'rerank'", 4),
     ("missing-required-key", """\
         [[models]]
         name = "a"
