@@ -59,7 +59,7 @@ from viiwork.agent.serving.metrics import MetricSource, build_registry, expositi
 from viiwork.agent.serving.observe import Observers
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
 from viiwork.agent.serving.proxy import BROKE, FIRST_CHUNK_AT, REFUSED_HEADER, Upstream
-from viiwork.agent.serving.router import Refuse
+from viiwork.agent.serving.router import Refuse, endpoint_paths
 from viiwork.agent.serving.tokens import ask_stream_usage
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.backends import ModelRuntime
@@ -338,7 +338,7 @@ class ClientApi:
             data.append({
                 "id": name, "object": "model", "created": 0, "owned_by": "viiwork",
                 "kind": rt.config.kind.value, "engine": rt.config.engine,
-                "max_model_len": ctx, "context_length": ctx,
+                "max_model_len": ctx, "context_length": ctx, "endpoints": endpoint_paths(rt.endpoints),
             })
         return web.json_response({"object": "list", "data": self._visible(request, data)})
 

@@ -619,7 +619,7 @@ def endpoint_refusal(model: str, endpoint: str, served: Iterable[str], where: st
     """400 ``endpoint_not_supported``: no backend of ``model`` (on ``where``, a pinned node;
     "": anywhere) serves ``endpoint``; the message names the endpoints it does serve
     (``served``, names; those this node does not know are left out)."""
-    paths = sorted(ENDPOINT_PATHS[Endpoint(name)] for name in set(served) if name in _KNOWN_ENDPOINTS)
+    paths = endpoint_paths(served)
     path = ENDPOINT_PATHS[Endpoint(endpoint)] if endpoint in _KNOWN_ENDPOINTS else endpoint
     on = f" on {where}" if where else ""
     return Refuse(400, f"model {model!r} is not served at {path}{on}; its backends serve: "
@@ -651,10 +651,13 @@ def mesh_models(local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot]) 
     peers that are alive or suspect and not leaving. Each entry is an OpenAI model object
     plus ``kind``, ``engine``, ``nodes`` (how many nodes serve it) and ``max_model_len`` /
     ``context_length``: the smallest known ``ctx_per_slot`` across the fleet (a request that
-    fits it fits wherever it is routed; 0 when no node knows it yet)."""
+    fits it fits wherever it is routed; 0 when no node knows it yet), and ``endpoints``: the
+    paths some node serves it at, sorted (docs/routing.md, "Endpoints")."""
     seen: dict[str, dict[str, Any]] = {}
+    served: dict[str, set[str]] = {}
 
-    def add(name: str, kind: str, engine: str, ctx: int) -> None:
+    def add(name: str, kind: str, engine: str, ctx: int, endpoints: frozenset[str]) -> None:
+        served.setdefault(name, set()).update(endpoints)
         entry = seen.get(name)
         if entry is None:
             seen[name] = {"id": name, "object": "model", "created": 0, "owned_by": "viiwork", "kind": kind,
@@ -665,13 +668,20 @@ def mesh_models(local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot]) 
             entry["max_model_len"] = entry["context_length"] = ctx
 
     for m in local.values():
-        add(m.name, m.kind, m.engine, m.ctx_per_slot)
+        add(m.name, m.kind, m.engine, m.ctx_per_slot, m.endpoints)
     for p in peers:
         if p.liveness in (Liveness.ALIVE, Liveness.SUSPECT) and p.state is not PublishedState.LEAVING:
             for cap in p.models:
-                add(cap.name, cap.kind, cap.engine, cap.ctx_per_slot)
+                add(cap.name, cap.kind, cap.engine, cap.ctx_per_slot, p.endpoints_of(cap.name))
+    for name, entry in seen.items():
+        entry["endpoints"] = endpoint_paths(served[name])
     return [seen[name] for name in sorted(seen)]
 
 
+def endpoint_paths(names: Iterable[str]) -> list[str]:
+    """The paths of the endpoint ``names`` this node knows, sorted (unknown names left out)."""
+    return sorted(ENDPOINT_PATHS[Endpoint(name)] for name in set(names) if name in _KNOWN_ENDPOINTS)
+
+
 __all__ = ["CLASSIC", "Decision", "LocalBackend", "LocalModel", "PeerSnapshot", "Queue", "Refuse", "Reservation",
-           "Reservations", "Router", "RunLocal", "RunOnPeer", "endpoint_refusal", "mesh_models"]
+           "Reservations", "Router", "RunLocal", "RunOnPeer", "endpoint_paths", "endpoint_refusal", "mesh_models"]

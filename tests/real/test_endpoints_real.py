@@ -200,3 +200,13 @@ async def test_anthropic_clients_get_anthropic_errors(claude: anthropic.AsyncAnt
     assert unknown.value.body == {"type": "error", "error": {"type": "not_found_error",
                                                              "message": unknown.value.body["error"]["message"]}}
     assert "no-such-model" in unknown.value.body["error"]["message"]
+
+
+async def test_models_list_the_endpoints_each_model_is_served_at(mesh: dict[str, Agent]) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{mesh['a'].url}/v1/models") as r:
+            models = {m["id"]: m for m in (await r.json())["data"]}
+    assert models["ranker"]["endpoints"] == ["/detokenize", "/tokenize", "/v1/rerank"]  # from node-b's summary
+    assert models["ranker"]["kind"] == "rerank"
+    assert {"/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/chat/completions"} <= set(
+        models["tiny"]["endpoints"])

@@ -356,3 +356,10 @@ def test_the_kit_flags_a_declaration_without_the_kinds_own_endpoint() -> None:
         clean: list[Violation] = []
         _check_endpoints(get_engine(name), clean)
         assert clean == []
+
+
+async def test_a_standalone_node_lists_its_models_endpoints() -> None:
+    async with agent_api(_ranker_runtime()) as (url, _), aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/models") as r:
+            (model,) = (await r.json())["data"]
+    assert model["id"] == "ranker" and model["endpoints"] == ["/detokenize", "/tokenize", "/v1/rerank"]
