@@ -363,3 +363,22 @@ async def test_a_standalone_node_lists_its_models_endpoints() -> None:
         async with http.get(f"{url}/v1/models") as r:
             (model,) = (await r.json())["data"]
     assert model["id"] == "ranker" and model["endpoints"] == ["/detokenize", "/tokenize", "/v1/rerank"]
+
+
+async def test_a_forward_for_an_endpoint_this_node_does_not_serve_is_refused_for_the_origin_to_route_again() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
+    from viiwork.agent.serving.proxy import Upstream
+    from viiwork.agent.serving.waitqueue import Queues
+
+    runtimes = _ranker_runtime()  # serves rerank, tokenize, detokenize: the origin's picture was older
+    async with Upstream(stream_idle_timeout_s=5.0) as upstream:
+        pipeline = Pipeline(node_name="n", runtimes=runtimes, queues=Queues(runtimes, 4, 5.0),
+                            peers=NoPeers(runtimes), upstream=upstream)
+        request = make_mocked_request("POST", "/v1/messages", headers={"Content-Type": "application/json"})
+        call = Call(request, b'{"model": "ranker"}', "ranker", None, False, "r1", endpoint="messages")
+        refusal = await pipeline.run_forwarded(call, None, None)
+    assert isinstance(refusal, PeerRefusal) and refusal.status == 503 and refusal.reason == "not-served"
+    assert "/v1/messages" in refusal.message
+    assert runtimes["ranker"].backends[0].in_flight == 0  # no slot taken
