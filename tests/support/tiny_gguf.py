@@ -3,8 +3,9 @@
 Nothing upstream is read: the vocabulary (byte-level, SentencePiece style), the chat
 template and the weights are all generated here with gguf-py and numpy. The model talks
 gibberish, fast (over a thousand tokens per second on one CPU core), and llama-server serves
-every endpoint with it: chat (streamed and not), completions, and embeddings with
-``--embedding``.
+every endpoint with it: chat (streamed and not), completions, Anthropic's messages, Responses,
+tokenize, embeddings with ``--embedding``, and rerank with ``--reranking`` (a ``qwen3``
+file with ``pooling="rank"``).
 
     from support.tiny_gguf import write_tiny_gguf
     write_tiny_gguf(tmp_path / "tiny.gguf", seed=1)
@@ -96,7 +97,10 @@ def write_tiny_gguf(
     when given no ``--ctx-size``. ``pooling`` ("mean", "cls", "last" or None) is what
 ``--embedding`` pools with: llama-server refuses OpenAI embeddings for a model whose pooling
 is "none", which is what a llama GGUF without the key gets; chat ignores it. About 0.5 MB
-with the defaults.
+with the defaults. ``pooling="rank"`` makes a reranker for ``--reranking``: the file also gets
+the one-output classification head (``cls.output.weight``) rank pooling scores with. llama-server
+loads that head for ``arch="qwen3"`` (Qwen3's per-head query/key norms are added) and refuses it
+on "llama" ("wrong number of tensors"), so a reranker is ``arch="qwen3", pooling="rank"``.
 
     Raises ValueError on impossible dimensions.
     """
