@@ -432,7 +432,7 @@ def _url_problem(value: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     if parts.scheme not in ("http", "https"):
-        return f"the scheme is {parts.scheme!r}" if parts.scheme else "the scheme is missing"
+        return "it does not start with http:// or https://"
     if not parts.hostname:
         return "it has no host"
     if parts.username is not None or parts.password is not None:

@@ -121,7 +121,7 @@ def test_traces_url(endpoint: str, url: str) -> None:
 
 
 @pytest.mark.parametrize(("table", "path", "fragment"), [
-    pytest.param('endpoint = "collector:4318"', "tracing.endpoint", "must be an http:// or https:// URL", id="no-scheme"),
+    pytest.param('endpoint = "collector:4318"', "tracing.endpoint", "does not start with http:// or https://", id="no-scheme"),
     pytest.param('endpoint = "not a url"', "tracing.endpoint", "space or a control character", id="spaces"),
     pytest.param('endpoint = "http://"', "tracing.endpoint", "no host", id="no-host"),
     pytest.param('endpoint = "http://u:p@h:4318"', "tracing.endpoint", "credentials", id="credentials"),
