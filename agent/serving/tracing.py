@@ -229,8 +229,9 @@ class RequestTrace:
         X-Viiwork-Queued-Ms on the origin (None on the node a peer forwarded it to)."""
         self.request_id = request_id
         where = "engine" if to_engine else "peer"
-        log.debug("request %s: trace %s, to %s %s", request_id, self.trace_id, where, target,
-                  extra={"request_id": request_id, "trace_id": self.trace_id})
+        if log.isEnabledFor(logging.DEBUG):  # (the extra dict is not built for nothing)
+            log.debug("request %s: trace %s, to %s %s", request_id, self.trace_id, where, target,
+                      extra={"request_id": request_id, "trace_id": self.trace_id})
         root = self.root
         spans = self.tracing.spans
         span: Span | None = None
