@@ -77,7 +77,7 @@ async def main_async(n: int, rounds: int) -> str:
                  ("no [tracing], invalid traceparent (counted)", off, INVALID),
                  ("[tracing], sample_ratio = 0", ratio0, VALID), ("[tracing], sample_ratio = 1 (4 spans)", ratio1, VALID)]
         samples: dict[str, list[float]] = {name: [] for name, _, _ in modes}
-        for name, tracing, headers in modes:  # warm-up
+        for _name, tracing, headers in modes:  # warm-up
             await per_request_us(tracing, headers, n // 10)
         for r in range(rounds):
             for name, tracing, headers in modes[r % len(modes):] + modes[:r % len(modes)]:
