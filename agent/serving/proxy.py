@@ -41,6 +41,10 @@ the error shapes are in agent/serving/errors.py.
   stop a non-streamed generation (``nonstream_stops_on_disconnect`` False) is sent as a stream
   and its answer assembled into the non-streamed form (agent/serving/assemble.py; the only body change
   the agent makes: ``stream`` and ``stream_options``, docs/engines.md "When the client goes away").
+- The engine gets only ``Content-Type``, ``Accept``, ``X-Request-Id``, its own key and the
+  request's W3C trace context (``traceparent``, ``tracestate``: agent/serving/tracing.py, as
+  checked and rebuilt by this node, never the client's header as sent); a peer gets the same
+  trace context, and the forward's own headers (agent/peering/mesh_link.py).
 """
 
 from __future__ import annotations
