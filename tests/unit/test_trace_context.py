@@ -7,16 +7,19 @@ Across a hop between two agents, and the spans exported with [tracing]: tests/me
 from __future__ import annotations
 
 import logging
+import os
 import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from support.agent import write_config
 from support.api_app import agent_api
-from support.procs import fake_engine
+from support.procs import fake_engine, free_port
 from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.serving.traceparent import (
@@ -235,3 +238,20 @@ async def test_absent_or_invalid_traceparent_gets_a_new_trace(engine_port: int) 
         seen = (await _engine_traces(http, engine_port))[-1]
         assert seen["traceparent"].split("-")[1] == TRACE_ID and seen["tracestate"] is None
         assert await _metric(http, url, dropped) == 1
+
+
+def test_tracing_without_the_sdk_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    """An agent whose config has [tracing] on an installation without the OpenTelemetry SDK
+    exits 1 at start, saying what to install (an ``opentelemetry`` package that fails to import,
+    first on PYTHONPATH, stands for the missing SDK)."""
+    blocker = tmp_path / "blocker" / "opentelemetry"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('not installed here', name='opentelemetry')\n")
+    config = write_config(tmp_path, [], "node-t", {"tracing": {"endpoint": "http://127.0.0.1:9/v1/traces"}},
+                          free_port())
+    agent = Path(sys.executable).parent / "viiwork-agent"
+    done = subprocess.run([str(agent), "--config", str(config)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(blocker.parent)})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "[tracing] is set but the OpenTelemetry SDK is not installed" in done.stderr
+    assert "pip install 'viiwork[tracing]'" in done.stderr
