@@ -8,21 +8,31 @@ every node with the same ratio, and a client's sampled flag never forces it (a
 ``ParentBased`` sampler would let any client turn recording on). Spans are batched and
 exported by the SDK's worker thread (``BatchSpanProcessor``; its ``OTEL_BSP_*`` environment
 variables apply), never on the event loop.
+
+The SDK's exports are counted (``exports``: spans by ``ok`` / ``failed``, for /metrics) and
+its own log lines (a retry every few seconds while a collector is down, "Queue full" per span)
+pass once per message at their level, then go to this module's DEBUG: a collector that is
+down for an hour writes a few lines, not thousands (the agent's rule for faults that repeat).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
 
 from opentelemetry import trace as api
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
 from viiwork import __version__
 from viiwork.agent.serving.traceparent import TraceParent
+
+log = logging.getLogger(__name__)
 
 Span = api.Span
 Attributes = Mapping[str, str | int | float | bool]
@@ -44,8 +54,10 @@ class OtlpSpans:
         # SDK's atexit hook would wait for a slow receiver at interpreter exit.
         self.provider = TracerProvider(resource=resource, sampler=TraceIdRatioBased(sample_ratio),
                                        shutdown_on_exit=False)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)))
+        self.exports = _CountingExporter(OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s), endpoint)
+        self.provider.add_span_processor(BatchSpanProcessor(self.exports))
         self.tracer = self.provider.get_tracer("viiwork", __version__)
+        _quiet_sdk_logs()
 
     def start(self, name: str, kind: str, parent: TraceParent | Span | None, start_ns: int,
               attributes: Attributes) -> Span:
@@ -81,3 +93,64 @@ class OtlpSpans:
     def shutdown(self) -> None:
         """Export what is left, then stop the exporter (blocking: up to one export's timeout)."""
         self.provider.shutdown()
+
+
+class _CountingExporter(SpanExporter):
+    """``inner`` with its results counted: ``spans[result]`` (``ok``, ``failed``), read by the
+    event loop while the SDK's thread adds (plain integer updates under the GIL). The first
+    failure after a success (or at start) is logged at WARNING, the next ones at DEBUG."""
+
+    def __init__(self, inner: SpanExporter, endpoint: str) -> None:
+        self.inner = inner
+        self.endpoint = endpoint
+        self.spans: Counter[str] = Counter()
+        self._failing = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = self.inner.export(spans)
+        ok = result is SpanExportResult.SUCCESS
+        self.spans["ok" if ok else "failed"] += len(spans)
+        if not ok:
+            log.log(logging.DEBUG if self._failing else logging.WARNING,
+                    "tracing: %d spans not exported to %s (the receiver refused or did not answer); "
+                    "further failures are logged at DEBUG until an export succeeds", len(spans), self.endpoint)
+        self._failing = not ok
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _OncePerMessage(logging.Filter):
+    """Lets each message template of the SDK's loggers through once; later records of it go to
+    this module's logger at DEBUG instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.name}:{record.msg}"
+        with self._lock:  # (the SDK's thread and the loop both log)
+            first = key not in self._seen and len(self._seen) < 256  # templates are the SDK's: few
+            if first:
+                self._seen.add(key)
+        if not first and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s", record.name, record.getMessage())
+        return first
+
+
+_SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.exporter.otlp.common.http",
+                "opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export")
+
+
+def _quiet_sdk_logs() -> None:
+    """The SDK's loggers that repeat per batch or per span, each message once (``_OncePerMessage``)."""
+    for name in _SDK_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OncePerMessage) for f in logger.filters):
+            logger.addFilter(_OncePerMessage())

@@ -194,7 +194,17 @@ class Tracing:
         for reason in Invalid:
             family.add_metric([TRACEPARENT, reason.value], self.invalid[(TRACEPARENT, reason.value)])
         family.add_metric([TRACESTATE, "malformed"], self.invalid[(TRACESTATE, "malformed")])
-        return [family]
+        families = [family]
+        spans = self.spans
+        if spans is not None:
+            exported = CounterMetricFamily("viiwork_tracing_spans_exported", "Spans handed to the OTLP/HTTP "
+                                           "receiver ([tracing] endpoint), by result (failed: the receiver refused "
+                                           "them or did not answer within tracing.timeout_s; they are dropped).",
+                                           labels=["result"])
+            for result in ("ok", "failed"):
+                exported.add_metric([result], spans.exports.spans[result])
+            families.append(exported)
+        return families
 
 
 class RequestTrace:

@@ -124,7 +124,10 @@ def test_across_a_hop_the_trace_reaches_the_engine_with_its_spans(
     assert b_request.attributes["viiwork.origin"] == "node-a"
     # Both nodes log the request id with the trace id; the exports went through.
     assert logged(a, "hop-1", SAMPLED) and logged(b, "hop-1", SAMPLED)
-    assert not any("Failed to export" in agent.log_text() for agent in (a, b))
+    assert not any("not exported" in agent.log_text() for agent in (a, b))
+    for agent in (a, b):
+        assert metric(agent, 'viiwork_tracing_spans_exported_total{result="ok"}') >= 3
+        assert metric(agent, 'viiwork_tracing_spans_exported_total{result="failed"}') == 0
 
 
 def test_through_one_agent(traced_mesh: tuple[Agent, Agent, OtlpReceiver]) -> None:

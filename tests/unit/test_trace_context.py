@@ -6,6 +6,7 @@ Across a hop between two agents, and the spans exported with [tracing]: tests/me
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -255,3 +256,35 @@ def test_tracing_without_the_sdk_is_a_clear_error_at_start(tmp_path: Path) -> No
     assert done.returncode == 1, done.stderr[-2000:]
     assert "[tracing] is set but the OpenTelemetry SDK is not installed" in done.stderr
     assert "pip install 'viiwork[tracing]'" in done.stderr
+
+
+async def test_a_receiver_that_is_down_is_counted_and_logged_once(engine_port: int,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """[tracing] pointed at a port nothing listens on: the requests are answered, the spans
+    that could not be exported are counted in /metrics, and the failure is one WARNING line
+    (the SDK's retry lines each once), however many batches fail."""
+    from viiwork.agent.config.schema import TracingConfig
+    from viiwork.agent.serving.tracing import Tracing
+
+    caplog.set_level(logging.INFO)
+    tracing = Tracing(TracingConfig(endpoint=f"http://127.0.0.1:{free_port()}/v1/traces", timeout_s=0.3),
+                      node_name="test-node")
+    tracing.start()
+    assert tracing.spans is not None
+    try:
+        async with agent_api({"m": _runtime(engine_port)}, tracing=tracing) as (url, _), \
+                aiohttp.ClientSession() as http:
+            for _batch in range(3):
+                async with http.post(f"{url}/v1/chat/completions", json=CHAT) as r:
+                    assert r.status == 200
+                # Each batch exported now (and refused): the SDK's thread, off the loop.
+                await asyncio.to_thread(tracing.spans.provider.force_flush, 5000)
+            failed = 'viiwork_tracing_spans_exported_total{result="failed"}'
+            assert await _metric(http, url, failed) == 3 * 4  # request, admission, queue wait, engine
+            assert await _metric(http, url, 'viiwork_tracing_spans_exported_total{result="ok"}') == 0
+    finally:
+        await tracing.stop()
+    ours = [r for r in caplog.records if r.name == "viiwork.agent.serving.otel" and r.levelno >= logging.WARNING]
+    assert len(ours) == 1 and "not exported" in ours[0].getMessage(), [r.getMessage() for r in ours]
+    sdk = [(r.name, r.msg) for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert len(sdk) == len(set(sdk)), sdk  # each SDK message at most once
