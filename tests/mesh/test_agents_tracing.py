@@ -114,9 +114,11 @@ def test_across_a_hop_the_trace_reaches_the_engine_with_its_spans(
     assert a_request.parent_id == CLIENT_PARENT and a_request.kind == SERVER
     for name in ("admission", "queue wait", "hop"):
         assert one(spans, "node-a", name).parent_id == a_request.span_id
+    assert {one(spans, "node-a", name).kind for name in ("admission", "queue wait")} == {INTERNAL}
     assert b_request.parent_id == hop.span_id and hop.kind == CLIENT and hop.attributes["viiwork.peer"] == "node-b"
     for name in ("admission", "engine"):
         assert one(spans, "node-b", name).parent_id == b_request.span_id
+    assert (b_request.kind, engine.kind) == (SERVER, CLIENT)
     assert sent.parent_id == engine.span_id and engine.attributes["viiwork.backend"] == "only-b-0"
     assert {s.service for s in spans} == {"viiwork"} and not any(s.error for s in spans)
     for span in (a_request, b_request):
