@@ -55,6 +55,7 @@ from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_
 from viiwork.agent.serving.browser_guard import BrowserGuard, BrowserPolicy
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.proxy import Upstream
+from viiwork.agent.serving.tracing import Tracing, TracingUnavailable
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.runners.base import Runner, RunnerError
 from viiwork.agent.supervision.supervisor import Supervisor
@@ -183,6 +184,16 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             log.error("client keys: %s", exc)
             notifier.status(f"client keys: {exc}")
             return 1
+        # Trace context and, with [tracing], the OpenTelemetry SDK's exporter (agent/serving/tracing.py):
+        # stopped after the API (last in, first out), so the last requests' spans go out.
+        tracing = Tracing(config.tracing, node_name=config.node.name)
+        try:
+            tracing.start()
+        except TracingUnavailable as exc:
+            log.error("%s", exc)
+            notifier.status(str(exc))
+            return 1
+        stack.push_async_callback(tracing.stop)
         mesh = None
         sync: RevocationSync | None = None
         mesh_usage: MeshUsage | None = None
@@ -222,6 +233,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             browser=BrowserGuard(browser_policy),
             auth=auth,
             ledger=ledger,
+            tracing=tracing,
         )
         if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -398,6 +399,47 @@ class AuthConfig(_Strict):
     _issuer_keys = field_validator("issuer_keys")(classmethod(lambda cls, v: _absolute(v, "issuer_keys")))
 
 
+#: The longest ``[tracing] endpoint`` (a URL).
+MAX_URL_CHARS = 2048
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry spans exported over OTLP/HTTP (docs/metrics.md, "Tracing"). Absent
+    section: no spans and no SDK loaded; trace context is still carried to peers and engines."""
+
+    endpoint: str = Field(min_length=1, max_length=MAX_URL_CHARS)
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    service_name: str = Field(default="viiwork", min_length=1, max_length=255)
+    timeout_s: float = Field(default=10.0, gt=0, le=300.0)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        problem = _url_problem(v)
+        if problem is not None:
+            raise ValueError(f"endpoint must be an http:// or https:// URL of an OTLP/HTTP receiver "
+                             f"(e.g. \"http://127.0.0.1:4318/v1/traces\"): {problem}, got {short_repr(v)}")
+        return v
+
+
+def _url_problem(value: str) -> str | None:
+    """What makes ``value`` not an absolute http(s) URL with a host (None: it is one)."""
+    if any(c.isspace() or not c.isprintable() for c in value):
+        return "it holds a space or a control character"
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018 (raises ValueError on a port that is not 0-65535)
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "it does not start with http:// or https://"
+    if not parts.hostname:
+        return "it has no host"
+    if parts.username is not None or parts.password is not None:
+        return "credentials in the URL are not supported"
+    return None
+
+
 GpuRef = Annotated[int | str, Field(union_mode="left_to_right")]
 
 
@@ -545,7 +587,8 @@ class ModelConfig(_Strict):
 
 
 class Config(_Strict):
-    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, auth, usage, models."""
+    """The whole file. Sections: node, api, mesh (optional), routing, health, supervisor, auth, usage,
+    tracing (optional), models."""
 
     node: NodeConfig = Field(default_factory=NodeConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
@@ -555,6 +598,7 @@ class Config(_Strict):
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     usage: UsageConfig = Field(default_factory=UsageConfig)
+    tracing: TracingConfig | None = None
     models: list[ModelConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")

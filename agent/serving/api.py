@@ -61,6 +61,7 @@ from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
 from viiwork.agent.serving.proxy import BROKE, FIRST_CHUNK_AT, REFUSED_HEADER, Upstream
 from viiwork.agent.serving.router import Refuse, endpoint_paths
 from viiwork.agent.serving.tokens import ask_stream_usage
+from viiwork.agent.serving.tracing import Tracing
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.backends import ModelRuntime
 from viiwork.agent.usage.ledger import Ledger
@@ -92,6 +93,8 @@ class ClientApi:
     the model, ``check_forwarded`` on a peer's forward); None when ``[auth] mode`` is ``none``.
     ledger: the usage ledger the requests run on this node's backends are recorded in
     (agent/serving/accounting.py; None: no rows, the /metrics usage counters still count).
+    tracing: the requests' trace context and spans (agent/serving/tracing.py; default: the W3C
+    headers carried on, no spans).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class ClientApi:
         browser: BrowserGuard | None = None,
         auth: AuthGate | None = None,
         ledger: Ledger | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
@@ -122,6 +126,8 @@ class ClientApi:
         # and the subscribers to each answered request (agent/serving/observe.py).
         self.browser = browser or BrowserGuard()
         self.metric_sources: list[MetricSource] = [self.browser.metric_families]
+        self.tracing = tracing or Tracing(node_name=node_name)
+        self.metric_sources.append(self.tracing.metric_families)
         self.mesh = mesh
         self.runtimes = runtimes
         self.upstream = upstream
@@ -156,7 +162,8 @@ class ClientApi:
         # path waits for them: viiwork.agent.serving.drain).
         self.in_flight = InFlight()
         if mesh is not None:  # forwards from peers enter the pipeline at "run locally"
-            mesh.accept_forwards(self.handle_forwarded, ENDPOINT_OF_PATH, self.in_flight)
+            mesh.accept_forwards(self.tracing.traced(self.handle_forwarded, forwarded=True), ENDPOINT_OF_PATH,
+                                 self.in_flight)
         # /metrics: a registry of this API's own, read at scrape time (agent/serving/metrics.py);
         # its request histograms join ``observers``.
         self.registry, self.histograms = build_registry(self)
@@ -201,9 +208,10 @@ class ClientApi:
         app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=middlewares)
         if self.auth is not None:
             app.on_response_prepare.append(self.auth.on_response_prepare)
+        inference = self.tracing.traced(self.handle_inference)  # request[TRACE]: agent/serving/tracing.py
         for path in ENDPOINT_OF_PATH:
             resource = app.router.add_resource(path)
-            resource.add_route("POST", self.handle_inference)
+            resource.add_route("POST", inference)
             resource.add_route("*", self._inference_method_not_allowed)
         for path, handler in (
             ("/v1/models", self.handle_models),

@@ -41,6 +41,10 @@ the error shapes are in agent/serving/errors.py.
   stop a non-streamed generation (``nonstream_stops_on_disconnect`` False) is sent as a stream
   and its answer assembled into the non-streamed form (agent/serving/assemble.py; the only body change
   the agent makes: ``stream`` and ``stream_options``, docs/engines.md "When the client goes away").
+- The engine gets only ``Content-Type``, ``Accept``, ``X-Request-Id``, its own key and the
+  request's W3C trace context (``traceparent``, ``tracestate``: agent/serving/tracing.py, as
+  checked and rebuilt by this node, never the client's header as sent); a peer gets the same
+  trace context, and the forward's own headers (agent/peering/mesh_link.py).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from viiwork.agent.serving.errors import (
     sse_error_event,
 )
 from viiwork.agent.serving.tokens import RELAYED_STREAM, USAGE, StreamTail, usage_in_body, usage_of
+from viiwork.agent.serving.tracing import QUEUED_HEADER, TRACE
 from viiwork.agent.supervision.backends import Backend
 from viiwork.agent.supervision.engine_keys import auth_headers
 from viiwork.engines.contract import Engine, stops_nonstream_on_disconnect
@@ -233,6 +238,46 @@ class Upstream:
         engine: Engine | None = None,
         strip_usage: bool = False,
         end: RequestEnd | None = None,
+    ) -> web.StreamResponse | Refused | Failed:
+        """``_forward`` (below) with the request's trace context (``request[TRACE]``,
+        agent/serving/tracing.py): its ``traceparent`` and ``tracestate`` go upstream, to the
+        engine or the peer, and the dispatch is a span ("engine" or "hop") when recorded. A
+        request without one (made outside the client API and the mesh listener) carries none."""
+        trace = request.get(TRACE)
+        if trace is None:
+            return await self._forward(request, backend, body, stream, headers, request_id, session=session,
+                                       extra_headers=extra_headers, relay_headers=relay_headers, refusable=refusable,
+                                       lost=lost, engine=engine, strip_usage=strip_usage, end=end)
+        dispatch = trace.dispatch(backend.id, to_engine=isinstance(backend, Backend), request_id=request_id,
+                                  queued_ms=headers.get(QUEUED_HEADER))
+        result: web.StreamResponse | Refused | Failed | None = None
+        try:
+            result = await self._forward(request, backend, body, stream, headers, request_id, session=session,
+                                         extra_headers={**extra_headers, **dispatch.headers} if extra_headers
+                                         else dispatch.headers, relay_headers=relay_headers,
+                                         refusable=refusable, lost=lost, engine=engine, strip_usage=strip_usage,
+                                         end=end)
+            return result
+        finally:
+            dispatch.end(*_outcome(result))
+
+    async def _forward(
+        self,
+        request: web.Request,
+        backend: Target,
+        body: bytes,
+        stream: bool,
+        headers: dict[str, str],
+        request_id: str,
+        *,
+        session: aiohttp.ClientSession | None,
+        extra_headers: dict[str, str] | None,
+        relay_headers: tuple[str, ...],
+        refusable: bool,
+        lost: asyncio.Event | None,
+        engine: Engine | None,
+        strip_usage: bool,
+        end: RequestEnd | None,
     ) -> web.StreamResponse | Refused | Failed:
         """Send ``body`` to ``backend`` at the request's path; relay status, headers, body.
 
@@ -565,6 +610,20 @@ async def _recorded(response: web.Response, end: RequestEnd | None) -> web.Respo
             response[USAGE] = usage
     await end(response.status, usage, None)
     return response
+
+
+def _outcome(result: web.StreamResponse | Refused | Failed | None) -> tuple[int | None, str | None]:
+    """A forward's result for its span: the status the target answered (None: none) and what
+    failed (None: nothing)."""
+    if result is None:
+        return None, "no answer: the client went away or the forward failed"
+    if isinstance(result, Refused):
+        return result.status, f"refused before the first byte: {result.reason}"
+    if isinstance(result, Failed):
+        return result.response.status, result.reason
+    if result.get(BROKE, False):
+        return result.status, "the stream broke after its first byte"
+    return result.status, None
 
 
 def _failed(response: web.Response, upstream: aiohttp.ClientResponse) -> web.Response | Failed:

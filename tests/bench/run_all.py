@@ -89,6 +89,9 @@ KNOWN: list[Bench] = [
     # Five minimal apps and four agents, 2000 requests each at c=1: ~90 s here (issue 17).
     Bench("bench_auth_ab.py", 200, ["-n", "200", "--rounds", "10"], takes_out=False,
           title="Client keys: the gate alone, then whole agents (issue 17)"),
+    # One process: 5 modes x 5 rounds x 20000 requests, the SDK's import: ~40 s here (issue 19).
+    Bench("bench_trace_context.py", 90, ["-n", "20000", "--rounds", "5"], takes_out=False,
+          title="Trace context per request (issue 19)"),
 ]
 DEFAULT_BUDGET_S = 90
 

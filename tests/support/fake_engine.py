@@ -9,7 +9,8 @@ With ``--api-key-file`` it refuses (401) every request without one of the file's
 ``Authorization: Bearer``, except ``/health``, ``/models``, ``/v1/models`` (llama-server's
 public routes) and ``/fake/stats``, which counts the refusals (``unauthorized``) and lists
 the ``Authorization`` and ``x-api-key`` headers of the last 50 POSTs (``authorizations``,
-``x_api_keys``).
+``x_api_keys``), and their ``X-Request-Id``, ``traceparent`` and ``tracestate`` (``traces``: one
+object per POST, a header absent is null).
 
 What it mimics (shapes as captured from a real llama-server build):
 
@@ -181,6 +182,7 @@ class Engine:
     refused_unauthorized: int = 0
     authorizations: list[str] = field(default_factory=list)
     x_api_keys: list[str] = field(default_factory=list)  # the x-api-key header of each POST ("" when absent)
+    traces: list[dict[str, str | None]] = field(default_factory=list)  # each POST's trace context headers
 
     def loaded(self) -> bool:
         return time.monotonic() - self.started >= self.knobs.load_s
@@ -358,7 +360,7 @@ async def stats(request: web.Request) -> web.Response:
                               "busy": sum(engine.busy), "requests": engine.requests_total,
                               "unauthorized": engine.refused_unauthorized,
                               "authorizations": engine.authorizations[-50:],
-                              "x_api_keys": engine.x_api_keys[-50:]})
+                              "x_api_keys": engine.x_api_keys[-50:], "traces": engine.traces[-50:]})
 
 
 # As llama-server: with --api-key-file every route but these needs "Authorization: Bearer <key>"
@@ -372,6 +374,8 @@ async def require_key(request: web.Request, handler):  # type: ignore[no-untyped
     if request.method == "POST":
         engine.authorizations.append(request.headers.get("Authorization", ""))
         engine.x_api_keys.append(request.headers.get("x-api-key", ""))
+        engine.traces.append({name: request.headers.get(name)
+                              for name in ("X-Request-Id", "traceparent", "tracestate")})
     if engine.api_keys and request.path not in PUBLIC_PATHS:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ")
         if given not in engine.api_keys:
