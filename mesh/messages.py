@@ -242,7 +242,7 @@ def estimate_size(msg: Message | ProbeMessage) -> int:
     """Approximate encoded size without encoding (the simulator's fast path): within a few
     percent of ``len(encode_message(msg))`` for typical messages."""
     if isinstance(msg, Pull):  # '{"type":"pull","protocol":4,"mesh_id":"","wants":[]}', then entries
-        return 52 + len(msg.mesh_id) + ENTRY_BYTES * len(msg.wants)
+        return 50 + len(msg.mesh_id) + NEWS_BYTES * len(msg.wants)  # packed like news (probe_codec)
     if isinstance(msg, Loads):  # '{"type":"loads","protocol":4,"mesh_id":"","records":[]}', then records
         return 54 + len(msg.mesh_id) + sum(r.wire_size() for r in msg.records)
     if isinstance(msg, Ping | Ack | PingReq | Nack | Gossip):

@@ -8,7 +8,7 @@ their own codec there. Shapes (JSON objects; ``mesh_id`` must be the receiver's)
     {"type": "ack" | "nack", ... same keys as ping}
     {"type": "ping-req", ... same keys as ping, "target": "<node id>", "address": "host:port"}
     {"type": "gossip", "protocol": 4, "mesh_id": "...", "news": [I, ...]}
-    {"type": "pull", "protocol": 4, "mesh_id": "...", "wants": [["<node id>", g, s], ...]}
+    {"type": "pull", "protocol": 4, "mesh_id": "...", "wants": "<base64>" | [["<node id>", g, s], ...]}
     {"type": "loads", "protocol": 4, "mesh_id": "...", "records": [R, ...]}
 
 where an item ``I`` is ``["p", "<base64>"]`` (news, packed: see below), ``["n", "<node id>",
@@ -26,7 +26,9 @@ any input bytes.
 ...]`` item, the standard base64 of the concatenation, per item, of the node id's 10 raw bytes
 (its base32 decoded) and the generation and seq as unsigned LEB128 varints (at most 8 bytes
 each, values 0..2**53): 14 bytes (~19 characters) for a small generation and a seq below
-2**21, against ~30 for ``["n", ...]``. At 1,000 nodes each node sends ~125 publications a
+2**21, against ~30 for ``["n", ...]``. A pull's ``wants`` travel the same way, as one base64
+string (a version pull names every member: ~19 kB at 1,000 nodes instead of ~30); the list
+form of earlier builds is still read. At 1,000 nodes each node sends ~125 publications a
 second 8 times each, so news are most of the gossip bytes: measured in
 docs/benchmarks-mesh.md. Probe-mode builds before packing refuse a message holding a ``"p"``
 item (malformed): mixed meshes of those development builds are not supported.
@@ -151,7 +153,7 @@ def encode_probe_message(msg: ProbeMessage) -> bytes:
     """Compact JSON bytes of a probe-mode message."""
     obj: dict[str, Any] = {"type": _TYPES[type(msg)], "protocol": msg.protocol, "mesh_id": msg.mesh_id}
     if isinstance(msg, Pull):
-        obj["wants"] = [[nid, g, s] for nid, (g, s) in msg.wants.items()]
+        obj["wants"] = pack_news([News(nid, order) for nid, order in msg.wants.items()])
     elif isinstance(msg, Loads):
         obj["records"] = [load_record_obj(r) for r in msg.records]
     else:
@@ -265,6 +267,12 @@ def _from_obj(obj: dict[str, Any], accepted: tuple[int, ...]) -> ProbeMessage:
         raise MalformedSummary("message.mesh_id: expected a string of 1..128 characters")
     if kind == "pull":
         wants: Entries = {}
+        if isinstance(obj["wants"], str):
+            for item in unpack_news(obj["wants"], "wants"):
+                if item.node_id in wants:
+                    raise MalformedSummary(f"wants: node {item.node_id} listed twice")
+                wants[item.node_id] = item.order
+            return Pull(protocol, mesh_id, wants)
         for i, w in enumerate(_list(obj["wants"], "wants")):
             if not isinstance(w, list) or len(w) != 3:
                 raise MalformedSummary(f"wants[{i}]: expected [node_id, generation, seq]")

@@ -146,3 +146,23 @@ def test_unpacking_stops_at_its_limit_rather_than_reading_the_whole_item():
     assert len(unpack_news(text, "news[0]", limit=4)) == 4
     with pytest.raises(OversizedSummary):
         unpack_news(text, "news[0]", limit=3)
+
+
+def test_a_pulls_wants_travel_packed_and_the_list_form_is_still_read():
+    wants = {sim_node_id(i): (1, 1000 + i) for i in range(100)}
+    data = encode_probe_message(Pull(4, "m", wants))
+    assert isinstance(json.loads(data)["wants"], str)
+    assert len(data) < 100 * 20 + 80  # ~19 bytes a want, against ~30 as a list
+    assert decode_probe_message(data, (4,)) == Pull(4, "m", wants)
+    listed = json.dumps({"type": "pull", "protocol": 4, "mesh_id": "m", "wants": [[A, 1, 2]]}).encode()
+    assert decode_probe_message(listed, (4,)) == Pull(4, "m", {A: (1, 2)})
+
+
+@pytest.mark.parametrize("wants,error", [
+    (pack_news([News(A, (1, 1)), News(A, (1, 2))]), MalformedSummary),  # a node twice
+    ("not base64!", MalformedSummary),
+    (base64.b64encode((_ID + b"\x01\x01") * (MAX_PROBE_ITEMS + 1)).decode(), OversizedSummary),
+])
+def test_malformed_packed_wants_are_refused_with_a_typed_error(wants, error):
+    with pytest.raises(error):
+        decode_probe_message(json.dumps({"type": "pull", "protocol": 4, "mesh_id": "m", "wants": wants}).encode(), (4,))

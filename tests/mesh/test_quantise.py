@@ -195,8 +195,8 @@ def test_compare_models_tells_load_from_structure() -> None:
 
 
 @pytest.mark.parametrize(("n_live", "budget", "interval_ms"), [
-    (1, 40.0, 250.0), (10, 40.0, 250.0), (20, 40.0, 500.0), (100, 40.0, 2500.0), (320, 40.0, 8000.0),
-    (1000, 125.0, 8000.0), (0, 40.0, 250.0),
+    (1, 40.0, 250.0), (10, 40.0, 250.0), (20, 40.0, 500.0), (100, 40.0, 2500.0), (400, 40.0, 10000.0),
+    (1000, 100.0, 10000.0), (0, 40.0, 250.0),
 ], ids=lambda v: str(v))
 def test_limiter_budget_and_interval(n_live: int, budget: float, interval_ms: float) -> None:
     lim = PublishLimiter()
