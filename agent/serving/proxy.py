@@ -244,22 +244,21 @@ class Upstream:
         engine or the peer, and the dispatch is a span ("engine" or "hop") when recorded. A
         request without one (made outside the client API and the mesh listener) carries none."""
         trace = request.get(TRACE)
-        if trace is None:
-            return await self._forward(request, backend, body, stream, headers, request_id, session=session,
-                                       extra_headers=extra_headers, relay_headers=relay_headers, refusable=refusable,
-                                       lost=lost, engine=engine, strip_usage=strip_usage, end=end)
-        dispatch = trace.dispatch(backend.id, to_engine=isinstance(backend, Backend), request_id=request_id,
-                                  queued_ms=headers.get(QUEUED_HEADER))
+        dispatch = None if trace is None else trace.dispatch(
+            backend.id, to_engine=isinstance(backend, Backend), request_id=request_id,
+            queued_ms=headers.get(QUEUED_HEADER))
+        if dispatch is not None:
+            extra_headers = {**extra_headers, **dispatch.headers} if extra_headers else dispatch.headers
         result: web.StreamResponse | Refused | Failed | None = None
         try:
             result = await self._forward(request, backend, body, stream, headers, request_id, session=session,
-                                         extra_headers={**extra_headers, **dispatch.headers} if extra_headers
-                                         else dispatch.headers, relay_headers=relay_headers,
+                                         extra_headers=extra_headers, relay_headers=relay_headers,
                                          refusable=refusable, lost=lost, engine=engine, strip_usage=strip_usage,
                                          end=end)
             return result
         finally:
-            dispatch.end(*_outcome(result))
+            if dispatch is not None:
+                dispatch.end(*_outcome(result))
 
     async def _forward(
         self,
