@@ -54,6 +54,7 @@ from viiwork.agent.serving.api import PARSER_MAX_FIELD_BYTES, ClientApi
 from viiwork.agent.serving.api_listener import ApiSite, ConnectionLimits, raise_open_file_limit
 from viiwork.agent.serving.browser_guard import BrowserGuard, BrowserPolicy
 from viiwork.agent.serving.ejections import Ejections
+from viiwork.agent.serving.prefix_routing import PrefixRouting, PrefixSettings
 from viiwork.agent.serving.proxy import Upstream
 from viiwork.agent.serving.tracing import Tracing, TracingUnavailable
 from viiwork.agent.serving.waitqueue import Queues
@@ -194,12 +195,15 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             notifier.status(str(exc))
             return 1
         stack.push_async_callback(tracing.stop)
+        # Prefix-aware routing (agent/serving/prefix_routing.py), shared by the pipeline and the mesh link.
+        prefixes = PrefixRouting(PrefixSettings.from_config(config.routing), supervisor.models)
         mesh = None
         sync: RevocationSync | None = None
         mesh_usage: MeshUsage | None = None
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
-                            draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections)
+                            draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections,
+                            prefixes=prefixes)
             # viiworkctl usage --mesh: this node's ledger for peers that ask (agent/peering/mesh_usage.py).
             mesh_usage = MeshUsage(mesh, config.usage.file(config.node.state_dir))
             if auth is not None and auth.revocations is not None:
@@ -234,6 +238,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             auth=auth,
             ledger=ledger,
             tracing=tracing,
+            prefixes=prefixes,
         )
         if mesh is not None and config.mesh is not None:
             api.extra_status["mesh"] = mesh.status

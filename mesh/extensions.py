@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, TypeVar, cast
 
@@ -382,12 +382,20 @@ class ModelPrefixes:
 @dataclass(frozen=True, slots=True)
 class Prefixes:
     """``prefixes`` v1 (issue 18): per model, sorted by name. Wire: ``{model: [hex16, ...]}``
-    with at most 64 digests a model; the cap (4 KiB, about 200 digests) bounds them all."""
+    with at most 64 digests a model; the cap (4 KiB, about 200 digests) bounds them all.
+    ``set_of(model)``: the digests as a set, built once (the router looks them up per request)."""
 
     models: tuple[ModelPrefixes, ...]
+    _sets: dict[str, frozenset[str]] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def of(self, model: str) -> tuple[str, ...]:
         return next((p.digests for p in self.models if p.model == model), ())
+
+    def set_of(self, model: str) -> frozenset[str]:
+        found = self._sets.get(model)
+        if found is None:
+            found = self._sets[model] = frozenset(self.of(model))
+        return found
 
 
 def _decode_prefixes(value: Any) -> Prefixes:

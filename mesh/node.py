@@ -42,7 +42,7 @@ from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
 from viiwork.mesh.candidates import unreachable_line
 from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
-from viiwork.mesh.extensions import SPEEDS, Extensions, Speeds
+from viiwork.mesh.extensions import PREFIXES, SPEEDS, Extensions, Prefixes, Speeds
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
 from viiwork.mesh.persist import PendingWrites, state_dir_fault
@@ -693,7 +693,8 @@ class MeshNode:
         ``{"self": {...}, "nodes": [{"id", "name", "api", "mesh", "liveness", "state",
         "age_ms", "trust", "protocol", "version", "generation", "boot", "seq", "rtt_ms",
         "certificate_not_after", "models": [{"name", "engine", "kind", "slots", "busy",
-        "waiting", "ctx_per_slot", "healthy", "total", "fingerprint", "conflict", "speed"}]}],
+        "waiting", "ctx_per_slot", "healthy", "total", "fingerprint", "conflict", "speed",
+        "prefix_digests"}]}],
         "conflicts": [{"model", "nodes": {node_id: fingerprint}}], "seeds": [...], "counters": {...}}``.
         ``liveness`` (what this node observes) is alive|suspect|dead|left, or conflict while
         two running agents publish that node id (``identity_conflict``: their boots and
@@ -702,6 +703,8 @@ class MeshNode:
         unknown. ``self.identity_conflict``: another agent publishing this node's id, or null.
         ``seeds``: :meth:`seeds`. ``speed``: ``{"prefill_tps", "decode_tps"}`` (tokens/s, each
         null when not measured) from the ``speeds`` extension of that node's summary, or null.
+        ``prefix_digests``: how many prefix digests the node publishes for the model (its
+        ``prefixes`` extension), or null when it publishes none (docs/routing.md).
         """
         m, pub = self.membership, self.publisher
         if m is None or pub is None or pub.last is None:
@@ -716,7 +719,8 @@ class MeshNode:
             "listen_port": self.listen_port, "detector": self.settings.detector,
             "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
             "identity_conflict": _conflict_doc(m.identity_conflict, self.refused),
-            "models": [_model_doc(x, own.node_id, conflicts, own.extensions.get(SPEEDS)) for x in own.models],
+            "models": [_model_doc(x, own.node_id, conflicts, own.extensions.get(SPEEDS),
+                                  own.extensions.get(PREFIXES)) for x in own.models],
             "gpus": [_gpu_doc(g) for g in own.gpus],
         }
         order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.CONFLICT: 2, Liveness.LEFT: 3, Liveness.DEAD: 4}
@@ -728,7 +732,8 @@ class MeshNode:
                 "version": p.version, "generation": p.generation, "boot": p.boot, "seq": p.seq,
                 "rtt_ms": None if p.rtt_ms is None else round(p.rtt_ms, 2),
                 "certificate_not_after": _iso(p.certificate_not_after),
-                "models": [_model_doc(x, p.node_id, conflicts, p.extensions.get(SPEEDS)) for x in p.models],
+                "models": [_model_doc(x, p.node_id, conflicts, p.extensions.get(SPEEDS),
+                                      p.extensions.get(PREFIXES)) for x in p.models],
                 "gpus": [_gpu_doc(g) for g in p.gpus],
                 "identity_conflict": None if p.conflict is None else p.conflict.doc(),
             })
@@ -751,7 +756,7 @@ def _conflict_doc(current: IdentityConflict | None, refused: IdentityConflict | 
 
 
 def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any, str]],
-               speeds: Speeds | None) -> dict[str, Any]:
+               speeds: Speeds | None, prefixes: Prefixes | None = None) -> dict[str, Any]:
     measured = None if speeds is None else speeds.of(model.name)
     return {
         "name": model.name, "engine": model.engine, "kind": model.kind, "slots": model.slots, "busy": model.busy,
@@ -761,6 +766,7 @@ def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any
         # The ``speeds`` extension's figures (tokens/s; null: not published or 0, "not measured").
         "speed": None if measured is None else {"prefill_tps": measured.prefill_tps or None,
                                                 "decode_tps": measured.decode_tps or None},
+        "prefix_digests": None if prefixes is None else len(prefixes.of(model.name)),
     }
 
 

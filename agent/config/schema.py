@@ -284,6 +284,12 @@ class RoutingConfig(_Strict):
     stale_after_ms: int = Field(default=3000, ge=1, le=MAX_DURATION_MS)
     slot_offers: bool = True
     outliers: OutliersConfig = Field(default_factory=OutliersConfig)
+    # Prefix-aware routing (docs/routing.md, "Prefix-aware routing"; agent/serving/prefixes.py).
+    prefix_routing: bool = True
+    prefix_sharing: Literal["tenant", "model"] = "tenant"
+    prefix_index_entries: int = Field(default=16384, ge=16, le=1 << 24)
+    prefix_guard_slots: int = Field(default=2, ge=0, le=1 << 16)
+    prefix_min_blocks: int = Field(default=1, ge=1, le=1 << 16)
 
 
 # How a node finds its peers (mesh.discovery); the default is both, in this order.

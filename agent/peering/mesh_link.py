@@ -11,8 +11,9 @@ supervisor's models and to the pure router (``viiwork.agent.serving.router``):
 
 - the capacity summary is built from the local ``ModelRuntime``s on every gossip round, with
   the ``speeds`` extension when a speed moved by more than its step
-  (``viiwork.agent.peering.speed_ext``) and the ``endpoints`` each model serves
-  (``viiwork.agent.peering.endpoint_ext``);
+  (``viiwork.agent.peering.speed_ext``), the ``endpoints`` each model serves
+  (``viiwork.agent.peering.endpoint_ext``) and the ``prefixes`` extension when the recent
+  prefixes changed, at most every few seconds (``viiwork.agent.peering.prefix_ext``);
 - ``route`` gives the router a fresh picture of local backends and peers;
 - forwarded requests travel over the mesh listener's mutual TLS (``session``), so the
   receiver knows the origin from its certificate, and every request names the peer it is for
@@ -66,13 +67,16 @@ from viiwork.agent.peering.offers import (
     WantError,
     parse_offer,
 )
+from viiwork.agent.peering.prefix_ext import PrefixPublisher
 from viiwork.agent.peering.speed_ext import SpeedPublisher
 from viiwork.agent.serving.body import BodyError, parse_json, read_body
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode, error_response
 from viiwork.agent.serving.pipeline import Call, Handler
+from viiwork.agent.serving.prefix_routing import PrefixRouting, PrefixSettings
 from viiwork.agent.serving.proxy import BROKE, Failed, Refused, Upstream
+from viiwork.agent.serving.route_header import ROUTE_HEADER
 from viiwork.agent.serving.router import (
     Decision,
     LocalModel,
@@ -83,13 +87,14 @@ from viiwork.agent.serving.router import (
     RunOnPeer,
     mesh_models,
 )
+from viiwork.agent.serving.scoring import PrefixQuery
 from viiwork.agent.serving.waitqueue import Queues, WaitQueue
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
 from viiwork.engines.contract import Engine
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.extensions import EMPTY as NO_EXTENSIONS
-from viiwork.mesh.extensions import ENDPOINTS, SPEEDS, Extensions, ExtensionSpec, Priority
+from viiwork.mesh.extensions import ENDPOINTS, PREFIXES, SPEEDS, Extensions, ExtensionSpec, Priority
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -173,14 +178,16 @@ class MeshLink:
     ``queues``: the node's origin queues (shared with the pipeline); ``upstream``: the
     agent's HTTP client, forwards go through it; ``draining``: is the node draining?
     ``ejections``: the node's outlier ejection, shared with the pipeline (default: one from
-    ``routing.outliers``).
+    ``routing.outliers``). ``prefixes``: prefix-aware routing's state, shared with the
+    pipeline (default: one from ``routing.prefix_*``).
     """
 
     in_mesh = True
 
     def __init__(self, config: Config, runtimes: dict[str, ModelRuntime], *, queues: Queues, upstream: Upstream,
                  draining: Callable[[], bool], gpus: Callable[[], GpuInventory] | None = None,
-                 rng: random.Random | None = None, ejections: Ejections | None = None) -> None:
+                 rng: random.Random | None = None, ejections: Ejections | None = None,
+                 prefixes: PrefixRouting | None = None) -> None:
         assert config.mesh is not None
         self.config = config
         self.runtimes = runtimes
@@ -197,6 +204,9 @@ class MeshLink:
         self.session: aiohttp.ClientSession | None = None
         self._fingerprints: dict[str, str | None] = {}
         self.speeds = SpeedPublisher()  # the ``speeds`` extension (agent/peering/speed_ext.py)
+        self.prefixes = prefixes or PrefixRouting(PrefixSettings.from_config(config.routing), runtimes)
+        # The ``prefixes`` extension (agent/peering/prefix_ext.py).
+        self.prefix_publisher = PrefixPublisher(self.prefixes, time.monotonic)
         # This node's extensions by spec (speeds, revocations, ...): published together, since a
         # summary's ``ext`` is one object (MeshNode.set_local_extensions replaces it whole).
         self._extensions: dict[ExtensionSpec[Any], Any] = {}
@@ -294,6 +304,9 @@ class MeshLink:
             self.publish_extension(SPEEDS, ext.get(SPEEDS))  # None: no model measured
         # The endpoints each model serves (agent/peering/endpoint_ext.py): changes only on a reload.
         self.publish_extension(ENDPOINTS, endpoints_of(self.runtimes.values()))
+        published = self.prefix_publisher.update()
+        if published is not None:  # the recent prefixes changed (at most every PUBLISH_MIN_S)
+            self.publish_extension(PREFIXES, published if published.models else None)
         models = []
         for rt in self.runtimes.values():
             cap = rt.capacity()  # the one sum (agent/supervision/backends.py): stale readings left out
@@ -329,12 +342,13 @@ class MeshLink:
         return [PeerSnapshot.from_view(v) for v in self.node.peers()]
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None,
+              prefix: PrefixQuery | None = None) -> Decision:
         assert self.router is not None, "MeshLink.start() first"
         peers = self.peers()
         ejected = self.ejections.ejected_peers(model, (p.node_id for p in peers))
         return self.router.route(model, self.local_models(), peers, affinity=affinity, host=host,
-                                 exclude=exclude, avoid=avoid, ejected=ejected, endpoint=endpoint)
+                                 exclude=exclude, avoid=avoid, ejected=ejected, endpoint=endpoint, prefix=prefix)
 
     def elsewhere(self, model: str, exclude: Collection[NodeId], avoid: Collection[str]) -> bool:
         runtime = self.runtimes.get(model)
@@ -457,6 +471,8 @@ class MeshLink:
                      **forward_headers(call.request), "X-Viiwork-Queued-Ms": headers.get("X-Viiwork-Queued-Ms", "0")}
             if offer_id is not None:
                 extra[OFFER_HEADER] = offer_id
+            if ROUTE_HEADER in headers:  # the origin's hop: the peer answers it with its own
+                extra[ROUTE_HEADER] = headers[ROUTE_HEADER]
             try:
                 # A peer that turns suspect or dead while this forward waits for its first
                 # byte is abandoned and the request routed again.
@@ -464,7 +480,7 @@ class MeshLink:
                     result = await self.upstream.forward(
                         call.request, target, call.body, call.stream, headers, call.request_id,
                         session=self.session, extra_headers=extra,
-                        relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend"), refusable=True,
+                        relay_headers=("X-Viiwork-Node", "X-Viiwork-Backend", ROUTE_HEADER), refusable=True,
                         lost=lost, engine=self.peer_engine(to.node_id, model), strip_usage=call.strip_usage)
             finally:
                 self.reservations.release(token)
@@ -484,11 +500,11 @@ class MeshLink:
         return result
 
     def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None,
-                      priority: Priority = Priority.NORMAL) -> Backend | None:
+                      priority: Priority = Priority.NORMAL, prefer: str | None = None) -> Backend | None:
         """The slot for a forward from ``origin`` (its key's verified ``priority``): the one
-        held for its offer, else a free one; a receiver never queues (None: refused, the
-        origin tries elsewhere)."""
-        backend = self.claim(queue.model, offer_id, origin, priority) or queue.take()
+        held for its offer, else a free one (``prefer``'s when it has one: the backend holding
+        its prefix); a receiver never queues (None: refused, the origin tries elsewhere)."""
+        backend = self.claim(queue.model, offer_id, origin, priority) or queue.take(prefer)
         runtime = self.runtimes.get(queue.model)
         if backend is None and runtime is not None:  # every backend ejected: the last resort
             last = runtime.most_free_outside(())

@@ -58,6 +58,7 @@ from viiwork.agent.serving.errors import Dialect, ErrorCode, as_anthropic, diale
 from viiwork.agent.serving.metrics import MetricSource, build_registry, exposition
 from viiwork.agent.serving.observe import Observers
 from viiwork.agent.serving.pipeline import Call, NoPeers, PeerRefusal, Pipeline
+from viiwork.agent.serving.prefix_routing import PrefixRouting
 from viiwork.agent.serving.proxy import BROKE, FIRST_CHUNK_AT, REFUSED_HEADER, Upstream
 from viiwork.agent.serving.router import Refuse, endpoint_paths
 from viiwork.agent.serving.tokens import ask_stream_usage
@@ -118,6 +119,7 @@ class ClientApi:
         auth: AuthGate | None = None,
         ledger: Ledger | None = None,
         tracing: Tracing | None = None,
+        prefixes: PrefixRouting | None = None,
     ) -> None:
         self.node_name = node_name
         self.body_read_timeout_s = body_read_timeout_s
@@ -143,7 +145,9 @@ class ClientApi:
         self.metric_sources.append(self.accounting.metric_families)
         self.pipeline = Pipeline(node_name=node_name, runtimes=runtimes, queues=self.queues,
                                  peers=mesh or NoPeers(runtimes), upstream=upstream, forward_retry=forward_retry,
-                                 ejections=self.ejections, accounting=self.accounting)
+                                 ejections=self.ejections, accounting=self.accounting,
+                                 prefixes=prefixes or (mesh.prefixes if mesh is not None else None))
+        self.metric_sources.append(self.pipeline.prefixes.metric_families)
         self.status_source = status_source
         self.extra_status = {"outliers": self._outliers_status, "browser": self.browser.status,
                              **(extra_status or {})}
@@ -186,14 +190,16 @@ class ClientApi:
     def sync_models(self) -> None:
         """Follow ``runtimes`` after a reload: the queues watch new models' backends, and a
         model that left (served neither here nor, as far as this node knows, by a peer) loses
-        its series: the request histograms', ``viiwork_responses_total``'s and the usage counters'."""
+        its series: the request histograms', ``viiwork_responses_total``'s, the usage counters' and
+        prefix routing's (its index too)."""
         self.queues.sync()
         labels = (set(self.histograms.models()) | {model for model, _ in self.responses}
-                  | {model for _, model, _ in self.accounting.requests})
+                  | {model for _, model, _ in self.accounting.requests} | self.pipeline.prefixes.models())
         for model in labels:
             if model != "-" and model not in self.runtimes and self.pipeline.peers.kind_of(model) is None:
                 self.histograms.remove(model)
                 self.accounting.forget_model(model)
+                self.pipeline.prefixes.forget_model(model)
                 for key in [k for k in self.responses if k[0] == model]:
                     del self.responses[key]
 
@@ -280,6 +286,7 @@ class ClientApi:
                     affinity=request.headers.get("X-Session-Id") or request.headers.get("X-Session-Affinity"),
                     arrived=started, **_queue_place(request))
         _for_usage(call, payload)
+        call.prefix = self.pipeline.prefixes.key(payload, model, call.tenant)
         outcome = await self.pipeline.run(call)
         response = _render(outcome)
         # A model no node serves is counted as "-": a client cannot grow /metrics at will
@@ -321,6 +328,7 @@ class ClientApi:
                     queued_s=_queued_s(request.headers.get("X-Viiwork-Queued-Ms")),
                     origin=str(peer_of(request) or ""), arrived=arrived, **_queue_place(request))
         _for_usage(call, payload)
+        call.prefix = self.pipeline.prefixes.key(payload, model, call.tenant)
         return _render(await self.pipeline.run_forwarded(call, peer_of(request), request.headers.get(OFFER_HEADER)))
 
     def _refused_early(self, started: float, response: web.StreamResponse, message: str) -> web.StreamResponse:

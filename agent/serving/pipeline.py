@@ -44,8 +44,22 @@ from viiwork.agent.serving.accounting import Accounting
 from viiwork.agent.serving.drain import InFlight
 from viiwork.agent.serving.ejections import Ejections
 from viiwork.agent.serving.errors import ErrorCode
+from viiwork.agent.serving.prefix_routing import PrefixRouting, PrefixSettings
+from viiwork.agent.serving.prefixes import PrefixKey
 from viiwork.agent.serving.proxy import BROKE, Failed, Refused, Upstream
-from viiwork.agent.serving.router import Decision, Queue, Refuse, RunLocal, RunOnPeer, endpoint_refusal
+from viiwork.agent.serving.route_header import ROUTE_HEADER, route_entry, route_from_origin
+from viiwork.agent.serving.router import (
+    ROUTE_LEAST_LOADED,
+    Decision,
+    LocalModel,
+    Queue,
+    Refuse,
+    RunLocal,
+    RunOnPeer,
+    endpoint_refusal,
+    local_by_prefix,
+)
+from viiwork.agent.serving.scoring import PrefixQuery
 from viiwork.agent.serving.waitqueue import Queues, Waiter, WaitQueue
 from viiwork.agent.supervision.backends import Backend, ModelRuntime
 from viiwork.mesh.extensions import Priority
@@ -86,6 +100,9 @@ class Call:
     # A stream whose client did not ask for usage: the agent asked (agent/serving/tokens.py)
     # and removes the usage event from the client's stream.
     strip_usage: bool = False
+    # Its prompt's chained block digests (agent/serving/prefixes.py); None: no prompt, or
+    # prefix routing off.
+    prefix: PrefixKey | None = None
 
 
 class Peers(Protocol):
@@ -103,9 +120,11 @@ class Peers(Protocol):
         """A request pinned to ``host`` (None: not pinned) may run on this node."""
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None,
+              prefix: PrefixQuery | None = None) -> Decision:
         """Where ``model``'s request at ``endpoint`` (None: any) runs now; ``exclude``: peers tried
-        for it, ``avoid``: local backends it failed on."""
+        for it, ``avoid``: local backends it failed on; ``prefix``: its prefix for scoring (None:
+        none)."""
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
                       headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
@@ -127,9 +146,10 @@ class Peers(Protocol):
         """The slot held for ``origin``'s offer ``offer_id``, or None."""
 
     def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None,
-                      priority: Priority = Priority.NORMAL) -> Backend | None:
+                      priority: Priority = Priority.NORMAL, prefer: str | None = None) -> Backend | None:
         """The slot for a request ``origin`` forwarded (its key's verified ``priority``): the
-        one held for its offer, else a free one (never queued); None when there is none."""
+        one held for its offer, else a free one (``prefer``'s when it has one; never queued);
+        None when there is none."""
 
     def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
         """Serve ``handler`` for forwards from peers at ``paths`` (counted in ``in_flight``)."""
@@ -157,10 +177,15 @@ class NoPeers:
         return True  # no other node to pin to: ?host= means nothing here
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None,
+              prefix: PrefixQuery | None = None) -> Decision:
         runtime = self.runtimes[model]
         if endpoint is not None and endpoint not in runtime.endpoints:
             return endpoint_refusal(model, endpoint, runtime.endpoints)
+        if prefix is not None:  # the same score as in a mesh, over this node's backends
+            scored = local_by_prefix(LocalModel.from_runtime(runtime).without(avoid), prefix)
+            if scored is not None:
+                return scored
         best = runtime.most_free()
         if best is None or best.id in avoid:  # every free backend ejected, or this one failed it
             best = runtime.most_free_outside(avoid)
@@ -192,7 +217,7 @@ class NoPeers:
         return None
 
     def admit_forward(self, queue: WaitQueue, offer_id: str | None, origin: NodeId | None,
-                      priority: Priority = Priority.NORMAL) -> Backend | None:
+                      priority: Priority = Priority.NORMAL, prefer: str | None = None) -> Backend | None:
         return None
 
     def accept_forwards(self, handler: Handler, paths: Iterable[str], in_flight: InFlight) -> None:
@@ -208,11 +233,13 @@ class Pipeline:
     the request waits (a refusal) or gets the error (a failure). ``ejections``: the node's
     outlier ejection (default: enabled, with default settings, nobody told). ``accounting``:
     the usage rows of the requests run here (agent/serving/accounting.py; None: none recorded).
+    ``prefixes``: prefix-aware routing's state (agent/serving/prefix_routing.py; default: on,
+    default settings).
     """
 
     def __init__(self, *, node_name: str, runtimes: Mapping[str, ModelRuntime], queues: Queues, peers: Peers,
                  upstream: Upstream, forward_retry: int = 1, ejections: Ejections | None = None,
-                 accounting: Accounting | None = None) -> None:
+                 accounting: Accounting | None = None, prefixes: PrefixRouting | None = None) -> None:
         self.node_name = node_name
         self.runtimes = runtimes
         self.queues = queues
@@ -221,6 +248,7 @@ class Pipeline:
         self.forward_retry = forward_retry
         self.ejections = ejections if ejections is not None else Ejections(runtimes)
         self.accounting = accounting
+        self.prefixes = prefixes if prefixes is not None else PrefixRouting(PrefixSettings(), runtimes)
         self.draining = False
         self.retries = 0  # runs again elsewhere after a failure before the first byte
 
@@ -247,6 +275,7 @@ class Pipeline:
         # Its failures before the first byte, counted for outlier ejection when it ends (_settle).
         held: list[_Held] | None = None
         here = self.peers.is_here(call.host)
+        prefix = self.prefixes.query(model, call.prefix)
         # Never overtake a waiting request served before it (agent/serving/turns.py): wait behind it.
         if queue.ahead(call.host, here, priority=call.priority, tenant=call.tenant):
             if queue.full():
@@ -268,12 +297,12 @@ class Pipeline:
                         offer = None  # it failed there: the peer's hold expires unclaimed
                 decision: Decision
                 if granted is not None:
-                    decision = RunLocal(granted.id)
+                    decision = RunLocal(granted.id, ROUTE_GRANTED)
                 elif offer is not None:  # a peer keeps a slot for this request (slot offers)
-                    decision = RunOnPeer(offer[0], self.peers.peer_name(offer[0]), 1)
+                    decision = RunOnPeer(offer[0], self.peers.peer_name(offer[0]), 1, ROUTE_OFFER)
                 else:
                     decision = self.peers.route(model, host=call.host, affinity=call.affinity, exclude=tried,
-                                                avoid=avoid, endpoint=call.endpoint)
+                                                avoid=avoid, endpoint=call.endpoint, prefix=prefix)
                 # 3a. Run locally.
                 if isinstance(decision, RunLocal):
                     backend = granted or queue.take(decision.backend_id)
@@ -282,6 +311,11 @@ class Pipeline:
                             queue.leave(waiter)
                             waiter = None
                         headers = self._headers(call, started, self.node_name, backend.id)
+                        # (the router's backend was taken meanwhile: the one with most free slots)
+                        route = decision.route if backend.id == decision.backend_id else ROUTE_LEAST_LOADED
+                        headers[ROUTE_HEADER] = route_entry(self.node_name, route)
+                        self.prefixes.routed(model, route)
+                        self.prefixes.served(model, backend.id, call.prefix)
                         self.retries += failed is not None
                         probe = self.ejections.sent(backend)
                         result = await self._run_here(call, queue, backend, headers, probe, hold=True)
@@ -304,6 +338,8 @@ class Pipeline:
                     if waiter is not None:  # not waiting while the forward is in flight
                         queue.dispatch(waiter)
                     headers = self._headers(call, started, decision.name, None)
+                    headers[ROUTE_HEADER] = route_entry(self.node_name, decision.route)
+                    self.prefixes.routed(model, decision.route)
                     self.retries += failed is not None
                     forwarded = await self.peers.forward(call, decision, offer[1] if offer else None, headers)
                     if not isinstance(forwarded, (Refused, Failed)):
@@ -382,13 +418,22 @@ class Pipeline:
                 self._free(queue, held)
             return _refusal(503, "not-served", f"node {self.node_name!r} does not serve model {model!r} at "
                             f"{call.request.path}")
-        backend = self.peers.admit_forward(queue, offer_id, origin, call.priority)
+        runtime = self.runtimes[model]
+        hit = self.prefixes.local_hit(model, call.prefix, (b.id for b in runtime.backends if b.free_slots > 0))
+        backend = self.peers.admit_forward(queue, offer_id, origin, call.priority, hit[0] if hit else None)
         if backend is None:
             return _refusal(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")
+        if hit is not None and backend.id == hit[0]:
+            route = f"prefix-hit blocks={hit[1]}"
+        else:
+            route = ROUTE_OFFER if offer_id else ROUTE_FREE_SLOT
+        self.prefixes.served(model, backend.id, call.prefix)
         log.debug("request %s for %s forwarded by %s runs on %s", call.request_id, model,
                   self.peers.peer_name(origin), backend.id)
         headers = {"X-Viiwork-Node": self.node_name, "X-Viiwork-Backend": backend.id,
-                   "X-Viiwork-Origin": self.peers.peer_name(origin), "X-Request-Id": call.request_id}
+                   "X-Viiwork-Origin": self.peers.peer_name(origin), "X-Request-Id": call.request_id,
+                   ROUTE_HEADER: route_from_origin(call.request.headers.get(ROUTE_HEADER),
+                                                   route_entry(self.node_name, route))}
         # A failure is answered to the origin, which may retry it on another node; counted at once.
         result = await self._run_here(call, queue, backend, headers, self.ejections.sent(backend), hold=False)
         return result.response if isinstance(result, Failed) else result
@@ -419,6 +464,7 @@ class Pipeline:
         end = None if accounting is None else accounting.end_of(
             request_id=call.request_id, tenant=call.tenant, jti=call.jti, model=call.model, origin_node=call.origin,
             queued_s=call.queued_s, arrived=call.arrived)
+        began = asyncio.get_running_loop().time()
         try:
             # The request's row is recorded before its end reaches the client (``end``).
             response = await self.upstream.forward(call.request, backend, call.body, call.stream, headers,
@@ -429,6 +475,8 @@ class Pipeline:
         finally:
             if answer is not None and not (hold and isinstance(answer, Failed)):
                 self._count(backend, answer, probe)
+            if answer is not None and not isinstance(answer, Failed):  # its service time, for prefix scoring
+                self.prefixes.ended(call.model, asyncio.get_running_loop().time() - began)
             self._free(queue, backend)
 
     def _count(self, backend: Backend, answer: web.StreamResponse | Failed, probe: bool) -> None:
@@ -543,6 +591,12 @@ def _hold(held: list[_Held] | None, item: _Held) -> list[_Held]:
         return [item]
     held.append(item)
     return held
+
+
+# Routes of a request the router did not choose (X-Viiwork-Route, docs/routing.md).
+ROUTE_GRANTED = "queued"  # it waited in the origin queue and a local slot was granted to it
+ROUTE_OFFER = "offer"  # a slot a peer offered (slot offers), or a forward claiming one
+ROUTE_FREE_SLOT = "free-slot"  # a forward from a peer took the backend with the most free slots
 
 
 # The code of a refusal to a peer (X-Viiwork-Refused reason), for the origin's logs and relays.

@@ -31,6 +31,12 @@ Rules, in order (docs/routing.md has the reasoning and the measured effect):
    first in that ranking with room takes the request, so a session stays on one node while
    that node has room and moves (to its next node in the ranking, the same for every
    request of that session) only when it is full or gone.
+2b. Prefix (a :class:`~viiwork.agent.serving.scoring.PrefixQuery` given; docs/routing.md,
+   "Prefix-aware routing"): every local backend and fresh peer with a free slot is a
+   candidate, scored by predicted time to first token (agent/serving/scoring.py: wait, round
+   trip, the prompt's uncached part at the candidate's prefill speed) behind the balance
+   guard; the smallest wins when a candidate within the guard holds at least
+   ``min_blocks`` of the prompt. A miss everywhere goes on to rule 3.
 3. A local healthy backend with a free slot (the one with the most free slots): no hop.
 4. A fresh peer (liveness ``alive``, state ``serving``, summary younger than
    ``stale_after_ms``, not in the request's ``exclude`` set) with free slots, counting
@@ -70,9 +76,11 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from viiwork.agent.serving.prefixes import peer_hit
+from viiwork.agent.serving.scoring import Candidate, PrefixQuery, choose
 from viiwork.agent.supervision.backends import ModelRuntime
 from viiwork.engines.contract import CLASSIC_ENDPOINTS, ENDPOINT_PATHS, Endpoint
-from viiwork.mesh.extensions import ENDPOINTS, Endpoints
+from viiwork.mesh.extensions import ENDPOINTS, PREFIXES, SPEEDS, Endpoints, Prefixes, Speeds
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.summary import ModelCapacity, PublishedState
@@ -92,10 +100,13 @@ CLASSIC = frozenset(e.value for e in CLASSIC_ENDPOINTS)
 @dataclass(frozen=True, slots=True)
 class LocalBackend:
     """One local backend of a model: ``backend_id`` and ``free`` slots now (0 when busy, not
-    healthy or draining: only an admitting backend has free slots)."""
+    healthy or draining: only an admitting backend has free slots); ``slots`` (0: unknown) and
+    ``prefill_tps`` (tokens/s, None until measured) for prefix scoring."""
 
     backend_id: str
     free: int
+    slots: int = 0
+    prefill_tps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +134,8 @@ class LocalModel:
         """The picture of one of this node's models now (read it just before routing)."""
         cap = runtime.capacity()
         return cls(name=runtime.name, kind=runtime.config.kind.value,
-                   backends=tuple(LocalBackend(b, free) for b, free in cap.free_by_backend),
+                   backends=tuple(LocalBackend(b, free, backend.slots, backend.speed.prefill_tps)
+                                  for (b, free), backend in zip(cap.free_by_backend, runtime.backends, strict=True)),
                    slots=cap.slots, can_serve=runtime.can_ever_serve,
                    ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine,
                    ejected=tuple(LocalBackend(b, free) for b, free in cap.ejected) if cap.ejected else (),
@@ -153,7 +165,9 @@ class PeerSnapshot:
     ``age_ms``: time since the peer published the summary we hold, by our clock; ``order``:
     the summary's (generation, seq), which tells reservations that a newer summary came;
     ``rtt_ms``: the last measured round trip, None until measured; ``endpoints``: its
-    ``endpoints`` extension, None when it publishes none (every model: :data:`CLASSIC`)."""
+    ``endpoints`` extension, None when it publishes none (every model: :data:`CLASSIC`);
+    ``prefixes`` and ``speeds``: its ``prefixes`` and ``speeds`` extensions (None: it
+    publishes none)."""
 
     node_id: NodeId
     name: str
@@ -164,12 +178,15 @@ class PeerSnapshot:
     models: tuple[ModelCapacity, ...]
     rtt_ms: float | None = None
     endpoints: Endpoints | None = None
+    prefixes: Prefixes | None = None
+    speeds: Speeds | None = None
 
     @classmethod
     def from_view(cls, view: PeerView) -> PeerSnapshot:
         return cls(node_id=view.node_id, name=view.name, liveness=view.liveness, state=view.state,
                    age_ms=float(view.age_ms), order=(view.generation, view.seq), models=view.models,
-                   rtt_ms=view.rtt_ms, endpoints=view.extensions.get(ENDPOINTS))
+                   rtt_ms=view.rtt_ms, endpoints=view.extensions.get(ENDPOINTS),
+                   prefixes=view.extensions.get(PREFIXES), speeds=view.extensions.get(SPEEDS))
 
     def model(self, name: str) -> ModelCapacity | None:
         for m in self.models:
@@ -299,18 +316,36 @@ class Reservations:
 # --- decisions --------------------------------------------------------------------------------
 
 
+# The rule that decided (the X-Viiwork-Route header, docs/routing.md "Explaining a route").
+ROUTE_PINNED = "pinned"
+ROUTE_AFFINITY = "affinity"
+ROUTE_LEAST_LOADED = "least-loaded"
+ROUTE_PROBE = "probe"
+
+
+def route_prefix(blocks: int) -> str:
+    """The route of a prefix decision: a hit of ``blocks`` blocks, or (0) the predicted
+    fastest candidate when a hit elsewhere was not the fastest."""
+    return f"prefix-hit blocks={blocks}" if blocks > 0 else "predicted-ttft"
+
+
 @dataclass(frozen=True, slots=True)
 class RunLocal:
+    """Run on this node's ``backend_id``; ``route``: the rule that chose it."""
+
     backend_id: str
+    route: str = field(default=ROUTE_LEAST_LOADED, compare=False)  # an explanation, not part of the decision
 
 
 @dataclass(frozen=True, slots=True)
 class RunOnPeer:
-    """Forward to ``node_id``; ``free``: the free slots counted for it (for logs)."""
+    """Forward to ``node_id``; ``free``: the free slots counted for it (for logs); ``route``:
+    the rule that chose it."""
 
     node_id: NodeId
     name: str
     free: int
+    route: str = field(default=ROUTE_LEAST_LOADED, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +410,8 @@ class Router:
     def route(self, model: str, local: Mapping[str, LocalModel], peers: Sequence[PeerSnapshot], *,
               affinity: str | None = None, host: str | None = None,
               exclude: Collection[NodeId] = (), avoid: Collection[str] = (),
-              ejected: Collection[NodeId] = (), endpoint: str | None = None) -> Decision:
+              ejected: Collection[NodeId] = (), endpoint: str | None = None,
+              prefix: PrefixQuery | None = None) -> Decision:
         """Decide where a request for ``model`` at ``endpoint`` runs now.
 
         ``local``: this node's models by name; ``peers``: every peer in the mesh table;
@@ -385,7 +421,8 @@ class Router:
         ejected for ``model`` in this node's view (outlier ejection, see the module doc);
         ``endpoint``: the endpoint's name (engines/contract.py ``Endpoint``): only this node and
         the peers that serve it for ``model`` are considered, and when none does (the model is
-        known) 400 ``endpoint_not_supported`` (:func:`endpoint_refusal`); None: any.
+        known) 400 ``endpoint_not_supported`` (:func:`endpoint_refusal`); None: any;
+        ``prefix``: the request's prefix and this node's hits (rule 2b; None: not scored).
         Never raises for any input; errors are :class:`Refuse`.
         """
         for p in peers:
@@ -419,7 +456,11 @@ class Router:
         if affinity:
             chosen = self._by_affinity(affinity, targets)
             if chosen is not None:
-                return self._decision(chosen)
+                return self._decision(chosen, ROUTE_AFFINITY)
+        if prefix is not None:
+            scored = self._by_prefix(model, here, serving, targets, prefix)
+            if scored is not None:
+                return scored
         if here is not None:
             best = _best_local(here)
             if best is not None:
@@ -488,6 +529,31 @@ class Router:
                 return t
         return None
 
+    def _by_prefix(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot],
+                   targets: Sequence[_Target], prefix: PrefixQuery) -> Decision | None:
+        """Rule 2b: score every local backend and routable peer with a free slot."""
+        candidates = _local_candidates(here, prefix, self.self_id) if here is not None else []
+        snapshots = {p.node_id: p for p in serving}
+        for t in targets:
+            if t.local_backend is not None or t.free <= 0:
+                continue
+            p = snapshots[t.node_id]
+            blocks: int | None = None
+            if p.prefixes is not None:
+                blocks = peer_hit(prefix.hex, p.prefixes.set_of(model))
+            speed = p.speeds.of(model) if p.speeds is not None else None
+            tps = float(speed.prefill_tps) if speed is not None and speed.prefill_tps > 0 else None
+            candidates.append(Candidate(t.node_id, None, t.free, t.slots, t.rtt_ms, tps, blocks))
+        scored = choose(candidates, prefix.prompt_bytes, prefix.service_s, prefix.guard)
+        if scored is None:
+            return None
+        c = scored.candidate
+        route = route_prefix(c.blocks or 0)
+        if c.backend_id is not None:
+            return RunLocal(c.backend_id, route)
+        peer = snapshots[NodeId(c.node)]
+        return RunOnPeer(peer.node_id, peer.name, c.free, route)
+
     def _spread(self, remote: list[_Target]) -> _Target:
         most = max(t.free for t in remote)
         near = [t for t in remote if t.free >= most - NEAR_FREE]
@@ -525,12 +591,12 @@ class Router:
                 best = (score, p, cap)
         if best is None or best[0] <= 0:
             return None
-        return RunOnPeer(best[1].node_id, best[1].name, 0)
+        return RunOnPeer(best[1].node_id, best[1].name, 0, ROUTE_PROBE)
 
-    def _decision(self, t: _Target) -> Decision:
+    def _decision(self, t: _Target, route: str = ROUTE_LEAST_LOADED) -> Decision:
         if t.local_backend is not None:
-            return RunLocal(t.local_backend)
-        return RunOnPeer(t.node_id, t.name, t.free)
+            return RunLocal(t.local_backend, route)
+        return RunOnPeer(t.node_id, t.name, t.free, route)
 
     def _pinned(self, model: str, here: LocalModel | None, peers: Sequence[PeerSnapshot], host: str) -> Decision:
         if host in (self.self_id, self.self_name) and not any(p.node_id == host for p in peers):
@@ -544,7 +610,7 @@ class Router:
                               param="host", code="model_not_on_host")
             best = _best_local(here)
             if best is not None:
-                return RunLocal(best.backend_id)
+                return RunLocal(best.backend_id, ROUTE_PINNED)
             if not here.can_serve:
                 return Refuse(503, f"host {host!r} (this node) cannot serve model {model!r} now: no backend "
                               "is healthy or starting", code="no_capacity", retry_after_s=5)
@@ -576,7 +642,7 @@ class Router:
             return Refuse(503, f"host {peer.name!r} ({peer.node_id}) has no backend for {model!r}",
                           code="no_capacity", retry_after_s=5)
         if self.fresh(peer) and self._peer_free(peer, cap) > 0:
-            return RunOnPeer(peer.node_id, peer.name, self._peer_free(peer, cap))
+            return RunOnPeer(peer.node_id, peer.name, self._peer_free(peer, cap), ROUTE_PINNED)
         return Queue(f"pinned to {peer.name}, which has no free slot for {model!r} now "
                      f"({peer.liveness.value}, summary {peer.age_ms:.0f} ms old)")
 
@@ -627,6 +693,18 @@ def endpoint_refusal(model: str, endpoint: str, served: Iterable[str], where: st
 
 
 _KNOWN_ENDPOINTS = frozenset(e.value for e in Endpoint)
+def _local_candidates(here: LocalModel, prefix: PrefixQuery, self_id: str) -> list[Candidate]:
+    return [Candidate(self_id, b.backend_id, b.free, max(b.slots, b.free), 0.0, b.prefill_tps,
+                      prefix.local_hits.get(b.backend_id, 0)) for b in here.backends if b.free > 0]
+
+
+def local_by_prefix(here: LocalModel, prefix: PrefixQuery) -> RunLocal | None:
+    """Rule 2b over this node's backends alone (a node without a mesh): the backend with the
+    smallest predicted TTFT when one within the guard holds a hit, else None."""
+    scored = choose(_local_candidates(here, prefix, ""), prefix.prompt_bytes, prefix.service_s, prefix.guard)
+    if scored is None or scored.candidate.backend_id is None:
+        return None
+    return RunLocal(scored.candidate.backend_id, route_prefix(scored.candidate.blocks or 0))
 
 
 def _best_local(here: LocalModel) -> LocalBackend | None:
@@ -683,5 +761,7 @@ def endpoint_paths(names: Iterable[str]) -> list[str]:
     return sorted(ENDPOINT_PATHS[Endpoint(name)] for name in set(names) if name in _KNOWN_ENDPOINTS)
 
 
-__all__ = ["CLASSIC", "Decision", "LocalBackend", "LocalModel", "PeerSnapshot", "Queue", "Refuse", "Reservation",
-           "Reservations", "Router", "RunLocal", "RunOnPeer", "endpoint_paths", "endpoint_refusal", "mesh_models"]
+__all__ = ["CLASSIC", "ROUTE_AFFINITY", "ROUTE_LEAST_LOADED", "ROUTE_PINNED", "ROUTE_PROBE", "Decision",
+           "LocalBackend", "LocalModel", "PeerSnapshot", "Queue", "Refuse", "Reservation", "Reservations", "Router",
+           "RunLocal", "RunOnPeer", "endpoint_paths", "endpoint_refusal", "local_by_prefix", "mesh_models",
+           "route_prefix"]

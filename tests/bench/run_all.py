@@ -41,7 +41,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BENCH_VENV = ROOT / ".bench-venv"
-BENCH_REQUIREMENTS = ["litellm[proxy]==1.108.7", "py-spy==0.4.3"]
+# sglang-router: the cache-aware router bench_prefix_routing.py compares against (issue 18).
+BENCH_REQUIREMENTS = ["litellm[proxy]==1.108.7", "py-spy==0.4.3", "sglang-router==0.3.2"]
 
 
 @dataclass
@@ -92,6 +93,15 @@ KNOWN: list[Bench] = [
     # One process: 5 modes x 5 rounds x 20000 requests, the SDK's import: ~40 s here (issue 19).
     Bench("bench_trace_context.py", 90, ["-n", "20000", "--rounds", "5"], takes_out=False,
           title="Trace context per request (issue 19)"),
+    # One process, 3 x 20000 timings: ~10 s here (issue 18).
+    Bench("bench_prefix_hashing.py", 60, ["-n", "20000"], takes_out=False,
+          title="Prefix routing: hashing and scoring cost (issue 18)"),
+    # Four real llama-servers behind viiwork (prefix routing on, off), sglang-router and round robin,
+    # sized down for make bench's total: 24 requests a system (~10 min here); the figures in
+    # docs/benchmarks-routing.md are from the larger run its command gives.
+    Bench("bench_prefix_routing.py", 900, ["--requests", "24", "--saturation-requests", "8", "--system-tokens", "600",
+                                           "--no-prefix-workload"], takes_out=False,
+          title="Prefix-aware routing on real llama-servers (issue 18)"),
 ]
 DEFAULT_BUDGET_S = 90
 
@@ -182,6 +192,8 @@ def run_one(bench: Bench, budget_s: float, bench_python: str | None, work: Path,
     args = list(bench.args)
     if bench.script == "bench_overhead.py" and bench_python:
         args += ["--litellm-python", bench_python]
+    if bench.script == "bench_prefix_routing.py" and bench_python:
+        args += ["--sglang-python", bench_python]
     if bench.script == "bench_overhead.py" and baseline:
         args += ["--baseline", baseline, "--other-client"]
     out_file = work / (bench.script + ".md")

@@ -35,6 +35,7 @@ from viiwork.agent.serving.outliers import OutlierSettings
 from viiwork.agent.serving.pipeline import Call, NoPeers, Pipeline
 from viiwork.agent.serving.proxy import Failed, Refused, Upstream
 from viiwork.agent.serving.router import Decision, RunOnPeer
+from viiwork.agent.serving.scoring import PrefixQuery
 from viiwork.agent.serving.waitqueue import Queues
 from viiwork.agent.supervision.backends import Backend, BackendId, BackendState, ModelRuntime
 from viiwork.engines.registry import get_engine
@@ -260,10 +261,12 @@ class OnePeer(NoPeers):
         self.answer, self.peer_first, self.forwards = answer, peer_first, 0
 
     def route(self, model: str, *, host: str | None, affinity: str | None, exclude: set[NodeId],
-              avoid: Collection[str] = (), endpoint: str | None = None) -> Decision:
+              avoid: Collection[str] = (), endpoint: str | None = None,
+              prefix: PrefixQuery | None = None) -> Decision:
         if PEER not in exclude and (self.peer_first or avoid):
             return RunOnPeer(PEER, "p", 1)
-        return super().route(model, host=host, affinity=affinity, exclude=exclude, avoid=avoid, endpoint=endpoint)
+        return super().route(model, host=host, affinity=affinity, exclude=exclude, avoid=avoid, endpoint=endpoint,
+                             prefix=prefix)
 
     async def forward(self, call: Call, to: RunOnPeer, offer_id: str | None,
                       headers: dict[str, str]) -> web.StreamResponse | Refused | Failed:
