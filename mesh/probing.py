@@ -95,6 +95,7 @@ from viiwork.mesh.messages import (
 from viiwork.mesh.probe_codec import MAX_PROBE_ITEMS, decode_any, encode_any
 from viiwork.mesh.publisher import HEARTBEAT_SLACK, LocalPublisher
 from viiwork.mesh.quantise import LoadQuantiser, PublishLimiter, compare_models
+from viiwork.mesh.ratelimit import PeerRateLimiter
 from viiwork.mesh.summary import ModelCapacity, PublishedState, SignedSummary, SummaryError
 from viiwork.mesh.trust import NameConflict, TrustError
 
@@ -103,6 +104,11 @@ Outgoing = tuple[str, Any]
 
 _LIVENESS = {"alive": Liveness.ALIVE, "suspect": Liveness.SUSPECT, "dead": Liveness.DEAD}
 _MAX_SEEN_CLAIMS = 10_000
+# Signature checks one sender may cause per second (load records and claims it sends): a peer
+# that sends forged ones makes this node spend at most this many checks (~110 us each: ~2% of
+# a core), while a mesh of 1,000 needs ~100 a second in all, mostly from different senders.
+VERIFY_PER_SENDER_PER_S = 200.0
+VERIFY_BURST_PER_SENDER = 1000.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,7 @@ class ProbeNode:
         self._sync_count = 0
         self._synced_members = 0
         self._parked: dict[NodeId, LoadRecord] = {}  # records that came before the summary they amend
+        self._verify_budget = PeerRateLimiter(VERIFY_PER_SENDER_PER_S, VERIFY_BURST_PER_SENDER)
         self.on_load: list[Callable[[NodeId, LoadRecord], None]] = []
         """Called with (node id, record) for each load record published here or accepted."""
         now = membership.clock()
@@ -613,7 +620,7 @@ class ProbeNode:
                 self.counters["loads_rejected"] += 1
                 self.m.counters.drop(reason)
             for record in msg.records:
-                self._take_load(record)
+                self._take_load(record, sender)
             return out
         now = self.m.clock()
         self._take_items(sender, address, msg.news, now, out)
@@ -682,7 +689,7 @@ class ProbeNode:
         wants: Entries = {}
         for item in items:
             if isinstance(item, Claim):
-                self._take_claim(item)
+                self._take_claim(item, sender)
                 continue
             if item.node_id == self.m.node_id:
                 continue
@@ -742,7 +749,17 @@ class ProbeNode:
                 out.append(load)
         return tuple(out)
 
-    def _take_load(self, record: LoadRecord) -> None:
+    def _over_budget(self, sender: NodeId | None) -> bool:
+        """True (counted ``verify_budget_exceeded``) when ``sender`` has caused its share of
+        signature checks this second (:data:`VERIFY_PER_SENDER_PER_S`); None (a parked record
+        taken again) is never over."""
+        if sender is None or self._verify_budget.allow(sender, self.m.clock()):
+            return False
+        self.counters["verify_budget_exceeded"] += 1
+        self.m.counters.drop(DropReason.RATE_LIMITED)
+        return True
+
+    def _take_load(self, record: LoadRecord, sender: NodeId | None = None) -> None:
         """A load record: kept when it is newer than both the summary and the record held of
         its node (checked before the signature, so each version is verified once), fits the
         summary it amends (held: else parked until that summary comes, or dropped when the
@@ -768,6 +785,8 @@ class ProbeNode:
         if record.base != rec.order or load_problem(record, rec.summary.payload) is not None:
             self.counters["loads_unfit"] += 1
             self.m.counters.drop(DropReason.MALFORMED)
+            return
+        if self._over_budget(sender):
             return
         try:
             self.m.policy.verify_certificate(rec.cert.der, self.m.wall_clock())
@@ -806,7 +825,7 @@ class ProbeNode:
             return max(held, claim.order)
         return claim.order
 
-    def _take_claim(self, claim: Claim) -> None:
+    def _take_claim(self, claim: Claim, sender: NodeId | None = None) -> None:
         """A claim: verified once (by its signer's certificate), then given to the detector,
         relayed when it is news here, refuted when it is about this node."""
         key = (claim.node_id, claim.order, claim.by, claim.signature)
@@ -820,6 +839,9 @@ class ProbeNode:
         if signer is None:
             self.counters["claims_unknown_signer"] += 1
             self.m.counters.drop(DropReason.UNKNOWN_SIGNER)
+            return
+        if self._over_budget(sender):
+            self._seen_claims.discard(key)  # not judged: a copy from another sender may be
             return
         data = claim_signing_input(self.m.mesh_id, claim.node_id, claim.order, claim.by)
         self.counters["claims_verified"] += 1

@@ -21,8 +21,9 @@ from viiwork.mesh.load_record import (
     load_signing_input,
     sign_load,
 )
-from viiwork.mesh.messages import Gossip, Loads, News, Pull, Push
+from viiwork.mesh.messages import Claim, Gossip, Loads, News, Pull, Push
 from viiwork.mesh.probe_codec import decode_probe_message, encode_probe_message
+from viiwork.mesh.probing import VERIFY_BURST_PER_SENDER
 from viiwork.mesh.sim import SIM_MESH_ID, SimNode, Simulator
 from viiwork.mesh.summary import PROTOCOL_VERSION, MalformedSummary, ModelCapacity, OversizedSummary
 
@@ -239,3 +240,29 @@ def test_a_record_every_announcement_missed_is_repaired_by_the_version_pull():
     assert sim.run_until_true(lambda: observer.probe.version_of(origin.node_id) == rec.order, 20_000, 100), \
         "the missed record was not repaired"
     assert seen_busy(observer, origin) == 8 and observer.probe.counters["version_pulls"] > pulls
+
+
+def test_one_sender_of_forged_records_and_claims_gets_a_bounded_number_of_signature_checks():
+    """A peer that sends load records (or claims) with fresh orders and junk signatures makes
+    this node check each one: at most VERIFY_BURST_PER_SENDER at once, then
+    VERIFY_PER_SENDER_PER_S a second; another sender's genuine record still gets through."""
+    sim = mesh()
+    origin, observer, attacker, honest = sim.nodes[1], sim.nodes[0], sim.nodes[2], sim.nodes[3]
+    base = origin.publisher.last.payload
+    forged = tuple(LoadRecord(origin.node_id, base.generation, base.seq + 10 + i, base.seq, (ModelLoad(i % 8, 0),),
+                              b"\0" * 64) for i in range(3 * int(VERIFY_BURST_PER_SENDER)))
+    verified = observer.probe.counters["loads_verified"]
+    observer.probe.receive(attacker.node_id, attacker.address, Loads(PROTOCOL_VERSION, SIM_MESH_ID, forged))
+    checks = observer.probe.counters["loads_verified"] - verified
+    assert VERIFY_BURST_PER_SENDER <= checks <= VERIFY_BURST_PER_SENDER + 1
+    assert observer.probe.counters["verify_budget_exceeded"] == len(forged) - checks
+    assert observer.membership.counters.drops["rate_limited"] >= len(forged) - checks
+    claims = tuple(Claim(origin.node_id, (base.generation, base.seq), honest.node_id, bytes([i % 256]) * 64) for i in range(300))
+    observer.probe.receive(attacker.node_id, attacker.address, Gossip(PROTOCOL_VERSION, SIM_MESH_ID, claims))
+    assert observer.probe.counters["claims_verified"] <= 1  # the attacker's budget is spent
+    seq = base.seq + 10 + len(forged)
+    sig = origin.signer.sign(load_signing_input(SIM_MESH_ID, origin.node_id, base.generation, seq, base.seq,
+                                                (ModelLoad(5, 0),)))
+    genuine = LoadRecord(origin.node_id, base.generation, seq, base.seq, (ModelLoad(5, 0),), sig)
+    observer.probe.receive(honest.node_id, honest.address, Loads(PROTOCOL_VERSION, SIM_MESH_ID, (genuine,)))
+    assert observer.membership.loads[origin.node_id] == genuine and seen_busy(observer, origin) == 5
