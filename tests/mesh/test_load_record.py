@@ -23,8 +23,8 @@ from viiwork.mesh.load_record import (
 )
 from viiwork.mesh.messages import Claim, Gossip, Loads, News, Pull, Push
 from viiwork.mesh.probe_codec import decode_probe_message, encode_probe_message
-from viiwork.mesh.probing import VERIFY_BURST_PER_SENDER
-from viiwork.mesh.sim import SIM_MESH_ID, SimNode, Simulator
+from viiwork.mesh.probing import MAX_UNKNOWN_PULLS_PER_MESSAGE, VERIFY_BURST_PER_SENDER
+from viiwork.mesh.sim import SIM_MESH_ID, SimNode, Simulator, sim_node_id
 from viiwork.mesh.summary import PROTOCOL_VERSION, MalformedSummary, ModelCapacity, OversizedSummary
 
 ACCEPTED = (PROTOCOL_VERSION - 2, PROTOCOL_VERSION - 1, PROTOCOL_VERSION)
@@ -266,3 +266,19 @@ def test_one_sender_of_forged_records_and_claims_gets_a_bounded_number_of_signat
     genuine = LoadRecord(origin.node_id, base.generation, seq, base.seq, (ModelLoad(5, 0),), sig)
     observer.probe.receive(honest.node_id, honest.address, Loads(PROTOCOL_VERSION, SIM_MESH_ID, (genuine,)))
     assert observer.membership.loads[origin.node_id] == genuine and seen_busy(observer, origin) == 5
+
+
+def test_news_about_many_unknown_nodes_opens_a_bounded_number_of_pulls():
+    """A message naming 1,024 made-up node ids opened 1,024 pulls; now at most
+    MAX_UNKNOWN_PULLS_PER_MESSAGE (a join is found by the digest exchange), and news about
+    known nodes in the same message are pulled as before."""
+    sim = mesh()
+    observer, sender, origin = sim.nodes[0], sim.nodes[2], sim.nodes[1]
+    base = origin.publisher.last.payload
+    made_up = tuple(News(sim_node_id(10_000 + i), (1, 5)) for i in range(1000))
+    out = observer.probe.receive(sender.node_id, sender.address, Gossip(
+        PROTOCOL_VERSION, SIM_MESH_ID, (*made_up, News(origin.node_id, (base.generation, base.seq + 3)))))
+    pulls = [msg for _, msg in out if isinstance(msg, Pull)]
+    assert len(pulls) == 1
+    assert len(pulls[0].wants) == MAX_UNKNOWN_PULLS_PER_MESSAGE + 1 and origin.node_id in pulls[0].wants
+    assert observer.probe.counters["news_unknown_skipped"] == len(made_up) - MAX_UNKNOWN_PULLS_PER_MESSAGE
