@@ -437,6 +437,12 @@ class Router:
             here_serves = here is not None and endpoint in here.endpoints
             serves = [p for p in serving if endpoint in p.endpoints_of(model)]
             if not here_serves and not serves:
+                if host is not None:  # the pinned node's own refusal names it (or the host's fault)
+                    pinned = self._pinned_endpoint(model, endpoint, here, here_serves, peers, host)
+                    if pinned is None and isinstance(decided := self._pinned(model, here, peers, host), Refuse):
+                        pinned = decided
+                    if pinned is not None:
+                        return pinned
                 served = set(here.endpoints) if here is not None else set()
                 for p in serving:
                     served |= p.endpoints_of(model)

@@ -221,6 +221,18 @@ def test_a_request_pinned_to_a_node_without_the_endpoint_is_refused_naming_the_n
         peers[1].node_id, "q", 4)
 
 
+def test_a_pinned_request_for_an_endpoint_nothing_serves_gets_the_pinned_nodes_own_refusal() -> None:
+    """The mesh-wide "nothing serves it" refusal came first and named no node, and a node
+    without the model answered endpoint_not_supported instead of model_not_on_host."""
+    peers = [_peer("p", endpoints=_endpoints(m={"chat"})), _peer("r", _cap("other"))]
+    named = _router().route(M, _local({"chat"}), peers, endpoint="rerank", host="p")
+    assert isinstance(named, Refuse) and named.code == "endpoint_not_supported" and "'p'" in named.message
+    elsewhere = _router().route(M, _local({"chat"}), peers, endpoint="rerank", host="r")
+    assert isinstance(elsewhere, Refuse) and elsewhere.code == "model_not_on_host"
+    unpinned = _router().route(M, _local({"chat"}), peers, endpoint="rerank")
+    assert isinstance(unpinned, Refuse) and unpinned.code == "endpoint_not_supported" and " on " not in unpinned.message
+
+
 def test_a_busy_peer_that_serves_the_endpoint_means_wait_not_refuse() -> None:
     busy = dataclasses.replace(_cap(), busy=4)
     peers = [_peer("p", busy, endpoints=_endpoints(m={"rerank"}))]
