@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives import serialization
 from viiwork.mesh import tls
 from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
 from viiwork.mesh.candidates import unreachable_line
+from viiwork.mesh.detector import DetectorSettings
 from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.extensions import SPEEDS, Extensions, Speeds
@@ -134,7 +135,7 @@ class MeshSettings:
     connect_timeout_s: float = 1.0
     exchange_timeout_s: float = 2.0
     seed_dials_at_once: int = SEED_DIALS_AT_ONCE
-    detector: Literal["heartbeat", "probe"] = "heartbeat"
+    detector: Literal["heartbeat", "probe"] = "probe"
     probe: ProbeSettings = field(default_factory=ProbeSettings)
 
     @classmethod
@@ -150,6 +151,11 @@ class MeshSettings:
                                   suspect_after_ms=mesh.suspect_after_ms, dead_after_ms=mesh.dead_after_ms,
                                   max_peers=mesh.max_peers),
             version=version, detector=mesh.detector,
+            probe=ProbeSettings(detector=DetectorSettings(
+                probe_interval_ms=mesh.probe_interval_ms, probe_timeout_ms=mesh.probe_timeout_ms,
+                indirect_checks=mesh.indirect_checks, suspicion_mult=mesh.suspicion_mult,
+                # the relays' pings plus a round trip, as the default (600 for 200)
+                indirect_timeout_ms=3 * mesh.probe_timeout_ms)),
         )
 
 

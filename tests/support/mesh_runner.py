@@ -105,7 +105,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connect-timeout-s", type=float, default=0.5)
     ap.add_argument("--exchange-timeout-s", type=float, default=1.0)
     ap.add_argument("--host", default="127.0.0.1", help="listen, advertise and run mDNS on this address")
-    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="heartbeat")
+    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="probe")
     ap.add_argument("--view-file", help="write the /v1/mesh document here every 200 ms")
     ap.add_argument("--log-level", default="WARNING")
     return ap.parse_args(argv)
