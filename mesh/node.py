@@ -45,6 +45,7 @@ from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.extensions import SPEEDS, Extensions, Speeds
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
+from viiwork.mesh.load_record import apply_load
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
 from viiwork.mesh.persist import PendingWrites, state_dir_fault
 from viiwork.mesh.pins import PINS_FILE, PinStore
@@ -715,14 +716,19 @@ class MeshNode:
         conflicts = m.model_conflicts()
         trust = self.settings.trust
         own = pub.last.payload
+        # What peers hold of this node: the summary, amended by a newer load record of it
+        # (probe mode; docs/mesh.md, "Load records", the freshness rule).
+        own_models, own_seq, record = own.models, own.seq, pub.last_load
+        if record is not None and (record.generation, record.base_seq) == (own.generation, own.seq):
+            own_models, own_seq = apply_load(own.models, record), record.seq
         me = {
             "id": own.node_id, "name": own.name, "api": own.api, "mesh": own.mesh, "mesh_id": m.mesh_id,
             "trust": trust, "protocol": own.protocol, "speaks": own.speaks, "version": own.version,
-            "generation": own.generation, "boot": own.boot, "seq": own.seq, "state": own.state.value,
+            "generation": own.generation, "boot": own.boot, "seq": own_seq, "state": own.state.value,
             "listen_port": self.listen_port, "detector": self.settings.detector,
             "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
             "identity_conflict": _conflict_doc(m.identity_conflict, self.refused),
-            "models": [_model_doc(x, own.node_id, conflicts, own.extensions.get(SPEEDS)) for x in own.models],
+            "models": [_model_doc(x, own.node_id, conflicts, own.extensions.get(SPEEDS)) for x in own_models],
             "gpus": [_gpu_doc(g) for g in own.gpus],
         }
         order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.CONFLICT: 2, Liveness.LEFT: 3, Liveness.DEAD: 4}

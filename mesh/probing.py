@@ -39,6 +39,11 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
 - **Anti-entropy** at a low rate: one digest exchange with one random live member (and the
   due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
   probe interval while no member is known.
+- **Partitions heal**: every ``dead_probe_ms`` (jittered) a node pings one random member it
+  holds ``dead``, carrying the claim it holds about it. A member that was only cut off or
+  frozen learns it is suspected and refutes (a newer summary, whose news rides its ack), so
+  it is ``alive`` again within seconds of the network healing, not at its next republication
+  (``republish_ms``); a member that is really gone costs one refused connection.
 - **Heartbeat-mode peers** (a rolling upgrade, docs/mesh.md "Rolling upgrade"): a member the
   transport reports as not speaking probe mode (:meth:`ProbeNode.heartbeat_only`) is judged
   as heartbeat mode judges it (by the age of its newest summary against the membership's
@@ -125,6 +130,9 @@ class ProbeSettings:
       nodes this one lacks altogether), and every round while the table grew since the last;
       the others pull every member at the version held (the only repair of a load record
       that every copy of its news missed).
+    - ``dead_probe_ms`` (2500): one member held dead is pinged about this often (0.5x-1.5x
+      jitter), with the claim about it: how a partition or a long freeze heals. Heartbeat
+      mode's ``probe_dead_per_round`` (0.1 per 500 ms round) is every 5 s on average.
     """
 
     detector: DetectorSettings = field(default_factory=DetectorSettings)
@@ -138,9 +146,10 @@ class ProbeSettings:
     pull_timeout_ms: float = 100.0
     pull_attempts: int = 3
     digest_every: int = 4
+    dead_probe_ms: float = 2500.0
 
     def __post_init__(self) -> None:
-        for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms"):
+        for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms", "dead_probe_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"probe.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("gossip_nodes", "piggyback_bytes", "gossip_bytes", "retransmit_mult", "pull_attempts", "digest_every"):
@@ -204,7 +213,8 @@ class ProbeNode:
         the table's ``bad_signature`` drop), claims_unknown_signer, claims_seen (duplicates and
         this node's own, not verified again), pulls_sent, refutations, heartbeat_peers
         (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them),
-        relay_acks / relay_nacks (ping-reqs served: the target answered / did not)."""
+        relay_acks / relay_nacks (ping-reqs served: the target answered / did not), dead_probes
+        (pings of members held dead: "Partitions heal")."""
         self._wanted: tuple[ModelCapacity, ...] | None = None
         self._ping_ids = 0
         self._run: _Run | None = None
@@ -225,6 +235,7 @@ class ProbeNode:
         self._next_gossip = now
         self._next_sync = now
         self._next_heartbeat = now
+        self._next_dead_probe = now + settings.dead_probe_ms
         membership.liveness_hook = self._liveness
         membership.on_update.append(self._on_update)
 
@@ -354,9 +365,9 @@ class ProbeNode:
         if parked is not None and parked.base == order:
             self._take_load(parked)
         if rec.summary.payload.state is PublishedState.LEAVING:
+            # Still probed while it drains (its requests in flight): a leaving peer that freezes
+            # is silent (Membership.silent) like any other; once gone, it is suspected and dead.
             self._heartbeaters.pop(node_id, None)
-            self.detector.remove(node_id)
-            return
         boot = self._heartbeaters.get(node_id)
         if boot is not None:
             if boot == rec.summary.payload.boot:
@@ -373,7 +384,7 @@ class ProbeNode:
     def next_wakeup(self) -> float:
         """Clock time (ms) by which :meth:`poll` should run next."""
         now = self.m.clock()
-        times = [now + 250.0, self._next_sync]
+        times = [now + 250.0, self._next_sync, self._next_dead_probe]
         due = self.detector.due()
         if due is not None:
             times.append(due)
@@ -418,6 +429,8 @@ class ProbeNode:
                     out.append((self._address(nid), Gossip(self.m.protocol, self.m.mesh_id, items)))
         if now >= self._next_sync:
             self._sync(now, out)
+        if now >= self._next_dead_probe:
+            self._probe_dead(now, out)
         if self._heartbeaters and now >= self._next_heartbeat:
             self._heartbeat_round(now, out)  # after _sync: its targets are read from _syncs
         return out
@@ -464,6 +477,20 @@ class ProbeNode:
                 out.append((t.address, self.m.make_digest(t)))
             else:
                 out.append((t.address, self._version_pull()))
+
+    def _probe_dead(self, now: float, out: list[Outgoing]) -> None:
+        """Ping one random member held dead, with the claim held about it (module doc,
+        "Partitions heal"). Its ack is not awaited: what it carries (the refutation's news) is
+        taken as any message's items are."""
+        self._next_dead_probe = now + self.settings.dead_probe_ms * self.rng.uniform(0.5, 1.5)
+        dead = [nid for nid in self._members if self.detector.state(nid) == "dead" and nid in self.m.records]
+        if not dead:
+            return
+        target = self.rng.choice(dead)
+        self._ping_ids += 1  # not in _pings: an ack to it finishes nothing
+        self.counters["dead_probes"] += 1
+        out.append((self._address(target), Ping(self.m.protocol, self.m.mesh_id, self._ping_ids,
+                                                self._items(target))))
 
     def _version_pull(self) -> Pull:
         """Anti-entropy for load records (which digests do not list): a pull of every member
