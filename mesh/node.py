@@ -199,6 +199,7 @@ class MeshNode:
         # ended yet: when none is left, one line names the ones that did not answer.
         self._first_seeds: list[str] = []
         self._first_seeds_left: set[str] | None = None
+        self._round_dials: list[GossipTarget] = []  # probe mode: this round's candidates
         self._pins: PinStore | None = None
         # Writes into the state dir that failed while running, retried (mesh/persist.py).
         self.writes = PendingWrites()
@@ -526,6 +527,9 @@ class MeshNode:
         while True:
             self._refresh_local()
             wire.send(probe.poll())
+            if self._round_dials:  # one round's candidates together: the first round's line names them all
+                dials, self._round_dials = self._round_dials, []
+                self._start_dials(dials)
             now = time.monotonic()
             if now >= chores_at:
                 chores_at = now + self.settings.gossip.gossip_interval_ms / 1000.0
@@ -540,8 +544,8 @@ class MeshNode:
         """A digest exchange the probe core asked for (anti-entropy, seeds): seeds and mDNS
         addresses through the dials (their backoff), members as one exchange task."""
         if target.candidate:
-            if target.address not in self._dialing:
-                self._start_dials([target])
+            if target.address not in self._dialing and target not in self._round_dials:
+                self._round_dials.append(target)  # dialed by _probe_loop once the round is out
             return
         client = self._client
         if client is None or len(self._exchanges) >= 4 * self.settings.gossip.fanout + 4:
