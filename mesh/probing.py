@@ -463,7 +463,8 @@ class ProbeNode:
         live = [t for t in targets if not t.candidate][:1]
         chosen = live + [t for t in targets if t.candidate]
         alone = not any(self.detector.state(nid) == "alive" for nid in self._members)
-        interval = self.settings.detector.probe_interval_ms if alone else self.settings.sync_interval_ms
+        fast = alone or self._racing(now)
+        interval = self.settings.detector.probe_interval_ms if fast else self.settings.sync_interval_ms
         self._next_sync = now + interval * self.rng.uniform(0.75, 1.25)
         self._syncs.clear()
         self._sync_count += 1
@@ -474,9 +475,35 @@ class ProbeNode:
         for t in chosen:
             if t.candidate or alone or joining or self._sync_count % self.settings.digest_every == 0:
                 self._syncs[t.address] = t
-                out.append((t.address, self.m.make_digest(t)))
+                digest = self.m.make_digest(t)
+                out.append((t.address, Digest(digest.protocol, digest.mesh_id, self._self_check(digest.entries))))
             else:
                 out.append((t.address, self._version_pull()))
+
+    def _racing(self, now: float) -> bool:
+        """Another boot of this node id was heard lately (within two anti-entropy intervals):
+        a previous run, or a clone racing this one. Anti-entropy then runs every probe
+        interval, so that the race's steps (each boot outranking the other's summary, which
+        reaches it through its self-check) come as fast as heartbeats would bring them and the
+        clone rule, timed by ``dead_after_ms``, can see both boots publishing at once."""
+        own = self.m.self_summary
+        boot = None if own is None else own.payload.boot
+        window = 2 * self.settings.sync_interval_ms
+        return any(b != boot and now - s.last_ms < window for b, s in self.m.self_boots.boots.items())
+
+    def _self_check(self, entries: Entries) -> Entries:
+        """``entries`` with this node's own version lowered by one ``seq``, so that the peer
+        answers with what it holds of this node at the current version: this node's summary
+        (dropped here as our own) or, when another agent runs with this node's key at the same
+        ``(generation, seq)``, that one's, which starts the race the clone rule reads
+        (mesh/clones.py, docs/mesh.md "One node per identity"). Heartbeats end such a tie at
+        the next round; with change-only publishing nothing else would (~500 B per
+        anti-entropy round)."""
+        own = self.m.self_summary
+        if own is None:
+            return entries
+        generation, seq = own.payload.order
+        return {**entries, self.m.node_id: (generation, max(0, seq - 1))}
 
     def _probe_dead(self, now: float, out: list[Outgoing]) -> None:
         """Ping one random member held dead, with the claim held about it (module doc,
@@ -500,10 +527,10 @@ class ProbeNode:
         for nid in self.m.records:
             version = self.version_of(nid)
             wants[nid] = (0, 0) if version is None or self.m.orders.get(nid) == (0, 0) else version
-        if len(wants) > MAX_PROBE_ITEMS:
-            wants = dict(self.rng.sample(sorted(wants.items()), MAX_PROBE_ITEMS))
+        if len(wants) > MAX_PROBE_ITEMS - 1:
+            wants = dict(self.rng.sample(sorted(wants.items()), MAX_PROBE_ITEMS - 1))
         self.counters["version_pulls"] += 1
-        return Pull(self.m.protocol, self.m.mesh_id, wants)
+        return Pull(self.m.protocol, self.m.mesh_id, self._self_check(wants))
 
     def sync_target(self, address: str) -> GossipTarget | None:
         """The anti-entropy target a ``Digest`` returned by :meth:`poll` for ``address`` was
@@ -711,9 +738,9 @@ class ProbeNode:
             if isinstance(item, Claim):
                 self._take_claim(item)
                 continue
-            if item.node_id == self.m.node_id:
-                continue
             held = self.version_of(item.node_id)
+            if item.node_id == self.m.node_id and (held is None or item.order <= held):
+                continue  # our own news coming back (a newer one is another boot's: pulled, below)
             if held is not None and held >= item.order:
                 continue
             pending = self._pulls.get(item.node_id)
