@@ -40,8 +40,8 @@ from cryptography.hazmat.primitives import serialization
 from viiwork.mesh import tls
 from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
 from viiwork.mesh.candidates import unreachable_line
-from viiwork.mesh.detector import DetectorSettings
 from viiwork.mesh.clones import IdentityConflict
+from viiwork.mesh.detector import DetectorSettings
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.extensions import SPEEDS, Extensions, Speeds
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
-import dataclasses
 import os
 import random
 import signal
