@@ -57,8 +57,9 @@ goal. At 1,000 nodes bytes bind before verifications: each publication costs eve
 ~400 bytes (its news sent 8 times, a pull, a record), so ``n / 8`` (125/s) came to ~57 kB/s
 per node at the cap, over issue 16's 50 kB/s, and ``n / 10`` to ~45 kB/s
 (docs/benchmarks-mesh.md, "The news queue at 1,000 nodes"); the routing simulation's goal
-still holds at a 10 s interval (docs/benchmarks-routing.md). The floor of 250 ms is half a gossip round (``gossip_interval_ms`` 500): a change is
-never held for more than one round at 10 nodes. These are upper bounds; with quantisation a
+still holds at a 10 s interval (docs/benchmarks-routing.md). The floor of 250 ms is half a
+gossip round (``gossip_interval_ms`` 500): a change is never held for more than one round at
+10 nodes. These are upper bounds; with quantisation a
 node changes bucket much less often than twice a second, so the measured rate is lower
 (``tests/mesh/test_quantise.py`` prints it).
 
