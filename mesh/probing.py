@@ -236,6 +236,7 @@ class ProbeNode:
         self._next_sync = now
         self._next_heartbeat = now
         self._next_dead_probe = now + settings.dead_probe_ms
+        self._started = now
         membership.liveness_hook = self._liveness
         membership.on_update.append(self._on_update)
 
@@ -481,14 +482,17 @@ class ProbeNode:
                 out.append((t.address, self._version_pull()))
 
     def _racing(self, now: float) -> bool:
-        """Another boot of this node id was heard lately (within two anti-entropy intervals):
-        a previous run, or a clone racing this one. Anti-entropy then runs every probe
-        interval, so that the race's steps (each boot outranking the other's summary, which
-        reaches it through its self-check) come as fast as heartbeats would bring them and the
-        clone rule, timed by ``dead_after_ms``, can see both boots publishing at once."""
+        """This node started lately, or another boot of its id was heard lately (each: within
+        two anti-entropy intervals): a previous run, or a clone racing this one. Anti-entropy
+        then runs every probe interval, so that the self-check finds a clone soon after a start
+        and the race's steps (each boot outranking the other's summary, which reaches it
+        through its self-check) come as fast as heartbeats would bring them: the clone rule,
+        timed by ``dead_after_ms``, sees both boots publishing at once."""
+        window = 2 * self.settings.sync_interval_ms
+        if now - self._started < window:
+            return True
         own = self.m.self_summary
         boot = None if own is None else own.payload.boot
-        window = 2 * self.settings.sync_interval_ms
         return any(b != boot and now - s.last_ms < window for b, s in self.m.self_boots.boots.items())
 
     def _self_check(self, entries: Entries) -> Entries:
