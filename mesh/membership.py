@@ -487,8 +487,9 @@ class Membership:
         return self._silent(rec, self._liveness_of(rec, now), now)
 
     def _silent(self, rec: _Record, liveness: Liveness, now: float) -> bool:
-        if self.liveness_hook is not None:  # probe mode: silence is the detector's suspicion
-            return liveness in (Liveness.SUSPECT, Liveness.DEAD)
+        if self.liveness_hook is not None:  # probe mode: silence is the detector's suspicion,
+            # whatever the peer publishes (a leaving peer is probed until it has gone)
+            return self.liveness_hook(rec.summary.payload.node_id) in (Liveness.SUSPECT, Liveness.DEAD)
         return now - rec.heard_at >= self.suspect_ms
 
     # --- accepting summaries ------------------------------------------------------------------

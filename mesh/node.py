@@ -41,9 +41,11 @@ from viiwork.mesh import tls
 from viiwork.mesh.boot import BOOT_FILE, next_boot, store_generation
 from viiwork.mesh.candidates import unreachable_line
 from viiwork.mesh.clones import IdentityConflict
+from viiwork.mesh.detector import DetectorSettings
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
 from viiwork.mesh.extensions import PREFIXES, SPEEDS, Extensions, Prefixes, Speeds
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
+from viiwork.mesh.load_record import apply_load
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
 from viiwork.mesh.persist import PendingWrites, state_dir_fault
 from viiwork.mesh.pins import PINS_FILE, PinStore
@@ -134,7 +136,7 @@ class MeshSettings:
     connect_timeout_s: float = 1.0
     exchange_timeout_s: float = 2.0
     seed_dials_at_once: int = SEED_DIALS_AT_ONCE
-    detector: Literal["heartbeat", "probe"] = "heartbeat"
+    detector: Literal["heartbeat", "probe"] = "probe"
     probe: ProbeSettings = field(default_factory=ProbeSettings)
 
     @classmethod
@@ -150,6 +152,11 @@ class MeshSettings:
                                   suspect_after_ms=mesh.suspect_after_ms, dead_after_ms=mesh.dead_after_ms,
                                   max_peers=mesh.max_peers),
             version=version, detector=mesh.detector,
+            probe=ProbeSettings(detector=DetectorSettings(
+                probe_interval_ms=mesh.probe_interval_ms, probe_timeout_ms=mesh.probe_timeout_ms,
+                indirect_checks=mesh.indirect_checks, suspicion_mult=mesh.suspicion_mult,
+                # the relays' pings plus a round trip, as the default (600 for 200)
+                indirect_timeout_ms=3 * mesh.probe_timeout_ms)),
         )
 
 
@@ -192,6 +199,7 @@ class MeshNode:
         # ended yet: when none is left, one line names the ones that did not answer.
         self._first_seeds: list[str] = []
         self._first_seeds_left: set[str] | None = None
+        self._round_dials: list[GossipTarget] = []  # probe mode: this round's candidates
         self._pins: PinStore | None = None
         # Writes into the state dir that failed while running, retried (mesh/persist.py).
         self.writes = PendingWrites()
@@ -519,6 +527,9 @@ class MeshNode:
         while True:
             self._refresh_local()
             wire.send(probe.poll())
+            if self._round_dials:  # one round's candidates together: the first round's line names them all
+                dials, self._round_dials = self._round_dials, []
+                self._start_dials(dials)
             now = time.monotonic()
             if now >= chores_at:
                 chores_at = now + self.settings.gossip.gossip_interval_ms / 1000.0
@@ -533,8 +544,8 @@ class MeshNode:
         """A digest exchange the probe core asked for (anti-entropy, seeds): seeds and mDNS
         addresses through the dials (their backoff), members as one exchange task."""
         if target.candidate:
-            if target.address not in self._dialing:
-                self._start_dials([target])
+            if target.address not in self._dialing and target not in self._round_dials:
+                self._round_dials.append(target)  # dialed by _probe_loop once the round is out
             return
         client = self._client
         if client is None or len(self._exchanges) >= 4 * self.settings.gossip.fanout + 4:
@@ -712,15 +723,20 @@ class MeshNode:
         conflicts = m.model_conflicts()
         trust = self.settings.trust
         own = pub.last.payload
+        # What peers hold of this node: the summary, amended by a newer load record of it
+        # (probe mode; docs/mesh.md, "Load records", the freshness rule).
+        own_models, own_seq, record = own.models, own.seq, pub.last_load
+        if record is not None and (record.generation, record.base_seq) == (own.generation, own.seq):
+            own_models, own_seq = apply_load(own.models, record), record.seq
         me = {
             "id": own.node_id, "name": own.name, "api": own.api, "mesh": own.mesh, "mesh_id": m.mesh_id,
             "trust": trust, "protocol": own.protocol, "speaks": own.speaks, "version": own.version,
-            "generation": own.generation, "boot": own.boot, "seq": own.seq, "state": own.state.value,
+            "generation": own.generation, "boot": own.boot, "seq": own_seq, "state": own.state.value,
             "listen_port": self.listen_port, "detector": self.settings.detector,
             "suspect_after_ms": round(m.suspect_ms), "dead_after_ms": round(m.dead_ms),
             "identity_conflict": _conflict_doc(m.identity_conflict, self.refused),
             "models": [_model_doc(x, own.node_id, conflicts, own.extensions.get(SPEEDS),
-                                  own.extensions.get(PREFIXES)) for x in own.models],
+                                  own.extensions.get(PREFIXES)) for x in own_models],
             "gpus": [_gpu_doc(g) for g in own.gpus],
         }
         order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.CONFLICT: 2, Liveness.LEFT: 3, Liveness.DEAD: 4}

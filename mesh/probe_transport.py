@@ -200,7 +200,7 @@ class ProbeTransport:
         """One message to ``address`` (whose TLS peer must be ``node_id`` when known); the
         answer's messages go to the core, and what it returns is sent in turn."""
         session = self._session
-        if session is None:
+        if session is None or session.closed:  # stopping: the session went first
             return
         headers = {"Content-Type": "application/json"}
         if node_id is not None:
@@ -221,6 +221,8 @@ class ProbeTransport:
         except (aiohttp.ClientError, OSError, ssl.SSLError) as exc:
             self.counters["probe_failed"] += 1
             log.debug("probe to %s: %s: %s", address, type(exc).__name__, exc)
+            return
+        except RuntimeError:  # "Session is closed": the node stopped while this one was queued
             return
         if status == 404:  # no probe endpoint there: a heartbeat-mode node (rolling upgrade)
             self.counters["probe_unsupported"] += 1

@@ -39,6 +39,11 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
 - **Anti-entropy** at a low rate: one digest exchange with one random live member (and the
   due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
   probe interval while no member is known.
+- **Partitions heal**: every ``dead_probe_ms`` (jittered) a node pings one random member it
+  holds ``dead``, carrying the claim it holds about it. A member that was only cut off or
+  frozen learns it is suspected and refutes (a newer summary, whose news rides its ack), so
+  it is ``alive`` again within seconds of the network healing, not at its next republication
+  (``republish_ms``); a member that is really gone costs one refused connection.
 - **Heartbeat-mode peers** (a rolling upgrade, docs/mesh.md "Rolling upgrade"): a member the
   transport reports as not speaking probe mode (:meth:`ProbeNode.heartbeat_only`) is judged
   as heartbeat mode judges it (by the age of its newest summary against the membership's
@@ -135,6 +140,9 @@ class ProbeSettings:
       nodes this one lacks altogether), and every round while the table grew since the last;
       the others pull every member at the version held (the only repair of a load record
       that every copy of its news missed).
+    - ``dead_probe_ms`` (2500): one member held dead is pinged about this often (0.5x-1.5x
+      jitter), with the claim about it: how a partition or a long freeze heals. Heartbeat
+      mode's ``probe_dead_per_round`` (0.1 per 500 ms round) is every 5 s on average.
     """
 
     detector: DetectorSettings = field(default_factory=DetectorSettings)
@@ -148,9 +156,10 @@ class ProbeSettings:
     pull_timeout_ms: float = 100.0
     pull_attempts: int = 3
     digest_every: int = 4
+    dead_probe_ms: float = 2500.0
 
     def __post_init__(self) -> None:
-        for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms"):
+        for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms", "dead_probe_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"probe.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("gossip_nodes", "piggyback_bytes", "gossip_bytes", "retransmit_mult", "pull_attempts", "digest_every"):
@@ -214,7 +223,8 @@ class ProbeNode:
         the table's ``bad_signature`` drop), claims_unknown_signer, claims_seen (duplicates and
         this node's own, not verified again), pulls_sent, refutations, heartbeat_peers
         (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them),
-        relay_acks / relay_nacks (ping-reqs served: the target answered / did not)."""
+        relay_acks / relay_nacks (ping-reqs served: the target answered / did not), dead_probes
+        (pings of members held dead: "Partitions heal")."""
         self._wanted: tuple[ModelCapacity, ...] | None = None
         self._ping_ids = 0
         self._run: _Run | None = None
@@ -236,6 +246,8 @@ class ProbeNode:
         self._next_gossip = now
         self._next_sync = now
         self._next_heartbeat = now
+        self._next_dead_probe = now + settings.dead_probe_ms
+        self._started = now
         membership.liveness_hook = self._liveness
         membership.on_update.append(self._on_update)
 
@@ -365,9 +377,9 @@ class ProbeNode:
         if parked is not None and parked.base == order:
             self._take_load(parked)
         if rec.summary.payload.state is PublishedState.LEAVING:
+            # Still probed while it drains (its requests in flight): a leaving peer that freezes
+            # is silent (Membership.silent) like any other; once gone, it is suspected and dead.
             self._heartbeaters.pop(node_id, None)
-            self.detector.remove(node_id)
-            return
         boot = self._heartbeaters.get(node_id)
         if boot is not None:
             if boot == rec.summary.payload.boot:
@@ -384,7 +396,7 @@ class ProbeNode:
     def next_wakeup(self) -> float:
         """Clock time (ms) by which :meth:`poll` should run next."""
         now = self.m.clock()
-        times = [now + 250.0, self._next_sync]
+        times = [now + 250.0, self._next_sync, self._next_dead_probe]
         due = self.detector.due()
         if due is not None:
             times.append(due)
@@ -429,6 +441,8 @@ class ProbeNode:
                     out.append((self._address(nid), Gossip(self.m.protocol, self.m.mesh_id, items)))
         if now >= self._next_sync:
             self._sync(now, out)
+        if now >= self._next_dead_probe:
+            self._probe_dead(now, out)
         if self._heartbeaters and now >= self._next_heartbeat:
             self._heartbeat_round(now, out)  # after _sync: its targets are read from _syncs
         return out
@@ -461,7 +475,8 @@ class ProbeNode:
         live = [t for t in targets if not t.candidate][:1]
         chosen = live + [t for t in targets if t.candidate]
         alone = not any(self.detector.state(nid) == "alive" for nid in self._members)
-        interval = self.settings.detector.probe_interval_ms if alone else self.settings.sync_interval_ms
+        fast = alone or self._racing(now)
+        interval = self.settings.detector.probe_interval_ms if fast else self.settings.sync_interval_ms
         self._next_sync = now + interval * self.rng.uniform(0.75, 1.25)
         self._syncs.clear()
         self._sync_count += 1
@@ -472,9 +487,52 @@ class ProbeNode:
         for t in chosen:
             if t.candidate or alone or joining or self._sync_count % self.settings.digest_every == 0:
                 self._syncs[t.address] = t
-                out.append((t.address, self.m.make_digest(t)))
+                digest = self.m.make_digest(t)
+                out.append((t.address, Digest(digest.protocol, digest.mesh_id, self._self_check(digest.entries))))
             else:
                 out.append((t.address, self._version_pull()))
+
+    def _racing(self, now: float) -> bool:
+        """This node started lately, or another boot of its id was heard lately (each: within
+        two anti-entropy intervals): a previous run, or a clone racing this one. Anti-entropy
+        then runs every probe interval, so that the self-check finds a clone soon after a start
+        and the race's steps (each boot outranking the other's summary, which reaches it
+        through its self-check) come as fast as heartbeats would bring them: the clone rule,
+        timed by ``dead_after_ms``, sees both boots publishing at once."""
+        window = 2 * self.settings.sync_interval_ms
+        if now - self._started < window:
+            return True
+        own = self.m.self_summary
+        boot = None if own is None else own.payload.boot
+        return any(b != boot and now - s.last_ms < window for b, s in self.m.self_boots.boots.items())
+
+    def _self_check(self, entries: Entries) -> Entries:
+        """``entries`` with this node's own version lowered by one ``seq``, so that the peer
+        answers with what it holds of this node at the current version: this node's summary
+        (dropped here as our own) or, when another agent runs with this node's key at the same
+        ``(generation, seq)``, that one's, which starts the race the clone rule reads
+        (mesh/clones.py, docs/mesh.md "One node per identity"). Heartbeats end such a tie at
+        the next round; with change-only publishing nothing else would (~500 B per
+        anti-entropy round)."""
+        own = self.m.self_summary
+        if own is None:
+            return entries
+        generation, seq = own.payload.order
+        return {**entries, self.m.node_id: (generation, max(0, seq - 1))}
+
+    def _probe_dead(self, now: float, out: list[Outgoing]) -> None:
+        """Ping one random member held dead, with the claim held about it (module doc,
+        "Partitions heal"). Its ack is not awaited: what it carries (the refutation's news) is
+        taken as any message's items are."""
+        self._next_dead_probe = now + self.settings.dead_probe_ms * self.rng.uniform(0.5, 1.5)
+        dead = [nid for nid in self._members if self.detector.state(nid) == "dead" and nid in self.m.records]
+        if not dead:
+            return
+        target = self.rng.choice(dead)
+        self._ping_ids += 1  # not in _pings: an ack to it finishes nothing
+        self.counters["dead_probes"] += 1
+        out.append((self._address(target), Ping(self.m.protocol, self.m.mesh_id, self._ping_ids,
+                                                self._items(target))))
 
     def _version_pull(self) -> Pull:
         """Anti-entropy for load records (which digests do not list): a pull of every member
@@ -484,10 +542,10 @@ class ProbeNode:
         for nid in self.m.records:
             version = self.version_of(nid)
             wants[nid] = (0, 0) if version is None or self.m.orders.get(nid) == (0, 0) else version
-        if len(wants) > MAX_PROBE_ITEMS:
-            wants = dict(self.rng.sample(sorted(wants.items()), MAX_PROBE_ITEMS))
+        if len(wants) > MAX_PROBE_ITEMS - 1:
+            wants = dict(self.rng.sample(sorted(wants.items()), MAX_PROBE_ITEMS - 1))
         self.counters["version_pulls"] += 1
-        return Pull(self.m.protocol, self.m.mesh_id, wants)
+        return Pull(self.m.protocol, self.m.mesh_id, self._self_check(wants))
 
     def sync_target(self, address: str) -> GossipTarget | None:
         """The anti-entropy target a ``Digest`` returned by :meth:`poll` for ``address`` was
@@ -696,9 +754,9 @@ class ProbeNode:
             if isinstance(item, Claim):
                 self._take_claim(item, sender)
                 continue
-            if item.node_id == self.m.node_id:
-                continue
             held = self.version_of(item.node_id)
+            if item.node_id == self.m.node_id and (held is None or item.order <= held):
+                continue  # our own news coming back (a newer one is another boot's: pulled, below)
             if held is not None and held >= item.order:
                 continue
             if held is None:

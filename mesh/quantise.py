@@ -23,7 +23,9 @@ the boundary, keeps the conservative rule without exception: the published free 
 never above the true one at the moment of publication (a free slot that is not there costs a
 refused forward; one that is there and unpublished costs a little spread, which slot offers,
 ``viiwork.agent.peering.offers``, recover). Reaching 0 or 1 free, and leaving 0 or 1, is
-always immediate and exact.
+always immediate and exact; so is reaching every slot free (``free == slots``: an idle model,
+the best target a router can have, whose bucket's margin may lie above ``slots``: with 4
+slots, ``[4,7]`` would need 5 free and could never be published).
 
 **Queue presence.** ``waiting`` None stays None (unknown is never 0), 0 stays 0, more than 0
 is published as 1: a router needs "someone is queued there", not how many.
@@ -97,16 +99,18 @@ def hysteresis_margin(lower: int) -> int:
     return max(1, lower // 4)
 
 
-def _quantised_free(free: int, previous: int | None) -> int:
-    """The published free count for a true ``free``, given the one published before
-    (``previous``, None for a model not seen yet); see the module doc."""
+def _quantised_free(free: int, previous: int | None, slots: int) -> int:
+    """The published free count for a true ``free`` of ``slots``, given the one published
+    before (``previous``, None for a model not seen yet); see the module doc."""
+    if free >= slots:
+        return free  # every slot free: exact and immediate
     lower, _ = free_bucket(free)
     if free <= 1 or previous is None or previous <= 1 or free < previous:
         return lower  # exact at 0 and 1; immediate from 0/1 and on the way down
     # free >= previous: rise only to a bucket whose margin the true count has passed.
     if free < lower + hysteresis_margin(lower):
         lower //= 2
-    return max(previous, lower)
+    return max(free_bucket(previous)[0], lower)  # previous may be an exact "every slot free"
 
 
 class LoadQuantiser:
@@ -129,7 +133,7 @@ class LoadQuantiser:
         for model in models:
             if model.name in seen:
                 raise ValueError(f"model {model.name!r} appears twice")
-            free = _quantised_free(model.free, self._free.get(model.name))
+            free = _quantised_free(model.free, self._free.get(model.name), model.slots)
             seen[model.name] = free
             waiting = None if model.waiting is None else min(model.waiting, 1)
             out.append(dataclasses.replace(model, busy=model.slots - free, waiting=waiting))

@@ -48,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             f"FILE must be a regular file of at most {MAX_CONFIG_BYTES // 2**20} MiB. "
             "A valid file with no [[models]] (an empty file too) gets a warning and exit 2: "
             "the agent accepts it but serves nothing. "
+            "Keys deprecated by the mesh's detector are named in a warning too (exit status unchanged). "
             f"Without FILE: the running local agent's config (as `viiworkctl status` finds it), else {DEFAULT_CONFIG_PATH}."
         ),
     )
@@ -137,13 +138,17 @@ def run_check(args: argparse.Namespace) -> int:
         f"api {cfg.api.listen}, {'mesh ' + cfg.mesh.trust if cfg.mesh else 'standalone'}"
     )
     warnings = [] if cfg.models else [NO_MODELS]
+    # Keys that still load but no longer do what they did (the agent logs the same at start);
+    # they do not change the exit status: the file is valid and serves.
+    deprecations = cfg.mesh.deprecations() if cfg.mesh else []
     if args.json:
         print(json.dumps({"ok": True, "file": str(args.file), "host_checked": not args.offline,
                           "models": [m.name for m in cfg.models],
-                          "backends": backends, "summary": summary, "warnings": warnings}))
+                          "backends": backends, "summary": summary, "warnings": warnings,
+                          "deprecations": deprecations}))
     else:
         print(summary)
-        for warning in warnings:
+        for warning in warnings + deprecations:
             print(f"{quote_path(args.file)}: warning: {warning}", file=sys.stderr)
     return 2 if warnings else 0
 

@@ -320,7 +320,13 @@ class MeshConfig(_Strict):
     # How members find out who is alive (docs/mesh.md, "Probe mode"): "heartbeat" (every node
     # re-signs its summary every round; liveness from its age) or "probe" (SWIM probing,
     # summaries re-signed on change only; gossip_interval_ms then paces the capacity reads).
-    detector: Literal["heartbeat", "probe"] = "heartbeat"
+    detector: Literal["heartbeat", "probe"] = "probe"
+    # Probe mode's failure detector (docs/mesh.md, "Probe mode"): these time it there, in place
+    # of suspect_after_ms / dead_after_ms (which then judge heartbeat-mode peers only).
+    probe_interval_ms: int = Field(default=500, ge=10, le=60_000)
+    probe_timeout_ms: int = Field(default=200, ge=1, le=60_000)
+    indirect_checks: int = Field(default=4, ge=0, le=16)
+    suspicion_mult: int = Field(default=4, ge=1, le=64)
 
     _listen = field_validator("listen")(classmethod(lambda cls, v: _check_listen(v)))
 
@@ -378,6 +384,10 @@ class MeshConfig(_Strict):
                 "trust = \"ca\" requires ca_certificate (the mesh CA's certificate; "
                 "create one with `viiworkctl mesh ca init --out DIR`)"
             ))
+        if self.probe_timeout_ms >= self.probe_interval_ms:
+            raise PathError(("probe_timeout_ms",), (
+                f"probe_timeout_ms = {self.probe_timeout_ms} must be less than probe_interval_ms "
+                f"({self.probe_interval_ms}): one probe's ping must end before the next probe starts"))
         if self.dead_after_ms <= self.suspect_after_ms:
             raise PathError(("dead_after_ms",), "dead_after_ms must be greater than suspect_after_ms")
         # A heartbeat needs rounds to spread (docs/mesh.md, "Larger meshes"): a timeout
@@ -388,6 +398,31 @@ class MeshConfig(_Strict):
                     f"{key} = {getattr(self, key)} must be at least {rounds} gossip rounds "
                     f"({rounds} * gossip_interval_ms = {rounds * self.gossip_interval_ms})"))
         return self
+
+
+    def deprecations(self) -> list[str]:
+        """Warnings for heartbeat keys set in the file whose role probe mode took over (issue 16
+        item 5): [] in heartbeat mode, or when none of them is set. One line at most: the agent
+        logs it once at start and ``viiworkctl config check`` prints it (docs/configuration.md)."""
+        if self.detector != "probe":
+            return []
+        timing = [k for k in ("suspect_after_ms", "dead_after_ms") if k in self.model_fields_set]
+        pacing = [k for k in ("gossip_interval_ms", "fanout") if k in self.model_fields_set]
+        if not timing and not pacing:
+            return []
+        parts = []
+        if timing:
+            parts.append(
+                f"failure detection is no longer timed by {' and '.join(timing)} but by probes (probe_interval_ms, "
+                "probe_timeout_ms, indirect_checks, suspicion_mult); only heartbeat-mode peers (a rolling upgrade) "
+                f"are still judged by {'them' if len(timing) > 1 else 'it'}")
+        if pacing:
+            parts.append(
+                f"gossip is no longer paced by {' and '.join(pacing)}: changes spread as news on probes "
+                "(every 200 ms to 3 members); only the capacity reads, the leave announcement and heartbeats "
+                f"to heartbeat-mode peers still follow {'them' if len(pacing) > 1 else 'it'}")
+        return [f"mesh: deprecated with detector = \"probe\": {'; '.join(parts)} "
+                "(docs/configuration.md, \"[mesh]\"; remove the key, or set detector = \"heartbeat\")"]
 
 
 class AuthConfig(_Strict):

@@ -197,6 +197,8 @@ class MeshLink:
         self.ejections = ejections or Ejections.from_config(runtimes, config.routing.outliers)
         self.gpus = gpus  # callable: the latest GPU inventory (published with the capacity)
         self.rng = rng or random.Random()
+        for line in config.mesh.deprecations():  # heartbeat keys that probe mode took over
+            log.warning("%s", line)
         self.node = MeshNode(MeshSettings.from_config(config.mesh, config.node, config.api.listen, __version__),
                              provider=self._capacity, rng=random.Random(self.rng.random()))
         self.reservations = Reservations(clock=lambda: time.monotonic() * 1000.0)

@@ -1,23 +1,24 @@
 """Mesh benchmark with real processes: N MeshNodes on 127.0.0.1, real mutual TLS, real Ed25519.
 
 Each node is tests/support/mesh_runner.py (open trust, seeds only: node 0 is everyone's
-seed) with the default gossip settings (500 ms rounds, fanout 3, suspect 2 s, dead 10 s)
-unless overridden. Prints:
+seed) with the default settings (probe mode; heartbeat mode: 500 ms rounds, fanout 3,
+suspect 2 s, dead 10 s) unless overridden. Every node serves one model of ``--slots`` (8)
+slots whose load moves one slot up or down ``--churn-per-s`` (2) times a second at random
+(issue 16's realistic load; 0: a quiet mesh). Prints:
 
 - join: time until every node sees every other as alive (after the last process is up);
-- change p50/p99: a node changes its published load; time until each other node shows it
-  (polled every 50 ms over HTTP, so figures carry up to ~50 ms of polling delay);
+- change p50/p99: a node (its churn stopped) changes its published load to ``slots - 1`` or
+  ``slots`` busy (1 or 0 free: published exactly by the quantiser); time until each other
+  node shows it, pooled over 5 changes (polled over HTTP, ``GET /v1/brief``: the figures
+  carry up to one sweep of polling delay, printed as ``sweep_ms``);
 - per node, steady state over ``--steady-s``: CPU (user+sys of the whole process: Python,
-  TLS, HTTP, JSON and crypto), bytes sent, signature verifications per second, and the
-  share of CPU those verifications cost (Ed25519 verify timed here);
-- not-alive / dead: from SIGKILL of one node until each other node shows it suspect / dead.
-
-``--detector probe`` runs probe mode (docs/mesh.md, "Probe mode"): the load changes are then
-3 and 4 busy of 4 slots (1 and 0 free: buckets the quantiser publishes exactly) and the
-suspect/dead settings do not apply.
+  TLS, HTTP, JSON and crypto), bytes sent (the JSON the mesh counts, not TLS/HTTP), signature
+  verifications per second, and the share of CPU those verifications cost (Ed25519 verify
+  timed here);
+- not-alive / dead: from SIGKILL of one node until each other node shows it not alive / dead.
 
 Usage: .venv/bin/python tests/bench/bench_mesh_processes.py [--nodes 10] [--steady-s 20]
-       [--detector heartbeat|probe]
+       [--detector probe|heartbeat] [--slots 8] [--churn-per-s 2]
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=int, default=500)
     ap.add_argument("--suspect-ms", type=int, default=2000)
     ap.add_argument("--dead-ms", type=int, default=10000)
-    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="heartbeat")
+    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="probe")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--churn-per-s", type=float, default=2.0)
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
     seed_port = free_port()
@@ -88,23 +91,41 @@ def main(argv: list[str] | None = None) -> int:
             argv_i = [sys.executable, str(RUNNER), "--state", str(tmp / f"n{i}"), "--name", f"n{i}", "--trust", "open",
                       "--mesh-id", "bench", "--discovery", "seeds", "--model", f"m{i}",
                       "--interval-ms", str(args.interval_ms), "--suspect-ms", str(args.suspect_ms),
-                      "--dead-ms", str(args.dead_ms), "--detector", args.detector]
+                      "--dead-ms", str(args.dead_ms), "--detector", args.detector, "--slots", str(args.slots),
+                      "--churn-per-s", str(args.churn_per_s)]
             if i == 0:
                 argv_i += ["--mesh-port", str(seed_port)]
             else:
                 argv_i += ["--seeds", f"127.0.0.1:{seed_port}"]
-            proc = subprocess.Popen(argv_i, stdout=subprocess.PIPE, stderr=open(tmp / f"n{i}.log", "wb"))
-            procs.append(proc)
-            infos.append(json.loads(proc.stdout.readline()))
+            with open(tmp / f"n{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(argv_i, stdout=subprocess.PIPE, stderr=log))
+        for i, proc in enumerate(procs):  # started together: their imports overlap
+            line = proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"node {i} exited: {(tmp / f'n{i}.log').read_text()[-2000:]}")
+            infos.append(json.loads(line))
         urls = [f"http://127.0.0.1:{info['api_port']}" for info in infos]
         up_at = time.monotonic()
+        sweeps: list[float] = []
 
-        def alive_counts() -> list[int]:
-            return [sum(1 for n in get(u + "/v1/mesh")["nodes"] if n["liveness"] == "alive") for u in urls]
+        def briefs(which: list[int]) -> dict[int, dict[str, list]]:
+            started = time.monotonic()
+            out = {i: get(urls[i] + "/v1/brief") for i in which}
+            sweeps.append(time.monotonic() - started)
+            return out
 
-        while min(alive_counts()) < args.nodes - 1:
-            if time.monotonic() - up_at > 60:
-                raise SystemExit("did not converge in 60 s")
+        everyone = list(range(args.nodes))
+        said = up_at
+        while True:
+            alive = sorted(sum(1 for v in b.values() if v[0] == "alive") for b in briefs(everyone).values())
+            if alive[0] >= args.nodes - 1:
+                break
+            if time.monotonic() - said > 10:  # progress, on a slow machine
+                said = time.monotonic()
+                print(f"join: {time.monotonic() - up_at:.0f} s, peers alive per node min {alive[0]} median "
+                      f"{alive[len(alive) // 2]} of {args.nodes - 1}", file=sys.stderr)
+            if time.monotonic() - up_at > 300:
+                raise SystemExit("did not converge in 300 s")
             time.sleep(0.05)
         join_s = time.monotonic() - up_at
 
@@ -112,18 +133,24 @@ def main(argv: list[str] | None = None) -> int:
         change_ms: list[float] = []
         for k, origin in enumerate([1, args.nodes // 2, args.nodes - 1, 2, 3]):
             origin %= args.nodes
-            busy = 3 + k % 2 if args.detector == "probe" else 1 + k % 3
+            node_id = infos[origin]["node_id"]
+            seen_busy = get(urls[(origin + 1) % args.nodes] + "/v1/brief")[node_id][1]
+            busy = args.slots - 1 if seen_busy == args.slots else args.slots  # 1 or 0 free: exact, and a change
             post(urls[origin] + "/v1/busy", {"busy": busy})
             t0 = time.monotonic()
             pending = {i for i in range(args.nodes) if i != origin}
-            node_id = infos[origin]["node_id"]
             while pending and time.monotonic() - t0 < 20:
-                for i in list(pending):
-                    doc = get(urls[i] + "/v1/mesh")
-                    if any(n["id"] == node_id and n["models"][0]["busy"] == busy for n in doc["nodes"]):
+                for i, brief in briefs(sorted(pending)).items():
+                    if brief[node_id][1] == busy:
                         change_ms.append((time.monotonic() - t0) * 1000)
                         pending.discard(i)
-                time.sleep(0.05)
+                time.sleep(0.02)
+            if pending:
+                print(f"change {k}: {len(pending)} node(s) did not see it within 20 s", file=sys.stderr)
+
+        if args.churn_per_s > 0:  # the origins churn again for the steady window
+            for origin in {o % args.nodes for o in (1, args.nodes // 2, args.nodes - 1, 2, 3)}:
+                post(urls[origin] + "/v1/busy", {"busy": args.slots // 2, "churn": True})
 
         # Steady state cost.
         before = [get(u + "/v1/counters") for u in urls]
@@ -145,18 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         dead: dict[int, float] = {}
         while len(dead) < args.nodes - 1 and time.monotonic() - t_kill < max(args.dead_ms / 1000, 15) + 30:
             for i in range(args.nodes - 1):
-                for n in get(urls[i] + "/v1/mesh")["nodes"]:
-                    if n["id"] != victim_id:
-                        continue
-                    now_ms = (time.monotonic() - t_kill) * 1000
-                    if n["liveness"] != "alive":
-                        not_alive.setdefault(i, now_ms)
-                    if n["liveness"] == "dead":
-                        dead.setdefault(i, now_ms)
-            time.sleep(0.05)
+                liveness = get(urls[i] + "/v1/brief")[victim_id][0]
+                now_ms = (time.monotonic() - t_kill) * 1000
+                if liveness != "alive":
+                    not_alive.setdefault(i, now_ms)
+                if liveness == "dead":
+                    dead.setdefault(i, now_ms)
+            time.sleep(0.02)
 
         rows = {
-            "detector": args.detector, "nodes": args.nodes, "join_s": round(join_s, 2),
+            "detector": args.detector, "nodes": args.nodes, "churn_per_s": args.churn_per_s,
+            "join_s": round(join_s, 2), "sweep_ms": round(1000 * statistics.median(sweeps)),
             "change_p50_ms": round(pct(change_ms, 0.5)), "change_p99_ms": round(pct(change_ms, 0.99)),
             "cpu_per_node_%": round(100 * statistics.mean(cpu), 2),
             "bytes_sent_per_node_s": round(statistics.mean(sent)),

@@ -51,3 +51,8 @@ async def test_an_agent_forwards_to_a_probe_mode_peer_whose_summary_is_old(tmp_p
                     await r.read()
         # Change-only: the few summaries b signed are its load changes, not one per round.
         assert published <= 8, published
+        # gossip_interval_ms is set in probe mode: one warning at start names what replaced it.
+        for agent in (a, b):
+            lines = [ln for ln in agent.log_text().splitlines() if 'deprecated with detector = "probe"' in ln]
+            assert len(lines) == 1, agent.log_text()[-3000:]
+            assert "WARNING" in lines[0] and "gossip is no longer paced by gossip_interval_ms" in lines[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from support.mesh_crypto import chat_model
-from support.mesh_nodes import enrol, loopback_settings, make_ca, wait_for
+from support.mesh_nodes import enrol, gossip_ok, loopback_settings, make_ca, wait_for
 from viiwork.mesh.membership import Liveness
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.summary import PublishedState
@@ -141,9 +141,17 @@ ca_certificate = "{tmp_path / 'ca.crt'}"
 seeds = ["10.0.0.2:8087"]
 gossip_interval_ms = 250
 fanout = 4
+probe_interval_ms = 800
+probe_timeout_ms = 300
+indirect_checks = 2
+suspicion_mult = 5
 """)
     cfg = load_config(path)
     s = MeshSettings.from_config(cfg.mesh, cfg.node, cfg.api.listen, "1.2.3")
+    d = s.probe.detector
+    assert s.detector == "probe"  # the default
+    assert (d.probe_interval_ms, d.probe_timeout_ms, d.indirect_checks, d.suspicion_mult) == (800, 300, 2, 5)
+    assert d.indirect_timeout_ms == 900  # the relays' two pings and a round trip
     assert (s.name, s.trust, s.seeds, s.listen, s.api_listen) == ("gpu-01", "ca", ("10.0.0.2:8087",), "0.0.0.0:8087",
                                                                   "0.0.0.0:8086")
     assert s.gossip.gossip_interval_ms == 250 and s.gossip.fanout == 4 and s.gossip.dead_after_ms == 10_000
@@ -168,9 +176,8 @@ async def test_a_peer_that_never_answers_does_not_stall_gossip(tmp_path):
     try:
         await wait_for(lambda: alive_peers(a) == {"b"} and alive_peers(b) == {"a"}, 5, "a and b despite the hole")
         await wait_for(lambda: a.membership.counters.transport["exchange_timeout"] >= 1, 5, "the hole to time out")
-        before = a.membership.counters.transport["exchanges_ok"]
-        await wait_for(lambda: a.membership.counters.transport["exchanges_ok"] >= before + 5, 5,
-                       "gossip with b to keep going")
+        before = gossip_ok(a)
+        await wait_for(lambda: gossip_ok(a) >= before + 5, 5, "gossip with b to keep going")
     finally:
         await a.stop(leave=False)
         await b.stop(leave=False)
@@ -232,8 +239,8 @@ async def test_idle_tls_connections_in_an_open_mesh_are_capped_and_closed(tmp_pa
                                        seeds=(f"127.0.0.1:{b.listen_port}",)))
         await a.start()
         await wait_for(lambda: alive_peers(a) == {"b"} and alive_peers(b) == {"a"}, 5, "a and b to gossip")
-        before = a.membership.counters.transport["exchanges_ok"]
-        await wait_for(lambda: a.membership.counters.transport["exchanges_ok"] >= before + 5, 5, "gossip to go on")
+        before = gossip_ok(a)
+        await wait_for(lambda: gossip_ok(a) >= before + 5, 5, "gossip to go on")
         assert a.membership.counters.transport["exchange_failed"] == 0
     finally:
         for w in held:

@@ -11,6 +11,7 @@ from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness
 from viiwork.mesh.messages import NEWS_BYTES, Claim, Gossip, News, Ping, PingReq, Push, claim_signing_input, item_size
+from viiwork.mesh.probing import ProbeSettings
 from viiwork.mesh.quantise import LoadQuantiser
 from viiwork.mesh.sim import SIM_MESH_ID, Simulator, sim_node_id
 from viiwork.mesh.summary import ModelCapacity
@@ -195,3 +196,24 @@ def test_gossip_messages_carry_up_to_gossip_bytes_of_news_while_probes_carry_pig
         assert settings.gossip_bytes - NEWS_BYTES < sum(item_size(i) for i in msg.news) <= settings.gossip_bytes
     piggyback = probe._items(sim.nodes[1].node_id)
     assert settings.piggyback_bytes - NEWS_BYTES < sum(item_size(i) for i in piggyback) <= settings.piggyback_bytes
+
+
+def test_a_partition_heals_within_seconds_not_at_the_next_republication():
+    """Each side declares the other dead; once healed, a ping of a member held dead carries the
+    claim about it, the member refutes, and its news rides the ack (ProbeSettings.dead_probe_ms).
+    Without that, nothing newer is published until ``republish_ms`` (60 s)."""
+    sim = probe_mesh(6, seed=21)
+    left, right = [0, 1, 2], [3, 4, 5]
+
+    def across(want: Liveness) -> bool:
+        return all(sim.view_of(a, b) is want and sim.view_of(b, a) is want for a in left for b in right)
+
+    sim.partition([left, right])
+    assert sim.run_until_true(lambda: across(Liveness.DEAD), 30_000, 100), "the halves did not declare each other dead"
+    dead_probes = sum(n.probe.counters["dead_probes"] for n in sim.nodes)
+    sim.heal()
+    healed = sim.now
+    assert sim.run_until_true(lambda: across(Liveness.ALIVE), 15_000, 100), "the halves did not find each other again"
+    assert sim.now - healed < 15_000 < ProbeSettings().republish_ms
+    assert sum(n.probe.counters["dead_probes"] for n in sim.nodes) > dead_probes
+    assert sum(n.probe.counters["refutations"] for n in sim.nodes) >= 1

@@ -104,6 +104,14 @@ def test_hysteresis_does_not_apply_when_leaving_one() -> None:
     assert published_frees([1, 2, 1, 2, 4]) == [1, 2, 1, 2, 2]
 
 
+def test_every_slot_free_is_published_exactly_and_at_once() -> None:
+    # 4 slots: [4,7] would need 5 free, so an idle model stayed "2 free" for good (a router
+    # saw half of it taken). 8 slots: [8,15] needs 10. 6 slots: 6 is inside [4,7].
+    assert published_frees([0, 3, 4, 2, 4], slots=4) == [0, 2, 4, 2, 4]
+    assert published_frees([8, 5, 8, 7], slots=8) == [8, 4, 8, 4]
+    assert published_frees([6, 5, 6], slots=6) == [6, 4, 6]
+
+
 def test_small_buckets_margin_is_one() -> None:
     assert [hysteresis_margin(lo) for lo in (2, 4, 8, 16, 64)] == [1, 1, 2, 4, 16]
     assert published_frees([3, 4, 5, 4, 3]) == [2, 2, 4, 4, 2]
@@ -161,7 +169,7 @@ def test_published_free_never_exceeds_true_free_and_stays_close(seq: list[tuple[
         out = q.quantise([true])[0]
         assert out.free <= true.free  # conservative at the moment of publication
         assert out.busy == out.slots - out.free and out.busy >= 0
-        if true.free <= 1:
+        if true.free <= 1 or true.free == true.slots:  # exact at 0, 1 and every slot free
             assert out.free == true.free
         else:
             lower = out.free

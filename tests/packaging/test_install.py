@@ -9,6 +9,9 @@ CI=true). Bounded: the build is given 8 minutes, the install test 12.
 
 The install test gates its mesh assertions by a capability check (the agent serves
 GET /v1/mesh once [mesh] is configured), so that it can test builds from before the mesh.
+The mesh step includes the mixed-protocol step: 99079c7's package (the last protocol-2
+release, built from this repository's history by its own build-deb once and cached) beside
+this one.
 This wrapper tests the current tree, whose agent has the mesh, so it passes --require-mesh:
 an agent that stops serving the mesh fails here instead of skipping the mesh step.
 VIIWORK_ALLOW_NO_MESH=1 lifts that (then ``test_mesh_through_packages`` skips, naming the check).
@@ -95,3 +98,6 @@ def test_mesh_through_packages(install_run):
     out = install_run["stdout"]
     assert "mesh formed; host 1 serves host" in out
     assert "mixed-version mesh" in out
+    # Issue 16 item 5: 99079c7's package (protocol 2, heartbeats) beside this one (probe mode).
+    assert "mixed protocols (99079c7's" in out and "serve each other and stay alive to each other" in out
+    assert float(install_run["mixed_step_s"]) > 0

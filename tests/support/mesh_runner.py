@@ -8,16 +8,23 @@
 Everything binds 127.0.0.1 only (mDNS too), or ``--host`` (a namespace's address). When ready it prints one JSON line
 ``{"node_id", "mesh_port", "api_port"}``. SIGTERM stops gracefully (publishes ``leaving``);
 SIGKILL is a crash. ``GET /v1/counters`` adds the process's CPU time and ``POST /v1/busy``
-``{"busy": n}`` changes the published load (both for the benchmark).
+``{"busy": n}`` changes the published load (both for the benchmark). ``--churn-per-s R``
+moves the load one slot up or down R times a second on average (exponential gaps: requests
+starting and ending, issue 16's realistic load) until a ``POST /v1/busy`` (that goes on
+churning from its load with ``"churn": true``); ``GET /v1/brief``
+is ``{node_id: [liveness, busy of its first model]}`` for every peer (cheap to poll at 50
+nodes, unlike ``/v1/mesh``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import random
 import signal
 import sys
 from pathlib import Path
@@ -42,9 +49,33 @@ async def main(args: argparse.Namespace) -> int:
         times = os.times()
         return web.json_response({**node_ref["node"].counters(), "cpu_s": times.user + times.system})
 
+    churn = {"on": args.churn_per_s > 0}
+
+    async def churn_loop() -> None:
+        rng = random.Random()
+        while churn["on"]:
+            await asyncio.sleep(rng.expovariate(args.churn_per_s))
+            if not churn["on"]:
+                return
+            busy = state["model"].busy
+            step = rng.choice((-1, 1)) if 0 < busy < args.slots else (1 if busy == 0 else -1)
+            state["model"] = dataclasses.replace(state["model"], busy=busy + step)  # read by the provider
+
+    async def brief(request: web.Request) -> web.Response:
+        m = node_ref["node"].membership
+        peers = [] if m is None else m.peers()
+        return web.json_response({p.node_id: [p.liveness.value, p.models[0].busy if p.models else None]
+                                  for p in peers})
+
     async def set_busy(request: web.Request) -> web.Response:
-        busy = int((await request.json())["busy"])
-        state["model"] = ModelCapacity(args.model, "llamacpp", "chat", 4, busy, None, 4096, 1, 1, f"fp-{args.model}")
+        body = await request.json()
+        busy = int(body["busy"])
+        churn["on"] = False
+        if body.get("churn") and args.churn_per_s > 0:  # from this load on, churn again
+            churn["on"] = True
+            asyncio.get_running_loop().create_task(churn_loop())
+        state["model"] = ModelCapacity(args.model, "llamacpp", "chat", args.slots, busy, None, 4096, 1, 1,
+                                       f"fp-{args.model}")
         node_ref["node"].set_local_summary([state["model"]], PublishedState.SERVING)
         return web.json_response({"busy": busy, "seq": node_ref["node"].publisher.seq})
 
@@ -52,6 +83,7 @@ async def main(args: argparse.Namespace) -> int:
     api.router.add_get("/v1/mesh", mesh_view)
     api.router.add_get("/v1/counters", counters)
     api.router.add_post("/v1/busy", set_busy)
+    api.router.add_get("/v1/brief", brief)
     runner = web.AppRunner(api, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, 0)
@@ -64,11 +96,12 @@ async def main(args: argparse.Namespace) -> int:
         discovery=tuple(args.discovery.split(",")), seeds=tuple(s for s in args.seeds.split(",") if s),
         mesh_id=args.mesh_id, ca_certificate=Path(args.ca) if args.ca else None, gossip=gossip, version="runner",
         connect_timeout_s=args.connect_timeout_s, exchange_timeout_s=args.exchange_timeout_s, detector=args.detector)
-    state["model"] = ModelCapacity(args.model, "llamacpp", "chat", 4, 0, None, 4096, 1, 1, f"fp-{args.model}")
+    state["model"] = ModelCapacity(args.model, "llamacpp", "chat", args.slots, 0, None, 4096, 1, 1, f"fp-{args.model}")
     node = MeshNode(settings, provider=lambda: ([state["model"]], PublishedState.SERVING))
     node_ref["node"] = node
     await node.start()
     print(json.dumps({"node_id": node.node_id, "mesh_port": node.listen_port, "api_port": api_port}), flush=True)
+    churning = asyncio.get_running_loop().create_task(churn_loop()) if churn["on"] else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,6 +116,9 @@ async def main(args: argparse.Namespace) -> int:
             await asyncio.wait_for(stop.wait(), 0.2)
         except TimeoutError:
             pass
+    churn["on"] = False
+    if churning is not None:
+        churning.cancel()
     await node.stop(leave=True)
     await runner.cleanup()
     return 0
@@ -105,7 +141,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connect-timeout-s", type=float, default=0.5)
     ap.add_argument("--exchange-timeout-s", type=float, default=1.0)
     ap.add_argument("--host", default="127.0.0.1", help="listen, advertise and run mDNS on this address")
-    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="heartbeat")
+    ap.add_argument("--detector", choices=["heartbeat", "probe"], default="probe")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--churn-per-s", type=float, default=0.0)
     ap.add_argument("--view-file", help="write the /v1/mesh document here every 200 ms")
     ap.add_argument("--log-level", default="WARNING")
     return ap.parse_args(argv)

@@ -129,16 +129,49 @@ def test_mesh_with_ca_trust_is_accepted() -> None:
     assert cfg.mesh.dead_after_ms == 10000
 
 
-def test_mesh_detector_defaults_to_heartbeat_and_takes_probe() -> None:
+def test_mesh_detector_defaults_to_probe_and_takes_heartbeat() -> None:
     base = '[mesh]\ntrust = "open"\nmesh_id = "lab"\n'
     cfg = parse_config(base)
-    assert cfg.mesh is not None and cfg.mesh.detector == "heartbeat"
-    cfg = parse_config(base + 'detector = "probe"\n')
     assert cfg.mesh is not None and cfg.mesh.detector == "probe"
+    assert (cfg.mesh.probe_interval_ms, cfg.mesh.probe_timeout_ms, cfg.mesh.indirect_checks,
+            cfg.mesh.suspicion_mult) == (500, 200, 4, 4)
+    cfg = parse_config(base + 'detector = "heartbeat"\n')
+    assert cfg.mesh is not None and cfg.mesh.detector == "heartbeat"
     issue = only_error(base + 'detector = "swim"\n')
     assert issue.path == ("mesh", "detector")
     assert "heartbeat" in issue.message and "probe" in issue.message
     assert issue.line == 4
+
+
+def test_probe_timeout_must_end_before_the_next_probe() -> None:
+    base = '[mesh]\ntrust = "open"\nmesh_id = "lab"\n'
+    issue = only_error(base + 'probe_interval_ms = 300\nprobe_timeout_ms = 300\n')
+    assert issue.path == ("mesh", "probe_timeout_ms")
+    assert "less than probe_interval_ms (300)" in issue.message
+    assert only_error(base + 'indirect_checks = 17\n').path == ("mesh", "indirect_checks")
+    cfg = parse_config(base + 'probe_interval_ms = 1000\nprobe_timeout_ms = 400\nsuspicion_mult = 6\n')
+    assert cfg.mesh is not None and cfg.mesh.probe_timeout_ms == 400 and cfg.mesh.suspicion_mult == 6
+
+
+def test_heartbeat_keys_set_in_probe_mode_are_deprecated_once() -> None:
+    base = '[mesh]\ntrust = "open"\nmesh_id = "lab"\n'
+    for quiet in (base, base + 'detector = "heartbeat"\nsuspect_after_ms = 3000\nfanout = 4\n',
+                  base + 'probe_interval_ms = 400\n'):
+        cfg = parse_config(quiet)
+        assert cfg.mesh is not None and cfg.mesh.deprecations() == [], quiet
+    cfg = parse_config(base + 'suspect_after_ms = 3000\ndead_after_ms = 12000\n')
+    assert cfg.mesh is not None
+    (line,) = cfg.mesh.deprecations()
+    assert "failure detection is no longer timed by suspect_after_ms and dead_after_ms but by probes" in line
+    for replacement in ("probe_interval_ms", "probe_timeout_ms", "indirect_checks", "suspicion_mult"):
+        assert replacement in line
+    assert "heartbeat-mode peers" in line and "fanout" not in line
+    cfg = parse_config(base + 'gossip_interval_ms = 250\nfanout = 2\ndead_after_ms = 12000\n')
+    assert cfg.mesh is not None
+    (line,) = cfg.mesh.deprecations()
+    assert "no longer timed by dead_after_ms but by probes" in line and "still judged by it" in line
+    assert "gossip is no longer paced by gossip_interval_ms and fanout" in line
+    assert "suspect_after_ms" not in line
 
 
 def test_error_format_matches_the_documented_example() -> None:

@@ -414,3 +414,24 @@ def test_a_missing_binary_is_reported_at_the_model_that_names_it(tmp_path: Path,
     errors = {e["path"]: e for e in json.loads(out)["errors"]}
     assert set(errors) == {"models[1].llamacpp.binary"}, errors
     assert errors["models[1].llamacpp.binary"]["line"] == 15
+
+
+def test_config_check_names_heartbeat_keys_that_probe_mode_replaced(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 16 item 5: the file stays valid (exit 0 with a model), one warning names the keys
+    and what replaced them; heartbeat mode keeps them without a word."""
+    path = tmp_path / "c.toml"
+    model = ('[[models]]\nname = "m"\nengine = "llamacpp"\npath = "/dev/null"\n'
+             '[models.llamacpp]\nbinary = "/bin/true"\n')
+    path.write_text('[mesh]\ntrust = "open"\nmesh_id = "lab"\ndead_after_ms = 12000\nfanout = 5\n' + model)
+    code, out, err = run(capsys, "config", "check", str(path), "--offline")
+    assert code == 0, err
+    (line,) = [ln for ln in err.splitlines() if "warning:" in ln]
+    assert 'deprecated with detector = "probe"' in line and "no longer timed by dead_after_ms" in line
+    assert "probe_interval_ms" in line and "gossip is no longer paced by fanout" in line
+    code, out, err = run(capsys, "config", "check", str(path), "--offline", "--json")
+    assert code == 0 and json.loads(out)["deprecations"] == [line.split("warning: ", 1)[1]]
+    path.write_text('[mesh]\ntrust = "open"\nmesh_id = "lab"\ndetector = "heartbeat"\ndead_after_ms = 12000\n'
+                    'fanout = 5\n' + model)
+    code, out, err = run(capsys, "config", "check", str(path), "--offline")
+    assert code == 0 and "warning" not in err, err
