@@ -273,7 +273,7 @@ class ClientApi:
             message = "'model' is required and must be a string"
             return self._refused_early(started, error_response(400, message, param="model",
                                                                code=ErrorCode.MISSING_MODEL), message)
-        if (bad := count_param_error(payload) or stored_state_error(request.path, payload)) is not None:
+        if (bad := count_param_error(payload) or endpoint_param_error(request.path, payload)) is not None:
             param, code, message = bad
             return self._refused_early(started, error_response(400, message, param=param, code=code), message)
         if self.auth is not None:
@@ -318,7 +318,7 @@ class ClientApi:
         if not isinstance(model, str) or not model:
             return error_response(400, "forwarded request is malformed: 'model' is required and must be a string",
                                   param="model", code=ErrorCode.MISSING_MODEL)
-        if (bad := count_param_error(payload) or stored_state_error(request.path, payload)) is not None:
+        if (bad := count_param_error(payload) or endpoint_param_error(request.path, payload)) is not None:
             param, code, message = bad
             return error_response(400, f"forwarded request is malformed: {message}", param=param, code=code)
         if self.auth is not None and (refusal := self.auth.check_forwarded(request, model)) is not None:
@@ -444,22 +444,53 @@ def _kind_of(path: str) -> str | None:
 _STORED_STATE_FIELDS = ("previous_response_id", "conversation")
 
 
+def endpoint_param_error(path: str, payload: dict[str, Any]) -> tuple[str, str, str] | None:
+    """``(param, code, message)`` for a body its endpoint refuses before routing, else None
+    (docs/routing.md, "Endpoints"):
+
+    - ``/v1/messages`` without ``max_tokens`` (null counts as absent): 400
+      ``missing_required_parameter``. Anthropic's API requires it; llama-server would
+      generate until its own limit, long past the agent's timeout. ``count_tokens`` needs none.
+    - ``/v1/responses``: :func:`stored_state_error`.
+    - ``/detokenize`` whose ``tokens`` is not a list of integers >= 0: 400 ``invalid_type`` or
+      ``integer_below_min_value`` naming ``tokens`` (llama-server answers a negative id 500).
+    """
+    if path == "/v1/messages" and payload.get("max_tokens") is None:
+        return ("max_tokens", ErrorCode.MISSING_REQUIRED_PARAMETER,
+                "max_tokens: Field required (an integer >= 1: the most tokens to generate)")
+    if path == "/detokenize":
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            return ("tokens", ErrorCode.INVALID_TYPE, "'tokens' is required and must be a list of integers")
+        if any(t < 0 for t in tokens):
+            return ("tokens", ErrorCode.INTEGER_BELOW_MIN_VALUE,
+                    f"Invalid 'tokens': token ids are >= 0, got {min(tokens)}")
+    return stored_state_error(path, payload)
+
+
 def stored_state_error(path: str, payload: dict[str, Any]) -> tuple[str, str, str] | None:
     """``(param, code, message)`` for a ``/v1/responses`` request that stores or reads a response
-    kept on an engine (``store: true``, ``previous_response_id``, ``conversation``), else None.
+    kept on an engine (``store`` anything but false or null, ``previous_response_id`` or
+    ``conversation`` not null), else None.
 
     Refused by default: a stored response lives on the one backend that made it, where any
     client routed there could read it back by id, and the next request of the conversation
     may be routed to another backend that does not have it (docs/routing.md, "Stored state").
-    A request without ``store`` is forwarded as is (llama-server keeps nothing; vLLM keeps
-    responses only with ``VLLM_ENABLE_RESPONSES_API_STORE``)."""
+    ``store`` is checked by identity, not truth: vLLM's pydantic reads ``"true"`` and ``1`` as
+    true, so a ``store`` that is not a boolean is a 400 ``invalid_type``. A request without
+    ``store`` is forwarded as is (llama-server keeps nothing; vLLM keeps responses only with
+    ``VLLM_ENABLE_RESPONSES_API_STORE``)."""
     if path != "/v1/responses":
         return None
-    if payload.get("store") is True:
+    store = payload.get("store")
+    if store is True:
         return ("store", ErrorCode.STORED_RESPONSES,
                 "'store': true is not supported: a stored response would live on one backend, readable by "
                 "whoever is routed there, and a later request may run on another; send 'store': false and "
                 "the conversation's input with each request")
+    if store is not None and store is not False:
+        return ("store", ErrorCode.INVALID_TYPE,
+                "Invalid type for 'store': expected a boolean (and only false is supported here)")
     for name in _STORED_STATE_FIELDS:
         if payload.get(name) is not None:
             return (name, ErrorCode.STORED_RESPONSES,

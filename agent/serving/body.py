@@ -9,7 +9,7 @@ forward, want and offer routes) reads it here, so any input ends in a clear 4xx
   stream ourselves, not ``request.read()``, makes the limit per route: the application's
   ``client_max_size`` only bounds ``read()``/``post()``.
 - :func:`count_param_error`: the counts a request asks for (``max_tokens``,
-  ``max_completion_tokens``, ``n``) are integers >= 1 or null, as OpenAI requires (it answers
+  ``max_completion_tokens``, ``n``, Responses' ``max_output_tokens``) are integers >= 1 or null, as OpenAI requires (it answers
   400 otherwise); llama.cpp takes a negative ``max_tokens`` as "no limit", and key limits
   estimate a request's tokens from them (agent/auth/limits.py).
 - :func:`parse_json_object`: UTF-8 JSON (RFC 8259 §8.1) whose arrays and objects nest at
@@ -150,8 +150,9 @@ def _first_line(exc: Exception) -> str:
     return " ".join(line.strip() for line in text[:2])[:200] if text else type(exc).__name__
 
 
-#: The parameters that bound what a request may generate: integers >= 1 when given (OpenAI's rule).
-COUNT_PARAMS = ("max_tokens", "max_completion_tokens", "n")
+#: The parameters that bound what a request may generate: integers >= 1 when given (OpenAI's rule;
+#: ``max_output_tokens`` is the Responses API's ``max_tokens``).
+COUNT_PARAMS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
 
 
 def count_param_error(payload: dict[str, Any]) -> tuple[str, str, str] | None:

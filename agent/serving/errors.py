@@ -120,13 +120,16 @@ class ErrorCode(StrEnum):
     CROSS_SITE_NOT_ALLOWED = "cross_site_not_allowed"  # 403: another site's <img>/no-cors request
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: a browser's text/plain or form POST
     MISSING_MODEL = "missing_model"                # 400: no "model" string
-    INVALID_TYPE = "invalid_type"                  # 400: max_tokens, max_completion_tokens or n not an integer
+    MISSING_REQUIRED_PARAMETER = "missing_required_parameter"  # 400: /v1/messages without max_tokens
+    INVALID_TYPE = "invalid_type"                  # 400: max_tokens, max_completion_tokens, max_output_tokens or n
+    #                                                  not an integer; store not a boolean; tokens not integers
     INTEGER_BELOW_MIN_VALUE = "integer_below_min_value"  # 400: one of those below 1
     WRONG_MODEL_KIND = "wrong_model_kind"          # 400: chat endpoint, embedding model (or the reverse)
     MODEL_NOT_FOUND = "model_not_found"            # 404: no node serves the model
     MODEL_NOT_ON_HOST = "model_not_on_host"        # 400: the pinned node does not serve it
     ENDPOINT_NOT_SUPPORTED = "endpoint_not_supported"  # 400: no backend of the model serves the endpoint
-    STORED_RESPONSES = "stored_responses_not_supported"  # 400: /v1/responses with store or previous_response_id
+    STORED_RESPONSES = "stored_responses_not_supported"  # 400: /v1/responses with store, previous_response_id
+    #                                                      or conversation
     HOST_NOT_FOUND = "host_not_found"              # 404: pinned to an unknown node
     HOST_AMBIGUOUS = "host_ambiguous"              # 404: pinned to a name several nodes carry
     NOT_FOUND = "not_found"                        # 404: no such endpoint

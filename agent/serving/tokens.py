@@ -21,6 +21,10 @@ cached tokens apart (``input_tokens`` excludes ``cache_read_input_tokens`` and
 Responses answer within (``input_tokens_details.cached_tokens``). In their streams the usage
 sits in ``message_start``'s ``message`` and ``message_delta`` (Anthropic: input, then output),
 and in ``response.completed``'s ``response``: the counts of successive events are merged.
+``message_start``'s ``output_tokens`` is a placeholder (0 or 1, before any token was made) and
+is not read: only ``message_delta`` gives the output count, so a Messages stream cut before it
+is charged the events relayed, as a chat stream cut before its usage event (docs/usage.md,
+"Estimated counts").
 The agent never asks these streams for usage (they carry it unasked).
 """
 
@@ -64,12 +68,20 @@ def _count(value: Any) -> int | None:
 def usage_of(answer: Any) -> Usage | None:
     """The :class:`Usage` of a parsed answer or stream event (a dict with a ``usage`` object,
     or Anthropic's ``message`` / Responses' ``response`` holding one), None when it has none.
+    ``message_start``'s ``output_tokens`` is not a count (module doc): its completion is None.
     Never raises."""
     if not isinstance(answer, dict):
         return None
+    if answer.get("type") == "message_start":
+        message = answer.get("message")
+        start = message.get("usage") if isinstance(message, dict) else None
+        if not isinstance(start, dict):
+            return None
+        counts = _input_output_usage(start)
+        return Usage(counts.prompt_tokens, None, counts.cached_tokens)
     usage = answer.get("usage")
     if not isinstance(usage, dict):
-        inner = answer.get("message") if answer.get("type") == "message_start" else answer.get("response")
+        inner = answer.get("response")
         usage = inner.get("usage") if isinstance(inner, dict) else None
         if not isinstance(usage, dict):
             return None
@@ -147,19 +159,22 @@ class StreamTail:
     ``"usage":{`` (text in a JSON string cannot hold it: its quotes are escaped) and only a
     chunk that holds one is cut into lines; the incomplete last line of a chunk waits for its
     end (engines write whole events, so it is nearly always empty), at most MAX_LINE_BYTES.
-    ``usage``: the last usage event's counts, None until one came. ``events``: the ``data:``
+    ``usage``: the engine's counts, None until an event gave the completion tokens (Anthropic's
+    ``message_start`` gives only the input: it waits in ``_started`` for ``message_delta``).
+    ``events``: the ``data:``
     events passed on (not ``[DONE]``, not a usage event of its own), what :meth:`delivered`
     counts when the engine's usage never came. Never raises.
     """
 
     MAX_LINE_BYTES = 64 * 1024
 
-    __slots__ = ("_held", "_partial", "_skip_blank", "events", "hold", "strip", "usage")
+    __slots__ = ("_held", "_partial", "_skip_blank", "_started", "events", "hold", "strip", "usage")
 
     def __init__(self, *, strip: bool, hold: bool) -> None:
         self.strip = strip
         self.hold = hold
         self.usage: Usage | None = None
+        self._started: Usage | None = None  # counts without the completion's yet
         self.events = 0
         self._partial = b""
         self._held: list[bytes] | None = None  # from the [DONE] line on, when holding
@@ -230,7 +245,11 @@ class StreamTail:
         usage = usage_of(event)
         if usage is None:
             return raw
-        self.usage = merged(self.usage, usage)
+        counts = merged(self.usage or self._started, usage)
+        if counts.completion_tokens is None:
+            self._started = counts
+        else:
+            self.usage = counts
         alone = event.get("choices") == []  # the usage event itself (OpenAI, vLLM, SGLang, llama.cpp)
         if alone:
             self.events -= 1  # no content of its own

@@ -20,6 +20,11 @@ The rules below come from its real answers, captured verbatim in
   reasoning format: ..." (500 on chat: an unknown ``reasoning_format``; /v1/completions
   answers it 400 "Field 'reasoning_format': ..."): "invalid_request". The engine's own text
   after the prefix is a JSON library's message about the client's JSON.
+- "vector::_M_range_check: __n (which is N) >= this->size() (which is V)" (500 on
+  ``/detokenize``: a token id outside the vocabulary, a negative one read as 2**64 - 1; the
+  message of libstdc++'s ``std::out_of_range``, answered verbatim in tests/unit/test_endpoints.py):
+  "invalid_request". It counted as the backend's failure, and a client's five of them ejected
+  a healthy backend (docs/routing.md, "Outlier ejection").
 
 Anything else is None (not the client's fault, or not known to be): the pooling refusal of
 an embedding server ("Pooling type 'none' is not OAI compatible") is the operator's
@@ -45,6 +50,7 @@ _MESSAGE_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"unsupported content\[\]\.type\b"), "unsupported_content"),
     (re.compile(r"Failed to parse (messages|tools): "), "invalid_request"),
     (re.compile(r"Unknown reasoning format: "), "invalid_request"),
+    (re.compile(r"vector::_M_range_check: "), "invalid_request"),
 )
 
 

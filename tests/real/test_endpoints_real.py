@@ -167,6 +167,29 @@ async def test_tokenize_detokenize_round_trip(mesh: dict[str, Agent], model: str
             assert (await r.json())["content"].strip() == "hello world"
 
 
+async def test_a_token_id_outside_the_vocabulary_is_the_clients_400_and_ejects_nothing(mesh: dict[str, Agent]) -> None:
+    # llama-server answers it 500 "vector::_M_range_check": five of them ejected the healthy backend.
+    async with aiohttp.ClientSession() as http:
+        for _ in range(6):
+            async with http.post(f"{mesh['a'].url}/detokenize", json={"model": "tiny", "tokens": [99_999_999]}) as r:
+                assert r.status == 400 and r.headers["X-Viiwork-Node"] == "node-a"
+                error = (await r.json())["error"]
+            assert error["code"] == "invalid_request" and "_M_range_check" in error["message"]
+        async with http.post(f"{mesh['a'].url}/detokenize", json={"model": "tiny", "tokens": [-1]}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"  # refused before routing
+    backends = [b for m in mesh["a"].status()["models"] if m["name"] == "tiny" for b in m["backends"]]
+    assert backends and not any(b["ejected"] for b in backends)
+
+
+async def test_messages_without_max_tokens_is_refused_before_it_runs(mesh: dict[str, Agent]) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{mesh['a'].url}/v1/messages", json={"model": "tiny", "messages": HELLO}) as r:
+            assert r.status == 400 and "X-Viiwork-Backend" not in r.headers
+            doc = await r.json()
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error"
+    assert doc["error"]["message"].startswith("max_tokens:")
+
+
 async def test_rerank_across_a_hop(mesh: dict[str, Agent]) -> None:
     body = {"model": "ranker", "query": "hello", "documents": ["hello world", "tiny test", "model token"]}
     async with aiohttp.ClientSession() as http:

@@ -287,7 +287,11 @@ def _ranker_runtime() -> dict[str, ModelRuntime]:
     ("/v1/messages/count_tokens", b'{"messages": []}', 400, "'model' is required"),
     ("/v1/messages", b'{"model": "nope", "max_tokens": 5, "messages": []}', 404, "'nope'"),
     ("/v1/messages", b'{"model": "ranker", "max_tokens": 5, "messages": []}', 400, "/v1/rerank"),
-], ids=["no-model", "model-not-string", "not-json", "count-no-model", "unknown-model", "not-served"])
+    ("/v1/messages", b'{"model": "ranker", "messages": []}', 400, "max_tokens: Field required"),
+    ("/v1/messages", b'{"model": "ranker", "max_tokens": null, "messages": []}', 400, "max_tokens: Field required"),
+    ("/v1/messages/count_tokens", b'{"model": "ranker", "messages": []}', 400, "/v1/rerank"),
+], ids=["no-model", "model-not-string", "not-json", "count-no-model", "unknown-model", "not-served", "no-max-tokens",
+        "null-max-tokens", "count-needs-no-max-tokens"])
 async def test_anthropic_endpoints_answer_the_agents_errors_in_anthropics_shape(path: str, body: bytes, status: int,
                                                                              expected: str) -> None:
     async with agent_api(_ranker_runtime()) as (url, _), aiohttp.ClientSession() as http:
@@ -309,8 +313,36 @@ async def test_anthropic_endpoints_answer_the_agents_errors_in_anthropics_shape(
     ("/v1/responses", b'{"model": "ranker", "input": "hi", "conversation": "conv_1"}',
      "stored_responses_not_supported", "conversation"),
     ("/v1/responses", b'{"model": "ranker", "input": "hi", "store": false}', "endpoint_not_supported", "model"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "store": null}', "endpoint_not_supported", "model"),
+    # vLLM's pydantic reads "true" and 1 as true: anything but a boolean is refused
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "store": "true"}', "invalid_type", "store"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "store": 1}', "invalid_type", "store"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "store": 0}', "invalid_type", "store"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "previous_response_id": ""}',
+     "stored_responses_not_supported", "previous_response_id"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "conversation": {"id": "conv_1"}}',
+     "stored_responses_not_supported", "conversation"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "max_output_tokens": -1}', "integer_below_min_value",
+     "max_output_tokens"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "max_output_tokens": 0}', "integer_below_min_value",
+     "max_output_tokens"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "max_output_tokens": "5"}', "invalid_type",
+     "max_output_tokens"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "max_output_tokens": 2.5}', "invalid_type",
+     "max_output_tokens"),
+    ("/v1/responses", b'{"model": "ranker", "input": "hi", "max_output_tokens": 5}', "endpoint_not_supported",
+     "model"),
+    ("/detokenize", b'{"model": "ranker", "tokens": [-1]}', "integer_below_min_value", "tokens"),
+    ("/detokenize", b'{"model": "ranker", "tokens": [3, -7]}', "integer_below_min_value", "tokens"),
+    ("/detokenize", b'{"model": "ranker", "tokens": "3"}', "invalid_type", "tokens"),
+    ("/detokenize", b'{"model": "ranker", "tokens": [1, true]}', "invalid_type", "tokens"),
+    ("/detokenize", b'{"model": "ranker", "tokens": [1.5]}', "invalid_type", "tokens"),
+    ("/detokenize", b'{"model": "ranker"}', "invalid_type", "tokens"),
 ], ids=["responses-no-model", "tokenize-not-json", "rerank-model-list", "store", "previous-response", "conversation",
-        "store-false-routes"])
+        "store-false-routes", "store-null-routes", "store-string", "store-1", "store-0", "previous-response-empty",
+        "conversation-object", "max-output-negative", "max-output-0", "max-output-string", "max-output-decimal",
+        "max-output-5-routes", "detokenize-negative", "detokenize-negative-later", "detokenize-not-list",
+        "detokenize-bool", "detokenize-decimal", "detokenize-no-tokens"])
 async def test_other_endpoints_answer_openais_error_contract(path: str, body: bytes, code: str,
                                                              param: str | None) -> None:
     async with agent_api(_ranker_runtime()) as (url, _), aiohttp.ClientSession() as http:
@@ -342,6 +374,26 @@ def test_an_anthropic_stream_merges_input_and_output_from_two_events() -> None:
     assert tail.usage == Usage(7, 3, 0)
 
 
+_MESSAGE_START = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":7,'
+                  b'"cache_read_input_tokens":0,"output_tokens":1}}}\n\n')
+_TEXT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+               b'"delta":{"type":"text_delta","text":"hi"}}\n\n')
+
+
+def test_a_cut_anthropic_stream_is_charged_the_events_relayed_not_message_starts_placeholder() -> None:
+    tail = StreamTail(strip=False, hold=True)
+    tail.feed(_MESSAGE_START + _TEXT_DELTA * 3)
+    assert tail.usage is None  # message_start's output_tokens (0 or 1) is no count
+    assert tail.delivered() == Usage(None, 4, None)  # estimated: docs/usage.md, "Estimated counts"
+
+
+def test_a_complete_anthropic_stream_is_charged_the_engines_final_count() -> None:
+    tail = StreamTail(strip=False, hold=True)
+    tail.feed(_MESSAGE_START + _TEXT_DELTA * 3 + b'event: message_delta\ndata: {"type":"message_delta","delta":{},'
+              b'"usage":{"output_tokens":9}}\n\n')
+    assert tail.usage == Usage(7, 9, 0) and tail.delivered() == Usage(7, 9, 0)
+
+
 def test_a_responses_stream_reads_usage_from_response_completed() -> None:
     stream = (b'event: response.created\ndata: {"type":"response.created","response":{"status":"in_progress"}}\n\n'
               b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":'
@@ -349,6 +401,26 @@ def test_a_responses_stream_reads_usage_from_response_completed() -> None:
     tail = StreamTail(strip=False, hold=True)
     assert tail.feed(stream) == stream
     assert tail.usage == Usage(9, 2, 0)
+
+
+# --- an engine's answer to a token id outside the vocabulary ---------------------------------
+
+# llama-server (the wheel's build 7e4c0a9, the tiny GGUF) to POST /detokenize {"tokens": [-1]}, verbatim
+_RANGE_CHECK = (b'{"error":{"code":500,"message":"vector::_M_range_check: __n (which is 18446744073709551615) >= '
+                b'this->size() (which is 328)","type":"server_error"}}')
+
+
+def test_llama_servers_range_check_on_a_token_id_is_the_clients_fault() -> None:
+    from viiwork.agent.serving.errors import engine_error
+    from viiwork.engines.contract import classify_client_fault
+
+    engine = get_engine("llamacpp")
+    assert classify_client_fault(engine, 500, _RANGE_CHECK) == "invalid_request"
+    response = engine_error(500, _RANGE_CHECK, "tiny#0", engine)
+    assert response.status == 400 and b"_M_range_check" in response.body
+    quoted = json.dumps({"error": {"code": 500, "message": "crashed on vector::_M_range_check: x",
+                                   "type": "server_error"}}).encode()
+    assert classify_client_fault(engine, 500, quoted) is None
 
 
 # --- the conformance kit's check --------------------------------------------------------------
