@@ -443,8 +443,10 @@ class MeshNode:
         if self.refused is not None:
             leave = False  # the id is the other agent's: a `leaving` under it would be its
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+            task = self._loop_task
+            while not task.done():  # again if a cancellation was lost in the loop's own awaits
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
             self._loop_task = None
         if leave and self.publisher is not None and self.membership is not None and self._client is not None:
             self.publisher.set_local(self.publisher.models, state)

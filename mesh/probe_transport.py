@@ -125,10 +125,13 @@ class ProbeTransport:
         """Sleep up to ``timeout_s``, or until a message arrived (the core may then have new
         deadlines: a relay's, a pull's)."""
         if timeout_s > 0 and not self._wake.is_set():
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can lose a cancellation that
+            # comes as the event is set, and the loop task then outlived stop() (a hang).
+            woken = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout_s)
-            except TimeoutError:
-                pass
+                await asyncio.wait({woken}, timeout=timeout_s)
+            finally:
+                woken.cancel()
         self._wake.clear()
 
     # --- receiving --------------------------------------------------------------------------
