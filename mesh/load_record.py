@@ -32,18 +32,16 @@ Pure: no I/O, no clocks.
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from viiwork.mesh.bounds import MAX_INT, MAX_MODELS
 from viiwork.mesh.identity import NodeId, is_node_id
-from viiwork.mesh.summary import MalformedSummary, ModelCapacity, SummaryPayload
+from viiwork.mesh.summary import MalformedSummary, ModelCapacity, SummaryPayload, decode_signature
 
 Order = tuple[int, int]
 
-SIGNATURE_BYTES = 64
 LOAD_RECORD_BYTES = 120  # estimate without loads: '["<16>",g,sssss,sssss,[],"<88 base64>"],'
 LOAD_BYTES = 6  # estimate per model: '[b,w],'
 
@@ -168,12 +166,7 @@ def decode_load_record(value: Any, where: str = "record") -> LoadRecord:
         if waiting is not None and (not isinstance(waiting, int) or isinstance(waiting, bool) or waiting not in (0, 1)):
             raise MalformedSummary(f"{where}[loads][{i}][waiting]: expected null, 0 or 1, got {waiting!r:.20}")
         parsed.append(ModelLoad(_count(ld[0], f"{where}[loads][{i}][busy]"), waiting))
-    try:
-        raw = base64.b64decode(sig, validate=True) if isinstance(sig, str) else b""
-    except (binascii.Error, ValueError):
-        raw = b""
-    if len(raw) != SIGNATURE_BYTES:
-        raise MalformedSummary(f"{where}[signature]: expected {SIGNATURE_BYTES} bytes of base64")
+    raw = decode_signature(sig, f"{where}[signature]")
     return LoadRecord(NodeId(node_id), generation, seq, base_seq, tuple(parsed), raw)
 
 

@@ -66,11 +66,10 @@ from viiwork.mesh.messages import (
     decode_message,
     encode_message,
 )
-from viiwork.mesh.summary import MalformedSummary, OversizedSummary, check_protocol
+from viiwork.mesh.summary import MalformedSummary, OversizedSummary, check_protocol, decode_signature
 
 MAX_PROBE_MESSAGE_BYTES = 64 * 1024
 MAX_PROBE_ITEMS = 1024
-SIGNATURE_BYTES = 64
 
 _TYPES: dict[type, str] = {Ping: "ping", Ack: "ack", Nack: "nack", PingReq: "ping-req", Gossip: "gossip", Pull: "pull",
                            Loads: "loads"}
@@ -193,13 +192,7 @@ def _item(value: Any, where: str) -> News | Claim:
     if isinstance(value, list) and len(value) == 4 and value[0] == "n":
         return News(_node(value[1], where), _order(value[2], value[3], where))
     if isinstance(value, list) and len(value) == 6 and value[0] == "c":
-        sig = value[5]
-        try:
-            raw = base64.b64decode(sig, validate=True) if isinstance(sig, str) else b""
-        except (binascii.Error, ValueError):
-            raw = b""
-        if len(raw) != SIGNATURE_BYTES:
-            raise MalformedSummary(f"{where}: expected a base64 signature of {SIGNATURE_BYTES} bytes")
+        raw = decode_signature(value[5], f"{where}[signature]")
         return Claim(_node(value[1], where), _order(value[2], value[3], where), _node(value[4], where + "[by]"), raw)
     raise MalformedSummary(f"{where}: expected [\"p\", packed], [\"n\", id, g, s] or [\"c\", id, g, s, by, sig], "
                            f"got {value!r:.60}")

@@ -465,6 +465,15 @@ def _b64(value: Any, where: str, max_bytes: int) -> bytes:
         raise MalformedSummary(f"{where}: invalid base64") from None
 
 
+def decode_signature(value: Any, where: str) -> bytes:
+    """An Ed25519 signature as base64 (summaries, load records, claims): exactly
+    SIGNATURE_BYTES bytes. Raises MalformedSummary naming ``where``."""
+    signature = _b64(value, where, SIGNATURE_BYTES)
+    if len(signature) != SIGNATURE_BYTES:
+        raise MalformedSummary(f"{where}: expected {SIGNATURE_BYTES} bytes, got {len(signature)}")
+    return signature
+
+
 _SUMMARY_KEYS = frozenset({"payload", "sig", "cert"})
 
 
@@ -476,8 +485,6 @@ def decode_summary(obj: Any, accepted: tuple[int, ...], max_cert_bytes: int = 40
     data = canonical_json(obj["payload"])
     if len(data) > MAX_SUMMARY_BYTES:
         raise OversizedSummary(f"summary of {payload.node_id} is {len(data)} bytes, limit {MAX_SUMMARY_BYTES}")
-    signature = _b64(obj["sig"], "summary.sig", SIGNATURE_BYTES)
-    if len(signature) != SIGNATURE_BYTES:
-        raise MalformedSummary(f"summary.sig: expected {SIGNATURE_BYTES} bytes, got {len(signature)}")
+    signature = decode_signature(obj["sig"], "summary.sig")
     cert = None if obj["cert"] is None else _b64(obj["cert"], "summary.cert", max_cert_bytes)
     return SignedSummary(payload=payload, payload_bytes=data, signature=signature, certificate=cert)
