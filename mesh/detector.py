@@ -40,6 +40,10 @@ configuration):
   acked gives its +1 back (counted ``relay_refunds``): its silence is explained by its own
   crash, not by this node's path (with three of ten nodes crashing at once the crashed
   ones are often picked as relays, and the charges slowed the prober's detection of them).
+  A member that announced it is leaving (:meth:`Detector.set_leaving`) is expected to go
+  silent: a probe of it that misses costs nothing (counted ``leaving_misses``), and it is
+  never picked as a relay. Charging those misses stretched a node's probe interval after
+  every graceful stop of a peer, delaying the detection of a real crash behind it.
 - A successful probe of a suspect does not clear it: only a newer incarnation does (SWIM).
   Dead members stay known (and are not probed) until removed; a newer incarnation of a dead
   member makes it alive again.
@@ -220,6 +224,7 @@ class _Member:
     suspected_at: float | None = None
     suspectors: tuple[str, ...] = ()
     n_at_suspicion: int = 0
+    leaving: bool = False
 
 
 @dataclass(slots=True)
@@ -246,6 +251,7 @@ class Detector:
         self._members: dict[NodeId, _Member] = {}
         self._suspects: set[NodeId] = set()
         self._dead: set[NodeId] = set()
+        self._leaving: set[NodeId] = set()  # alive members that announced they are leaving
         self._order: list[NodeId] = []
         self._next = 0  # index in _order of the next member to probe in this pass
         self._self_incarnation: Incarnation | None = None
@@ -259,7 +265,7 @@ class Detector:
         self.counters: dict[str, int] = dict.fromkeys((
             "probes", "probe_misses", "indirect_probes", "suspicions_raised", "confirmations",
             "refutations", "refutes", "claims_ignored", "deaths", "probes_abandoned",
-            "results_ignored", "relay_refunds"), 0)
+            "results_ignored", "relay_refunds", "leaving_misses"), 0)
         """For /metrics: probes started, direct misses, indirect probes, suspicions raised by
         this node's probes, confirmations counted, suspicions refuted, Refute events, claims
         ignored, members declared dead, probes abandoned, results for no current probe,
@@ -288,12 +294,22 @@ class Detector:
         self._charged.pop(node_id, None)
         self._suspects.discard(node_id)
         self._dead.discard(node_id)
+        self._leaving.discard(node_id)
         at = self._order.index(node_id)
         del self._order[at]
         if at < self._next:
             self._next -= 1
         if self._in_flight is not None and self._in_flight.probe.target == node_id:
             self._in_flight = None
+
+    def set_leaving(self, node_id: NodeId, leaving: bool) -> None:
+        """``node_id``'s newest summary says it is leaving (a graceful stop) or not (a restart
+        takes it back): see the module docstring. No-op for an unknown member."""
+        member = self._members.get(node_id)
+        if member is None or member.leaving == leaving:
+            return
+        member.leaving = leaving
+        (self._leaving.add if leaving and member.state == "alive" else self._leaving.discard)(node_id)
 
     def set_incarnation(self, node_id: NodeId, incarnation: Incarnation) -> Alive | None:
         """A newer summary of ``node_id`` was accepted. Refutes a suspicion at a lower
@@ -346,6 +362,7 @@ class Detector:
         for held, named in ((self._suspects, "suspect"), (self._dead, "dead")):
             (held.add if state == named else held.discard)(node_id)
         member.state = state
+        (self._leaving.add if state == "alive" and member.leaving else self._leaving.discard)(node_id)
         refund = self._charged.pop(node_id, 0) if state != "alive" else 0
         if refund:
             self.counters["relay_refunds"] += refund
@@ -357,18 +374,22 @@ class Detector:
         """Up to ``indirect_checks`` distinct random alive members other than ``target``:
         drawn from the probe order while most members are alive (O(k)), else by a scan."""
         k = self.settings.indirect_checks
-        alive = len(self._members) - len(self._suspects) - len(self._dead)
+        alive = len(self._members) - len(self._suspects) - len(self._dead) - len(self._leaving)
         # The target (still a member: remove() drops its probe) is not a relay.
-        alive -= target not in self._suspects and target not in self._dead
+        alive -= target not in self._suspects and target not in self._dead and target not in self._leaving
         if alive <= 2 * k:
-            pool = [n for n in self._order if n != target and self._members[n].state == "alive"]
+            pool = [n for n in self._order if n != target and self._relay_candidate(n)]
             return tuple(self._rng.sample(pool, min(k, len(pool))))
         picked: dict[NodeId, None] = {}
         while len(picked) < k:
             node_id = self._order[self._rng.randrange(len(self._order))]
-            if node_id != target and self._members[node_id].state == "alive":
+            if node_id != target and self._relay_candidate(node_id):
                 picked[node_id] = None
         return tuple(picked)
+
+    def _relay_candidate(self, node_id: NodeId) -> bool:
+        member = self._members[node_id]
+        return member.state == "alive" and not member.leaving
 
     def _adjust_health(self, delta: int) -> None:
         top = self.settings.awareness_max_multiplier - 1
@@ -484,14 +505,17 @@ class Detector:
         if acks > 0:
             self._adjust_health(-1)
             return None
-        # No ack: the relays that answered nack vouch for this node's own path, so the miss
-        # costs only the silent ones; with no relay to ask, the miss itself costs 1.
-        self._adjust_health(len(flight.relays) - nacks if flight.relays else 1)
-        for relay in silent or ():
-            if relay in flight.relays and relay in self._members:
-                self._charged[relay] = self._charged.get(relay, 0) + 1
         target = flight.probe.target
         member = self._members[target]
+        if member.leaving:  # it said it goes: its silence says nothing of this node's path
+            self.counters["leaving_misses"] += 1
+        else:
+            # No ack: the relays that answered nack vouch for this node's own path, so the
+            # miss costs only the silent ones; with no relay to ask, the miss itself costs 1.
+            self._adjust_health(len(flight.relays) - nacks if flight.relays else 1)
+            for relay in silent or ():
+                if relay in flight.relays and relay in self._members:
+                    self._charged[relay] = self._charged.get(relay, 0) + 1
         if member.state == "dead" or self.self_id in member.suspectors:
             return None
         self.counters["suspicions_raised"] += 1

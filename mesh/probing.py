@@ -387,7 +387,9 @@ class ProbeNode:
             del self._heartbeaters[node_id]  # restarted (upgraded?): probed again, until it says otherwise
         if self.detector.state(node_id) is None:
             self._members.append(node_id)
-        if isinstance(self.detector.add(node_id, order), Alive):
+        alive = self.detector.add(node_id, order)
+        self.detector.set_leaving(node_id, rec.summary.payload.state is PublishedState.LEAVING)
+        if isinstance(alive, Alive):
             self._claims.pop(node_id, None)
             self.m.tick()
 

@@ -401,3 +401,62 @@ def test_a_crashed_member_that_every_relay_nacks_costs_no_health_and_an_indirect
     assert plan is not None
     assert det.indirect_result(plan.probe_id, 1, 0) is None
     assert det.health_score == 2
+
+
+def test_a_leaving_member_costs_no_health_when_it_goes_silent_and_is_no_relay():
+    det, now = _detector(6)
+    leaving = NodeId("p0")
+    det.set_leaving(leaving, True)
+    # Never a relay while it leaves (it is about to go silent).
+    for _ in range(12):
+        now[0] += 10_000
+        probe = det.next_probe()
+        assert probe is not None
+        if probe.target == leaving:
+            plan = det.direct_result(probe.probe_id, False)
+            assert plan is not None and len(plan.relays) == 4
+            # Its relays are silent too (it went away): no charge, but it is suspected.
+            event = det.indirect_result(plan.probe_id, 0, 0, silent=plan.relays)
+            assert isinstance(event, Suspected) and event.node_id == leaving
+            assert det.health_score == 0 and det.counters["leaving_misses"] == 1
+            break
+        plan = det.direct_result(probe.probe_id, False)
+        assert plan is not None and leaving not in plan.relays
+        assert det.indirect_result(plan.probe_id, 1, 0) is None
+    else:
+        raise AssertionError("the leaving member was never probed")
+    # A member that is not leaving: the same silence is charged (+4 silent relays).
+    det.set_leaving(NodeId("p1"), False)
+    while True:
+        now[0] += 10_000
+        probe = det.next_probe()
+        assert probe is not None
+        if probe.target == NodeId("p1"):
+            break
+        det.direct_result(probe.probe_id, True)
+    plan = det.direct_result(probe.probe_id, False)
+    assert plan is not None and len(plan.relays) == 4
+    det.indirect_result(plan.probe_id, 0, 0, silent=plan.relays)
+    assert det.health_score == 4
+
+
+def test_a_leaving_member_that_comes_back_is_a_relay_again():
+    det, now = _detector(2)
+    back, other = NodeId("p0"), NodeId("p1")
+
+    def relays_for_other() -> tuple[NodeId, ...]:
+        while True:
+            now[0] += 10_000
+            probe = det.next_probe()
+            assert probe is not None
+            if probe.target == other:
+                plan = det.direct_result(probe.probe_id, False)
+                assert plan is not None
+                det.indirect_result(plan.probe_id, min(1, len(plan.relays)), 0)  # acked through a relay
+                return plan.relays
+            det.direct_result(probe.probe_id, True)
+
+    det.set_leaving(back, True)
+    assert relays_for_other() == ()
+    det.set_leaving(back, False)  # restarted: its new summary does not say leaving
+    assert relays_for_other() == (back,)
