@@ -1,7 +1,7 @@
 """Prefix-aware routing against the field's cache-aware router, on real llama-servers (issue 18).
 
 usage: .venv/bin/python tests/bench/bench_prefix_routing.py [--tenants 40] [--active 8] [--requests 60]
-       [--system-tokens 1000] [--cache-ram 0] [--sglang-python PATH] [--no-prefix-workload | --only-no-prefix]
+       [--system-tokens 1000-2000] [--cache-ram 0] [--sglang-python PATH] [--no-prefix-workload | --only-no-prefix]
        [--only-agents] [--load 0.7] [--max-tokens 16]
 
 Four llama-server backends (SmolLM2-135M Q4_1 of the demo package, CPU, one thread each,
@@ -15,7 +15,7 @@ Four llama-server backends (SmolLM2-135M Q4_1 of the demo package, CPU, one thre
 (d) round robin over those four llama-servers, done by the client.
 
 Every system is checked to serve before it is measured. Workload ("prefix"): ``--tenants``
-tenants, each a system prompt of about ``--system-tokens`` tokens of its own, and
+tenants, each a system prompt of its own, ``--system-tokens`` long (a length drawn per tenant in ``LOW-HIGH``), and
 conversations of 3-6 turns, ``--active`` of them going on at once (the next tenant in turn
 starts one when one ends), each turn sent with the whole history (the assistant turns are
 generated text of the harness, the same for every system); a conversation's next turn is sent
@@ -67,9 +67,19 @@ WORDS = ("route request cache prefix token engine slot backend mesh node latency
 # --- the workload ----------------------------------------------------------------------------
 
 
-def system_prompt(rng: random.Random, tokens: int) -> str:
+def system_prompt(rng: random.Random, tokens: tuple[int, int]) -> str:
+    """A system prompt of ``tokens`` (low, high) tokens, its length drawn from ``rng``."""
     # ~1 token a word for these common English words (SmolLM2's tokenizer)
-    return "You are a helpful assistant. " + " ".join(rng.choice(WORDS) for _ in range(tokens))
+    return "You are a helpful assistant. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(*tokens)))
+
+
+def token_range(text: str) -> tuple[int, int]:
+    """``--system-tokens``: ``N`` or ``LOW-HIGH`` (each tenant's length drawn in it)."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or LOW-HIGH, 0 < LOW <= HIGH")
+    return bounds
 
 
 @dataclass
@@ -96,7 +106,7 @@ class Workload:
     conversation lasts, 3-6 turns, then the next tenant in turn starts one); ``take()`` gives
     the next turn of a conversation with none in flight."""
 
-    def __init__(self, tenants: int, system_tokens: int, shared_prefix: bool, seed: int, max_tokens: int,
+    def __init__(self, tenants: int, system_tokens: tuple[int, int], shared_prefix: bool, seed: int, max_tokens: int,
                  active: int = 8) -> None:
         self.rng = random.Random(seed)
         self.max_tokens = max_tokens
@@ -146,6 +156,14 @@ class Result:
     cache_n: int
     prompt_n: int
     where: str
+
+
+def session() -> aiohttp.ClientSession:
+    """A client session that opens a connection per request: llama-server closes a connection
+    after a streamed answer, and a reused one then fails the next request ("Server
+    disconnected"); the same for every system measured."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=900))
 
 
 async def send(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
@@ -232,6 +250,7 @@ def agents(work: Path, binary: str, model_path: str, prefix: bool, cache_ram: in
 
 @contextlib.contextmanager
 def llama_servers(binary: str, model_path: str, cache_ram: int, log_dir: Path) -> Iterator[list[str]]:
+    log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     urls = []
     try:
@@ -294,7 +313,7 @@ async def saturation(system: System, workload: Workload, requests: int) -> float
             result = await send(http, system.url(rng), body)
             workload.done(tenant)
             done += result.ok
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+    async with session() as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(8)))
         return done / (time.perf_counter() - t0)
@@ -309,7 +328,7 @@ async def open_loop(system: System, workload: Workload, rate: float, requests: i
         results.append(await send(http, system.url(rng), body))
         workload.done(tenant)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+    async with session() as http:
         for _ in range(requests):
             await asyncio.sleep(rng.expovariate(rate))
             got = workload.take()
@@ -361,7 +380,8 @@ def main() -> None:
     ap.add_argument("--active", type=int, default=8, help="conversations going on at once")
     ap.add_argument("--requests", type=int, default=60, help="requests per system and workload")
     ap.add_argument("--saturation-requests", type=int, default=24)
-    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--system-tokens", type=token_range, default=(1000, 2000),
+                    help="each tenant's system prompt: N or LOW-HIGH tokens (default 1000-2000)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--cache-ram", type=int, default=0, help="llama-server --cache-ram MiB (0: off; its default 8192)")
     ap.add_argument("--load", type=float, default=0.7)
@@ -375,7 +395,7 @@ def main() -> None:
     workloads = ([] if args.only_no_prefix else [("prefix", True)]) + \
         ([] if args.no_prefix_workload else [("no prefix", False)])
     print(f"llama-server {args.binary}, {model_path}, --cache-ram {args.cache_ram}; {args.tenants} tenants, "
-          f"~{args.system_tokens}-token system prompts, {args.requests} requests a system and workload")
+          f"{args.system_tokens[0]}-{args.system_tokens[1]}-token system prompts, {args.requests} requests a system and workload")
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in workloads}
     rates: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
@@ -396,11 +416,13 @@ def main() -> None:
                     show(name, rows[name])
         log_dir = work / "servers"
         log_dir.mkdir()
-        if not args.only_agents:
-            with llama_servers(args.binary, model_path, args.cache_ram, log_dir) as workers:
+        others = [] if args.only_agents else (["(c)"] if args.sglang_python else []) + ["(d)"]
+        for which in others:  # each on llama-servers of its own, started cold like the agents' backends
+            with llama_servers(args.binary, model_path, args.cache_ram, log_dir / which) as workers:
                 for w in workers:
                     asyncio.run(serves(f"{w}/v1/chat/completions"))
-                if args.sglang_python:
+                if which == "(c)":
+                    assert args.sglang_python
                     with sglang_router(args.sglang_python, workers, log_dir) as router:
                         asyncio.run(serves(f"{router}/v1/chat/completions"))
                         for name, shared in workloads:
@@ -408,10 +430,10 @@ def main() -> None:
                                 System("(c) sglang-router cache_aware", [f"{router}/v1/chat/completions"]),
                                 args, shared, rates[name], 1)))
                             show(name, rows[name])
+                    continue
                 for name, shared in workloads:
                     rr = System("(d) round robin", [f"{w}/v1/chat/completions" for w in workers], round_robin=True)
-                    result = asyncio.run(measure(rr, args, shared, rates[name], 1))
-                    rows[name].append(result)
+                    rows[name].append(asyncio.run(measure(rr, args, shared, rates[name], 1)))
                     show(name, rows[name])
     for name, _ in workloads:
         show(f"{name} (final)", rows[name])
