@@ -185,6 +185,24 @@ def test_a_model_path_must_be_what_its_engine_loads(tmp_path: Path, engine: str,
         assert result.subject == "models[0].path" and "models[0].path" in result.remedy
 
 
+@pytest.mark.parametrize(("engine", "hosts", "checked"), [
+    ("llamacpp", ["other", "box"], False),  # an rpc-server worker reads no model file
+    ("llamacpp", ["box", "other"], True),   # the head does
+    ("llamacpp", ["other", "third"], False),  # a host the entry does not name ignores it
+    ("sglang", ["other", "box"], True),     # every SGLang rank loads its shard
+], ids=["llamacpp-worker", "llamacpp-head", "not-named", "sglang-rank"])
+def test_a_gang_worker_that_reads_no_model_file_is_not_checked(tmp_path: Path, engine: str, hosts: list[str],
+                                                                  checked: bool) -> None:
+    """A missing file fails the check only on a host that reads it (docs/configuration.md, "Gangs")."""
+    entry = {"name": "m", "engine": engine, "path": str(tmp_path / "absent.gguf"), "hosts": hosts,
+             "gang_port": 50052, "gpus": [0] if engine == "sglang" else []}
+    config = write_config(tmp_path, [entry])
+    facts = host(tmp_path, config)
+    assert [p.model for p in facts.model_paths] == (["m"] if checked else [])
+    (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "model.path"]).results
+    assert result.verdict is (Verdict.FAIL if checked else Verdict.SKIPPED), result
+
+
 def test_config_check_fails_a_fifo_model_path_without_opening_it(tmp_path: Path) -> None:
     """`viiworkctl config check` runs model.path: a FIFO used to pass as ok."""
     config = write_config(tmp_path, [model(path=_model_path(tmp_path, "fifo"))])
