@@ -37,6 +37,7 @@ from viiwork.agent.host.facts import (
     HostFacts,
     gather_facts,
     read_binary_facts,
+    read_node_id,
     resolve_binary,
     version_at_least,
 )
@@ -201,6 +202,20 @@ def test_a_gang_worker_that_reads_no_model_file_is_not_checked(tmp_path: Path, e
     assert [p.model for p in facts.model_paths] == (["m"] if checked else [])
     (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "model.path"]).results
     assert result.verdict is (Verdict.FAIL if checked else Verdict.SKIPPED), result
+
+
+def test_a_gang_worker_named_by_its_node_id_finds_itself(tmp_path: Path) -> None:
+    """The doctor reads the node id from the node key, so a host listed by id is found too."""
+    from viiwork.mesh.identity import load_or_create_identity
+
+    node_id = load_or_create_identity(tmp_path / "state").node_id
+    entry = {"name": "m", "engine": "llamacpp", "path": str(tmp_path / "absent.gguf"),
+             "hosts": ["other", node_id], "gang_port": 50052}
+    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})
+    assert read_node_id(parse_config(config.read_text())) == node_id
+    assert host(tmp_path, config).model_paths == ()
+    (tmp_path / "state" / "node.key").chmod(0o644)  # a key others may read is refused: id unknown
+    assert read_node_id(parse_config(config.read_text())) is None
 
 
 def test_config_check_fails_a_fifo_model_path_without_opening_it(tmp_path: Path) -> None:

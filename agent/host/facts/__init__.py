@@ -85,6 +85,7 @@ __all__ = [
     "read_interfaces",
     "read_issuer_keys",
     "read_mesh_facts",
+    "read_node_id",
     "read_model_paths",
     "resolve_binary",
     "run_version_command",
