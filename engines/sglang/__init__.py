@@ -149,8 +149,8 @@ class SglangEngine:
         """Every rank (SERVER at 0, RANK elsewhere) runs the one-host command with ``--tp-size
         T [--pp-size P] --nnodes N --node-rank <rank> --dist-init-addr <head>:<gang port>``
         (``parallel_sizes``; ``--pp-size`` only when P > 1). Rank 0 serves HTTP on the spec's
-        port; the other ranks run the schedulers of their GPUs (recent releases answer a
-        health route on the same --port). Raises EngineOptionsError for another role at that rank."""
+        port; the other ranks run the schedulers of their GPUs (given the same --host/--port
+        shape, on their own host's spec port). Raises EngineOptionsError for another role at that rank."""
         if (gang.rank == 0) != (role is PartRole.SERVER) or role not in (PartRole.SERVER, PartRole.RANK):
             raise EngineOptionsError("hosts", f"an SGLang gang has no {role.value} part at rank {gang.rank} "
                                               "(rank 0 serves, the others are ranks)")
