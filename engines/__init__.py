@@ -1,6 +1,7 @@
 """Engine adapters and their contract (docs/engines.md, "The contract").
 
-Public surface: the contract types, and ``registry`` (``get_engine``, ``engine_names``).
+Public surface: the contract types, the gang types (``gang``: one model across hosts; the
+launch plan is ``gang_plan``), and ``registry`` (``get_engine``, ``engine_names``).
 """
 
 from viiwork.engines.contract import (
@@ -22,6 +23,7 @@ from viiwork.engines.contract import (
     Version,
     WarmUp,
 )
+from viiwork.engines.gang import GangAddresses, GangEngine, GangPart, LaunchShape, PartRole
 
 __all__ = [
     "BackendSpec",
@@ -30,11 +32,16 @@ __all__ = [
     "EngineError",
     "EngineOptionsError",
     "EngineUnavailable",
+    "GangAddresses",
+    "GangEngine",
+    "GangPart",
     "Kind",
+    "LaunchShape",
     "LaunchCommand",
     "Load",
     "LoadUnknown",
     "NoOptions",
+    "PartRole",
     "Probe",
     "ReasoningSeparation",
     "RunsOnCPU",

@@ -58,6 +58,8 @@ What it checks (check id: rule):
   other shapes).
   ``capability.endpoints``: ``endpoints(kind, args)`` answers a set of ``Endpoint`` for every
   kind, never raises, and includes the kind's own endpoint (docs/engines.md, "Endpoints").
+- ``gang.*``: an engine that declares a ``launch_shape`` builds every part of a 3-host gang
+  (``gang.shape``, ``gang.options``, ``gang.command``: engines/conformance_gang.py).
 - ``embedding.answers``: an embedding backend answers ``POST /v1/embeddings`` with 200 and
   an OpenAI embeddings list (``data[0].embedding`` a non-empty list of finite numbers).
   Offline against ``EngineReplays.embeddings`` (a capture of the engine's embedding
@@ -86,6 +88,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from viiwork.engines.conformance_gang import check_gang
 from viiwork.engines.contract import (
     CLIENT_FAULT_CODES,
     BackendSpec,
@@ -896,6 +899,7 @@ async def run_conformance(
             ))
     _check_commands(engine, shapes, out)
     _check_capabilities(engine, shapes, out)
+    check_gang(engine, shapes, lambda check, message: out.append(Violation(check, message)))
 
     spec = load_spec or next((s for s in shapes if s.gpus), shapes[0] if shapes else None)
     if spec is not None:

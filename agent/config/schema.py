@@ -30,7 +30,9 @@ from pydantic import (
     model_validator,
 )
 
-from viiwork.engines.contract import Kind
+from viiwork.agent.config.gang import hosts_problem
+from viiwork.engines.contract import EngineOptionsError, Kind
+from viiwork.engines.gang import GangEngine, gang_shape
 from viiwork.engines.registry import ENGINES, engine_names
 from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS, model_name_problem
 from viiwork.mesh.identity import NodeId
@@ -512,6 +514,10 @@ class ModelConfig(_Strict):
     cpu_weight: int | None = Field(default=None, ge=1, le=10000)
     tasks_max: int | None = Field(default=None, ge=1, le=4_194_304)
     sandbox: Literal["none", "basic", "strict"] = "basic"
+    # A gang (docs/configuration.md, "Gangs"; agent/config/gang.py): the hosts serving this one
+    # model together, the head first, and the port of the gang's rendezvous.
+    hosts: list[str] = Field(default_factory=list)
+    gang_port: int | None = Field(default=None, ge=1024, le=65535)
     options: Any = None
 
     @model_validator(mode="before")
@@ -606,17 +612,47 @@ class ModelConfig(_Strict):
             ))
         return self
 
+    @model_validator(mode="after")
+    def _gang(self) -> ModelConfig:
+        if self.hosts:
+            problem = hosts_problem(self.hosts)
+            if problem is not None:
+                raise PathError(("hosts", *problem[0]), problem[1])
+            if gang_shape(ENGINES[self.engine]) is None:
+                raise PathError(("hosts",), f"engine {self.engine!r} cannot serve one model across hosts")
+            if self.gang_port is None:
+                raise PathError(("gang_port",), (
+                    "a gang needs gang_port: the port of its rendezvous (the head's, and a llama.cpp "
+                    "worker's rpc-server on loopback), the same in every host's config"))
+            for key in ("gpus_per_backend", "backends"):
+                if key in self.model_fields_set:
+                    raise PathError((key,), "not with hosts: a gang's host runs one part over all its gpus")
+        elif self.gang_port is not None:
+            raise PathError(("gang_port",), "is for a model served by a gang (set hosts)")
+        engine = ENGINES[self.engine]
+        if isinstance(engine, GangEngine) and self.options is not None:
+            try:
+                engine.check_gang(self.options, max(1, len(self.hosts)), len(self.gpus))
+            except EngineOptionsError as exc:
+                raise PathError(tuple(exc.path.split(".")), exc.message) from None
+        return self
+
     @property
     def backend_count(self) -> int:
-        """How many backends this model runs on this node."""
+        """How many backends this model runs on this node (a gang's host: one part, 1)."""
+        if self.hosts:
+            return 1
         if self.gpus:
             return len(self.gpus) // self.gpus_per_backend
         return self.backends or 1
 
     def backend_gpus(self, index: int) -> tuple[str, ...]:
-        """The GPUs of backend ``index`` (0-based), as strings; () for CPU."""
+        """The GPUs of backend ``index`` (0-based), as strings; () for CPU. A gang's host
+        lends all its gpus to its one part."""
         if not self.gpus:
             return ()
+        if self.hosts:
+            return tuple(str(g) for g in self.gpus)
         n = self.gpus_per_backend
         return tuple(str(g) for g in self.gpus[index * n:(index + 1) * n])
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 from viiwork.engines.contract import (
     BackendSpec,
     Endpoint,
+    EngineOptionsError,
     Kind,
     LaunchCommand,
     Load,
@@ -34,6 +35,7 @@ from viiwork.engines.contract import (
     Probe,
     TokenCounters,
 )
+from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, shared_options
 from viiwork.engines.http import fetch
 from viiwork.engines.llamacpp.errors import client_fault
 from viiwork.engines.llamacpp.gguf_metadata import read_pooling
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import aiohttp
+    from pydantic import BaseModel
 
 __all__ = ["LlamaCppEngine", "LlamaCppOptions"]
 
@@ -66,6 +69,12 @@ class LlamaCppEngine:
     # A non-streamed generation is not reliably stopped by a closed connection (measured:
     # tests/bench/bench_disconnect.py, docs/engines.md "When the client goes away").
     nonstream_stops_on_disconnect: ClassVar[bool] = False
+    # A gang: rpc-server workers, then the head's llama-server --rpc (docs/engines.md, "Gangs").
+    launch_shape: ClassVar[LaunchShape] = LaunchShape.WORKERS_THEN_HEAD
+    per_host_options: ClassVar[frozenset[str]] = frozenset(
+        {"binary", "rpc_binary", "threads", "device_selection", "metrics"})
+    # rpc-server gets the tensors from the head: a worker host needs no model file.
+    workers_load_model: ClassVar[bool] = False
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """llama-server's argv for ``spec``.
@@ -75,8 +84,13 @@ class LlamaCppEngine:
         the backend has GPUs, and ``--n-gpu-layers 0 --device none`` (no device at all) when
         it has none, so a GPU build never grabs a GPU the model was not given. An embedding
         backend whose GGUF declares no pooling type gets ``--pooling mean`` (``pooling_args``).
+        The options' ``split_mode`` and ``tensor_split`` follow the layers, when set.
         """
-        opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
+        return LaunchCommand(argv=self._server_argv(spec, rpc=()), env=self.device_env(spec))
+
+    def _server_argv(self, spec: BackendSpec, rpc: tuple[str, ...]) -> tuple[str, ...]:
+        """llama-server's argv; ``rpc``: a gang head's RPC servers (``--rpc``), () for one host."""
+        opts = _options(spec)
         threads = opts.threads or max(1, spec.host_cpus // spec.backends_on_node)
         argv: list[str] = [
             opts.binary,
@@ -87,10 +101,18 @@ class LlamaCppEngine:
             "--parallel", str(spec.parallel),
             "--threads", str(threads),
         ]
-        if spec.gpus:
+        if rpc:
+            # A gang head offloads to its RPC servers (and its own GPUs, if any): never
+            # --device none, which would turn the RPC devices off too.
+            argv += ["--rpc", ",".join(rpc), "--n-gpu-layers", str(opts.gpu_layers)]
+        elif spec.gpus:
             argv += ["--n-gpu-layers", str(opts.gpu_layers)]
         else:
             argv += ["--n-gpu-layers", "0", "--device", "none"]
+        if opts.split_mode is not None:
+            argv += ["--split-mode", opts.split_mode]
+        if opts.tensor_split is not None:
+            argv += ["--tensor-split", ",".join(f"{x:g}" for x in opts.tensor_split)]
         if spec.kind is Kind.EMBEDDING:
             argv.append("--embedding")
             argv += pooling_args(spec)
@@ -100,11 +122,53 @@ class LlamaCppEngine:
             argv.append("--metrics")
         argv += key_args(spec)
         argv += list(spec.args)
-        return LaunchCommand(argv=tuple(argv), env=self.device_env(spec))
+        return tuple(argv)
+
+    # --- gangs (engines/gang.py): workers then head, over llama.cpp's RPC ------------------
+
+    def check_gang(self, options: BaseModel, hosts: int, gpus: int) -> None:
+        """Nothing to refuse: any host count and any GPUs (a CPU worker serves its CPU). How
+        layers split is ``split_mode``/``tensor_split``, valid on one host too."""
+
+    def gang_shared(self, options: BaseModel, hosts: int, gpus: int) -> dict[str, object]:
+        """The block but ``per_host_options`` (binaries, threads, device selection, metrics)."""
+        return shared_options(options, self.per_host_options)
+
+    def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
+        """A worker (rank >= 1, WORKER): ``<rpc_binary> -H 127.0.0.1 -p <gang port>`` (loopback
+        only: the agents carry its stream between hosts; rpc-server has no authentication), with
+        ``-t <threads>`` when the host lends no GPU (the threads of its CPU device). The head
+        (rank 0, SERVER): llama-server's command with ``--rpc <worker_endpoints>`` and all
+        layers offloaded (``--n-gpu-layers <gpu_layers>``, never ``--device none``). A host
+        without GPUs on a Vulkan build (``device_selection = "vulkan"``) gets
+        ``GGML_VK_VISIBLE_DEVICES=""``: no local Vulkan device (the other builds see none
+        through the agent's pinning). The operator's args are llama-server's: the head's only.
+        Raises EngineOptionsError for another role, or a head without worker endpoints."""
+        opts = _options(spec)
+        env = dict(self.device_env(spec))
+        if not spec.gpus and opts.device_selection == "vulkan":
+            env["GGML_VK_VISIBLE_DEVICES"] = ""
+        if gang.rank == 0 and role is PartRole.SERVER:
+            if len(gang.worker_endpoints) != gang.size - 1:
+                raise EngineOptionsError("hosts", "a llama.cpp gang head needs the endpoints of its "
+                                                  f"{gang.size - 1} rpc-server workers")
+            return LaunchCommand(argv=self._server_argv(spec, rpc=gang.worker_endpoints), env=env)
+        if gang.rank > 0 and role is PartRole.WORKER:
+            argv = [opts.rpc_binary, "-H", "127.0.0.1", "-p", str(gang.port)]
+            if not spec.gpus:
+                argv += ["-t", str(opts.threads or max(1, spec.host_cpus // spec.backends_on_node))]
+            return LaunchCommand(argv=tuple(argv), env=env)
+        raise EngineOptionsError("hosts", f"a llama.cpp gang has no {role.value} part at rank {gang.rank} "
+                                          "(rank 0 serves, the others run rpc-server)")
+
+    def gang_listen(self, role: PartRole, gang: GangAddresses) -> str | None:
+        """A worker's rpc-server listens on 127.0.0.1:<gang port>; the head's server on nothing
+        the plan waits for (its probe is its readiness)."""
+        return f"127.0.0.1:{gang.port}" if role is PartRole.WORKER else None
 
     def device_env(self, spec: BackendSpec) -> Mapping[str, str]:
         """Vulkan builds ignore CUDA_VISIBLE_DEVICES: they read GGML_VK_VISIBLE_DEVICES."""
-        opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
+        opts = _options(spec)
         if opts.device_selection == "vulkan" and spec.gpus:
             return {"GGML_VK_VISIBLE_DEVICES": ",".join(spec.gpus)}
         return {}
@@ -169,7 +233,7 @@ class LlamaCppEngine:
         except (ValueError, KeyError, TypeError) as exc:
             raise LoadUnknown(f"/slots undecodable: {exc}") from exc
         waiting, tokens = None, None
-        opts = spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
+        opts = _options(spec)
         if opts.metrics:
             waiting, tokens = await self._read_metrics(http, base_url)
         return Load(slots=len(entries), busy=busy, waiting=waiting, ctx_per_slot=ctx, tokens=tokens)
@@ -186,6 +250,10 @@ class LlamaCppEngine:
 #: llama-server's cumulative counters: prompt tokens, prompt seconds, generated tokens, generation seconds.
 TOKEN_COUNTERS = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total", "llamacpp:tokens_predicted_total",
                   "llamacpp:tokens_predicted_seconds_total")
+
+
+def _options(spec: BackendSpec) -> LlamaCppOptions:
+    return spec.options if isinstance(spec.options, LlamaCppOptions) else LlamaCppOptions()
 
 
 def bind_args(spec: BackendSpec) -> tuple[str, ...]:

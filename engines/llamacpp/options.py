@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # (operators write 999 to mean "all of them").
 MAX_THREADS = 4096
 MAX_GPU_LAYERS = 10_000
+# llama.cpp's tensor_split holds one proportion per device (llama_max_devices(): 16 on CUDA builds,
+# more elsewhere); 128 is past every build's device limit, so a longer list is a typo.
+MAX_TENSOR_SPLIT = 128
+# A proportion is relative (3,1 or 0.75,0.25; or GiB per device, 24,48): 1000 is past any of them.
+MAX_PROPORTION = 1000.0
 
 
 class LlamaCppOptions(BaseModel):
@@ -23,6 +28,14 @@ class LlamaCppOptions(BaseModel):
         CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES; "vulkan" also sets
         GGML_VK_VISIBLE_DEVICES, which Vulkan builds read instead.
     metrics: pass --metrics so waiting requests (llamacpp:requests_deferred) are known.
+    rpc_binary: the rpc-server executable a gang's worker hosts run (a name on PATH or a path;
+        docs/engines.md, "Gangs").
+    split_mode: how layers are split over the devices (llama.cpp's ``--split-mode``: "layer"
+        splits layers and KV cache, "row" splits weights by rows, "tensor" splits weights and
+        KV, experimental in llama.cpp); None leaves it to llama.cpp ("layer").
+    tensor_split: proportion of the model per device (``--tensor-split``), in llama.cpp's
+        device order: a gang head's RPC servers first, in rank order, then its own GPUs.
+        None: in proportion to each device's free memory.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
@@ -32,6 +45,17 @@ class LlamaCppOptions(BaseModel):
     gpu_layers: int | Literal["all"] = "all"
     device_selection: Literal["env", "vulkan"] = "env"
     metrics: bool = True
+    rpc_binary: str = Field(default="rpc-server", min_length=1)
+    split_mode: Literal["layer", "row", "tensor"] | None = None
+    tensor_split: list[Annotated[float, Field(ge=0, le=MAX_PROPORTION)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_TENSOR_SPLIT)
+
+    @field_validator("tensor_split")
+    @classmethod
+    def _proportions(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and not any(x > 0 for x in v):
+            raise ValueError(f"tensor_split needs at least one proportion > 0, got {v}")
+        return v
 
     @field_validator("gpu_layers")
     @classmethod

@@ -29,7 +29,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import BackendSpec, Endpoint, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.contract import (
+    BackendSpec,
+    Endpoint,
+    EngineOptionsError,
+    Kind,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+)
+from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, check_parallelism, parallel_sizes, shared_options
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import request_count
 from viiwork.engines.sglang.metrics import parse_samples, scheduler_constant, scheduler_total
@@ -37,6 +47,7 @@ from viiwork.engines.sglang.options import SglangOptions
 
 if TYPE_CHECKING:
     import aiohttp
+    from pydantic import BaseModel
 
 __all__ = ["SglangEngine", "SglangOptions"]
 
@@ -61,6 +72,11 @@ class SglangEngine:
     nonstream_stops_on_disconnect: ClassVar[bool] = False
     # --model-path takes a Hugging Face folder (or a hub id).
     model_directory: ClassVar[bool] = True
+    # A gang: every host runs the server with its rank (docs/engines.md, "Gangs").
+    launch_shape: ClassVar[LaunchShape] = LaunchShape.RANKS
+    per_host_options: ClassVar[frozenset[str]] = frozenset({"python"})
+    # Every rank loads its shard of the checkpoint.
+    workers_load_model: ClassVar[bool] = True
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """SGLang's argv for ``spec``.
@@ -74,7 +90,11 @@ class SglangEngine:
         ``CUDA_VISIBLE_DEVICES=""``.
         An embedding backend gets ``--is-embedding``. Operator args go last.
         """
-        opts = spec.options if isinstance(spec.options, SglangOptions) else SglangOptions()
+        return self._server_command(spec, gang=None)
+
+    def _server_command(self, spec: BackendSpec, gang: GangAddresses | None) -> LaunchCommand:
+        """SGLang's server command; ``gang``: this rank's place in a gang, None on one host."""
+        opts = _options(spec)
         argv: list[str] = [
             opts.python, "-m", "sglang.launch_server",
             "--model-path", spec.path,
@@ -86,7 +106,15 @@ class SglangEngine:
             "--enable-metrics",
         ]
         env: dict[str, str] = {}
-        if spec.gpus:
+        if gang is not None:
+            tp, pp = parallel_sizes(opts.tensor_parallel, opts.pipeline_parallel, gang.size, len(spec.gpus))
+            argv += ["--tp-size", str(tp)]
+            if pp > 1:  # --pp-size is newer than multi-node tensor parallelism: only when needed
+                argv += ["--pp-size", str(pp)]
+            argv += ["--nnodes", str(gang.size), "--node-rank", str(gang.rank), "--dist-init-addr", gang.head_endpoint]
+            if opts.mem_fraction_static is not None:
+                argv += ["--mem-fraction-static", f"{opts.mem_fraction_static:g}"]
+        elif spec.gpus:
             argv += ["--tp-size", str(len(spec.gpus))]
             if opts.mem_fraction_static is not None:
                 argv += ["--mem-fraction-static", f"{opts.mem_fraction_static:g}"]
@@ -100,6 +128,37 @@ class SglangEngine:
             argv.append("--is-embedding")
         argv += list(spec.args)
         return LaunchCommand(argv=tuple(argv), env=env)
+
+    # --- gangs (engines/gang.py): every host runs the server with its rank -----------------
+
+    def check_gang(self, options: BaseModel, hosts: int, gpus: int) -> None:
+        """``tensor_parallel``/``pipeline_parallel`` only with hosts; a gang on GPUs; tp x pp =
+        hosts x gpus (``check_parallelism``: SGLang puts tp x pp / nnodes GPUs on each node)."""
+        opts = options if isinstance(options, SglangOptions) else SglangOptions()
+        check_parallelism(self.name, opts.tensor_parallel, opts.pipeline_parallel, hosts, gpus)
+
+    def gang_shared(self, options: BaseModel, hosts: int, gpus: int) -> dict[str, object]:
+        """The block but ``per_host_options``, with the parallel sizes in force."""
+        opts = options if isinstance(options, SglangOptions) else SglangOptions()
+        shared = shared_options(opts, self.per_host_options)
+        shared["tensor_parallel"], shared["pipeline_parallel"] = parallel_sizes(
+            opts.tensor_parallel, opts.pipeline_parallel, hosts, gpus)
+        return shared
+
+    def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
+        """Every rank (SERVER at 0, RANK elsewhere) runs the one-host command with ``--tp-size
+        T [--pp-size P] --nnodes N --node-rank <rank> --dist-init-addr <head>:<gang port>``
+        (``parallel_sizes``; ``--pp-size`` only when P > 1). Rank 0 serves HTTP on the spec's
+        port; the other ranks run the schedulers of their GPUs (given the same --host/--port
+        shape, on their own host's spec port). Raises EngineOptionsError for another role at that rank."""
+        if (gang.rank == 0) != (role is PartRole.SERVER) or role not in (PartRole.SERVER, PartRole.RANK):
+            raise EngineOptionsError("hosts", f"an SGLang gang has no {role.value} part at rank {gang.rank} "
+                                              "(rank 0 serves, the others are ranks)")
+        return self._server_command(spec, gang=gang)
+
+    def gang_listen(self, role: PartRole, gang: GangAddresses) -> str | None:
+        """None: ranks start together and meet at the head's --dist-init-addr themselves."""
+        return None
 
     def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
         """SGLang's routes (python/sglang/srt/entrypoints/http_server.py): a generating model
@@ -178,3 +237,7 @@ class SglangEngine:
             waiting=request_count(waiting, QUEUE_GAUGE),
             ctx_per_slot=int(context) if context is not None and context >= 1 else spec.ctx_per_slot,
         )
+
+
+def _options(spec: BackendSpec) -> SglangOptions:
+    return spec.options if isinstance(spec.options, SglangOptions) else SglangOptions()

@@ -28,7 +28,24 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar
 
-from viiwork.engines.contract import BackendSpec, Endpoint, Kind, LaunchCommand, Load, LoadUnknown, Probe
+from viiwork.engines.contract import (
+    BackendSpec,
+    Endpoint,
+    EngineOptionsError,
+    Kind,
+    LaunchCommand,
+    Load,
+    LoadUnknown,
+    Probe,
+)
+from viiwork.engines.gang import (
+    GangAddresses,
+    LaunchShape,
+    PartRole,
+    check_parallelism,
+    parallel_sizes,
+    shared_options,
+)
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import parse_gauges, request_count, token_counters
 from viiwork.engines.vllm.options import VllmOptions
@@ -37,6 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import aiohttp
+    from pydantic import BaseModel
 
 __all__ = ["VllmEngine", "VllmOptions"]
 
@@ -78,6 +96,11 @@ class VllmEngine:
     nonstream_stops_on_disconnect: ClassVar[bool] = True
     # `vllm serve <path>` takes a Hugging Face folder (or a GGUF file, or a hub id).
     model_directory: ClassVar[bool] = True
+    # A gang: a Ray cluster over the hosts, then `vllm serve` on the head (docs/engines.md, "Gangs").
+    launch_shape: ClassVar[LaunchShape] = LaunchShape.CLUSTER_RUNTIME
+    per_host_options: ClassVar[frozenset[str]] = frozenset({"binary", "python", "ray_binary", "cpu_kv_cache_gib"})
+    # Ray workers load their shard of the checkpoint themselves.
+    workers_load_model: ClassVar[bool] = True
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """vLLM's argv and environment for ``spec``.
@@ -96,6 +119,11 @@ class VllmEngine:
         refuses ``/v1/*`` without it; ``/health`` and ``/metrics`` stay open). Operator args
         go last.
         """
+        return self._serve_command(spec, parallel=None)
+
+    def _serve_command(self, spec: BackendSpec, parallel: tuple[int, int] | None) -> LaunchCommand:
+        """vLLM's server command; ``parallel``: a gang head's (tensor, pipeline) sizes, served
+        through Ray; None: one host (tensor-parallel over the backend's GPUs)."""
         opts = _options(spec)
         if opts.python is not None:
             argv: list[str] = [opts.python, "-m", API_SERVER_MODULE, "--model", spec.path]
@@ -108,8 +136,12 @@ class VllmEngine:
             "--max-model-len", str(spec.ctx_per_slot),
         ]
         env: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1"}
-        if spec.gpus:
+        if parallel is not None:
+            argv += ["--tensor-parallel-size", str(parallel[0]), "--pipeline-parallel-size", str(parallel[1]),
+                     "--distributed-executor-backend", "ray"]
+        elif spec.gpus:
             argv += ["--tensor-parallel-size", str(len(spec.gpus))]
+        if spec.gpus:
             if opts.gpu_memory_utilization is not None:
                 argv += ["--gpu-memory-utilization", f"{opts.gpu_memory_utilization:g}"]
         else:
@@ -120,6 +152,61 @@ class VllmEngine:
             argv += ["--runner", "pooling"]
         argv += list(spec.args)
         return LaunchCommand(argv=tuple(argv), env=env, key_env=KEY_ENV if spec.api_key_file else None)
+
+    # --- gangs (engines/gang.py): a Ray cluster, then vLLM on its head --------------------
+
+    def check_gang(self, options: BaseModel, hosts: int, gpus: int) -> None:
+        """``tensor_parallel``/``pipeline_parallel`` only with hosts; a gang on GPUs; tp x pp =
+        hosts x gpus (``check_parallelism``)."""
+        opts = options if isinstance(options, VllmOptions) else VllmOptions()
+        check_parallelism(self.name, opts.tensor_parallel, opts.pipeline_parallel, hosts, gpus)
+
+    def gang_shared(self, options: BaseModel, hosts: int, gpus: int) -> dict[str, object]:
+        """The block but ``per_host_options``, with the parallel sizes in force."""
+        opts = options if isinstance(options, VllmOptions) else VllmOptions()
+        shared = shared_options(opts, self.per_host_options)
+        shared["tensor_parallel"], shared["pipeline_parallel"] = parallel_sizes(
+            opts.tensor_parallel, opts.pipeline_parallel, hosts, gpus)
+        return shared
+
+    def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
+        """RUNTIME at rank 0: ``<ray_binary> start --head --port <gang port> --node-ip-address
+        <self> --num-gpus <n> --include-dashboard false --disable-usage-stats --block`` (the
+        dashboard off: it is an unauthenticated web UI with job submission). RUNTIME at rank >= 1:
+        ``<ray_binary> start --address <head>:<gang port> --node-ip-address <self> --num-gpus
+        <n> --disable-usage-stats --block``. ``--block`` keeps Ray in the foreground, so the
+        unit lives as long as the node's runtime. SERVER at rank 0: the one-host command with
+        ``--tensor-parallel-size T --pipeline-parallel-size P --distributed-executor-backend
+        ray`` (``parallel_sizes``) and ``RAY_ADDRESS=<head>:<gang port>``. Every part gets
+        ``VLLM_HOST_IP=<self>`` (vLLM's and its Ray workers' address for the gang's traffic).
+        Raises EngineOptionsError for another role at that rank."""
+        opts = _options(spec)
+        host_env = {"VLLM_HOST_IP": gang.self_address, "VLLM_NO_USAGE_STATS": "1"}
+        if role is PartRole.RUNTIME:
+            argv = [opts.ray_binary, "start"]
+            if gang.rank == 0:
+                argv += ["--head", "--port", str(gang.port)]
+            else:
+                argv += ["--address", gang.head_endpoint]
+            argv += ["--node-ip-address", gang.self_address, "--num-gpus", str(len(spec.gpus))]
+            if gang.rank == 0:
+                argv += ["--include-dashboard", "false"]
+            argv += ["--disable-usage-stats", "--block"]
+            return LaunchCommand(argv=tuple(argv), env=host_env)
+        if role is PartRole.SERVER and gang.rank == 0:
+            sizes = parallel_sizes(opts.tensor_parallel, opts.pipeline_parallel, gang.size, len(spec.gpus))
+            served = self._serve_command(spec, parallel=sizes)
+            return LaunchCommand(argv=served.argv, env={**served.env, **host_env, "RAY_ADDRESS": gang.head_endpoint},
+                                 key_env=served.key_env)
+        raise EngineOptionsError("hosts", f"a vLLM gang has no {role.value} part at rank {gang.rank} "
+                                          "(every host runs Ray's runtime, rank 0 also serves)")
+
+    def gang_listen(self, role: PartRole, gang: GangAddresses) -> str | None:
+        """The head's Ray runtime listens on <head>:<gang port> (its GCS); nothing else is waited
+        for by port (a worker's runtime joins the head, the server's probe is its readiness)."""
+        if role is PartRole.RUNTIME and gang.rank == 0:
+            return gang.head_endpoint
+        return None
 
     def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
         """vLLM's routes (vllm/entrypoints/openai/api_server.py, vllm/entrypoints/anthropic/):

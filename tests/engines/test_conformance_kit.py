@@ -37,6 +37,7 @@ from viiwork.engines.contract import (
     Probe,
     classify_client_fault,
 )
+from viiwork.engines.gang import GangAddresses, PartRole
 from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions
 
 # Short timeouts keep the hanging-server checks fast; the grace is what a broken adapter
@@ -290,6 +291,25 @@ class GpuOnlyRefusesCpu(GpuOnlyButBuildsCpu):
         return super().build_command(spec)
 
 
+class GangWorkerOnAllInterfaces(LlamaCppEngine):
+    def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
+        cmd = super().gang_command(spec, role, gang)
+        return replace(cmd, argv=tuple("0.0.0.0" if a == "127.0.0.1" else a for a in cmd.argv))
+
+
+class GangShapeNotAShape(LlamaCppEngine):
+    launch_shape = "ranks"  # type: ignore[assignment]
+
+
+class GangPerHostKeyUnknown(LlamaCppEngine):
+    per_host_options: ClassVar[frozenset[str]] = frozenset({"binary", "gpu_layerz"})
+
+
+class GangAnyRoleAnywhere(LlamaCppEngine):
+    def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
+        return self.build_command(spec)
+
+
 BROKEN: list[tuple[type, set[str]]] = [
     (BindsAllInterfaces, {"command.bind"}),
     (WrongPort, {"command.bind"}),
@@ -319,6 +339,10 @@ BROKEN: list[tuple[type, set[str]]] = [
     (ClassifierRaisesOnGarbage, {"capability.client_fault"}),
     (ClassifierBlamesTheClient, {"capability.client_fault"}),
     (ClassifierInventsCodes, {"capability.client_fault"}),
+    (GangWorkerOnAllInterfaces, {"gang.command"}),
+    (GangShapeNotAShape, {"gang.shape"}),
+    (GangPerHostKeyUnknown, {"gang.shape"}),
+    (GangAnyRoleAnywhere, {"gang.command"}),
 ]
 
 

@@ -191,14 +191,14 @@ def test_every_numeric_key_is_bounded(loc: tuple[str | int, ...], kind: Shape) -
         assert _reported_at(issues, path), f"{path} = {value!r} is accepted: give it a bound (Field(ge=, le=))"
 
 
-FLOAT_KEYS = [loc for loc, (number, _), _ in NUMERIC_KEYS if number is float]
+FLOAT_KEYS = [(loc, shape) for loc, (number, shape), _ in NUMERIC_KEYS if number is float]
 
 
-@pytest.mark.parametrize("loc", FLOAT_KEYS, ids=[dotted(loc) for loc in FLOAT_KEYS])
+@pytest.mark.parametrize(("loc", "shape"), FLOAT_KEYS, ids=[dotted(loc) for loc, _ in FLOAT_KEYS])
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
-def test_no_float_key_takes_inf_or_nan(loc: tuple[str | int, ...], value: float) -> None:
-    text = with_value(loc, value)
-    issues = [i for i in issues_of(text) if i.dotted == dotted(loc)]
+def test_no_float_key_takes_inf_or_nan(loc: tuple[str | int, ...], shape: str, value: float) -> None:
+    text = with_value(loc, _wrap(value, shape))
+    issues = [i for i in issues_of(text) if _reported_at([i], dotted(loc))]
     assert issues, f"{dotted(loc)} = {value!r} is accepted"
     assert "finite number" in issues[0].message, str(issues[0])
     assert issues[0].line == line_of_key(text, loc[-1]), str(issues[0])

@@ -37,6 +37,7 @@ from viiwork.agent.host.facts import (
     HostFacts,
     gather_facts,
     read_binary_facts,
+    read_node_id,
     resolve_binary,
     version_at_least,
 )
@@ -183,6 +184,38 @@ def test_a_model_path_must_be_what_its_engine_loads(tmp_path: Path, engine: str,
     else:
         assert result.verdict is Verdict.FAIL and result.summary == f"{path} {says} (model m)", result
         assert result.subject == "models[0].path" and "models[0].path" in result.remedy
+
+
+@pytest.mark.parametrize(("engine", "hosts", "checked"), [
+    ("llamacpp", ["other", "box"], False),  # an rpc-server worker reads no model file
+    ("llamacpp", ["box", "other"], True),   # the head does
+    ("llamacpp", ["other", "third"], False),  # a host the entry does not name ignores it
+    ("sglang", ["other", "box"], True),     # every SGLang rank loads its shard
+], ids=["llamacpp-worker", "llamacpp-head", "not-named", "sglang-rank"])
+def test_a_gang_worker_that_reads_no_model_file_is_not_checked(tmp_path: Path, engine: str, hosts: list[str],
+                                                                  checked: bool) -> None:
+    """A missing file fails the check only on a host that reads it (docs/configuration.md, "Gangs")."""
+    entry = {"name": "m", "engine": engine, "path": str(tmp_path / "absent.gguf"), "hosts": hosts,
+             "gang_port": 50052, "gpus": [0] if engine == "sglang" else []}
+    config = write_config(tmp_path, [entry])
+    facts = host(tmp_path, config)
+    assert [p.model for p in facts.model_paths] == (["m"] if checked else [])
+    (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "model.path"]).results
+    assert result.verdict is (Verdict.FAIL if checked else Verdict.SKIPPED), result
+
+
+def test_a_gang_worker_named_by_its_node_id_finds_itself(tmp_path: Path) -> None:
+    """The doctor reads the node id from the node key, so a host listed by id is found too."""
+    from viiwork.mesh.identity import load_or_create_identity
+
+    node_id = load_or_create_identity(tmp_path / "state").node_id
+    entry = {"name": "m", "engine": "llamacpp", "path": str(tmp_path / "absent.gguf"),
+             "hosts": ["other", node_id], "gang_port": 50052}
+    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})
+    assert read_node_id(parse_config(config.read_text())) == node_id
+    assert host(tmp_path, config).model_paths == ()
+    (tmp_path / "state" / "node.key").chmod(0o644)  # a key others may read is refused: id unknown
+    assert read_node_id(parse_config(config.read_text())) is None
 
 
 def test_config_check_fails_a_fifo_model_path_without_opening_it(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from viiwork.agent.host.facts.mesh import (
     read_interface,
     read_interfaces,
     read_mesh_facts,
+    read_node_id,
 )
 from viiwork.agent.host.gpus.amd import AmdSysfsReader
 from viiwork.agent.host.gpus.inventory import GpuInventory, GpuSource, read_inventory_once
@@ -84,6 +85,7 @@ __all__ = [
     "read_interfaces",
     "read_issuer_keys",
     "read_mesh_facts",
+    "read_node_id",
     "read_model_paths",
     "resolve_binary",
     "run_version_command",
@@ -167,7 +169,7 @@ def gather_facts(
     section("device_nodes", lambda: read_device_nodes(dev_root))
     if config is not None:
         section("binaries", lambda: read_binary_facts(config, read_versions=read_versions, runner=version_runner))
-        section("model_paths", lambda: read_model_paths(config))
+        section("model_paths", lambda: read_model_paths(config, read_node_id(config)))
         section("disks", lambda: read_disks(config))
         section("mesh", lambda: read_mesh_facts(config, net_root, now))
         section("issuer_keys", lambda: read_issuer_keys(config))

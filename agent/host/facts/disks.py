@@ -7,6 +7,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from viiwork.agent.config.gang import GangConfigError, needs_model_file
 from viiwork.agent.config.load import file_kind
 from viiwork.agent.config.schema import Config
 from viiwork.engines.contract import takes_model_directory
@@ -37,13 +38,21 @@ def _is_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~"))
 
 
-def read_model_paths(config: Config) -> tuple[ModelPathFact, ...]:
-    """One fact per model whose ``path`` is local, in config order (``index`` is its place).
+def read_model_paths(config: Config, node_id: str | None = None) -> tuple[ModelPathFact, ...]:
+    """One fact per model whose ``path`` is local and that this host reads, in config order
+    (``index`` is its place). A gang's entry is left out on a host that does not read the file
+    (``needs_model_file``: a llama.cpp worker, a host the entry does not name); ``node_id``:
+    this node's id, None when unknown (a gang's hosts are then matched by name only).
     Only ``stat``s the path (following symlinks): never opens it, so a FIFO cannot block."""
     out = []
     for i, model in enumerate(config.models):
         if not _is_local(model.path):
             continue
+        try:
+            if not needs_model_file(model, node_id, config.node.name):
+                continue
+        except GangConfigError:
+            pass  # named twice: checked as if read (the agent reports the hosts error)
         p = Path(model.path).expanduser()
         try:
             st = p.stat()

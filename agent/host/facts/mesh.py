@@ -132,6 +132,21 @@ def read_interfaces(entries: Sequence[str], net_root: str | Path = "/sys/class/n
     return tuple(chosen), all_ifaces
 
 
+def read_node_id(config: Config) -> str | None:
+    """This node's id from its key file (``mesh.node_key``, else ``<state_dir>/node.key``), or
+    None when there is no mesh or the key cannot be read (not created yet, or not readable by
+    the user running the doctor)."""
+    if config.mesh is None:
+        return None
+    from viiwork.mesh import identity
+
+    path = Path(config.mesh.node_key) if config.mesh.node_key else Path(config.node.state_dir) / identity.KEY_FILE
+    try:
+        return identity.node_id_from_public_key(identity.load_private_key(path).public_key())
+    except (OSError, identity.IdentityError):
+        return None
+
+
 def read_mesh_facts(config: Config, net_root: str | Path = "/sys/class/net",
                     now: dt.datetime | None = None) -> MeshFacts | None:
     """Trust files and interfaces of the ``[mesh]`` section; None for a standalone node."""

@@ -1,0 +1,45 @@
+"""Names and labels of a gang's parts on a host (docs/engines.md, "Gangs"; issue 21).
+
+A part runs as a transient unit ``viiwork-gang-<model>-<gang id>-r<rank>-<role>.service`` in
+``viiwork-engines.slice``, like a one-host backend's ``viiwork-engine-<node>-<model>-<n>``
+(agent/supervision/runners/systemd/units.py), with the model escaped the same way. The prefix
+is not ``viiwork-engine-``: adoption of one-host backends lists that prefix and would take a
+gang's part for a stale backend; the gang launcher adopts ``viiwork-gang-*`` itself. The gang
+id, rank, role and size travel as labels (``VIIWORK_GANG``, ``VIIWORK_GANG_RANK``, ...) in the
+unit's environment, so a restarted agent can read back which gang a running part belongs to.
+Pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from viiwork.agent.supervision.runners.systemd.units import escape_unit_component
+from viiwork.engines.gang import GangPart, PartRole, is_gang_id
+
+#: Unit names of gang parts start with this.
+GANG_UNIT_PREFIX = "viiwork-gang-"
+
+
+def gang_unit_stem(model: str, gang_id: str, part: GangPart) -> str:
+    """``viiwork-gang-<model>-<gang id>-r<rank>-<role>`` (model escaped: escape_unit_component).
+    Raises ValueError for a gang id ``new_gang_id`` did not make."""
+    if not is_gang_id(gang_id):
+        raise ValueError(f"not a gang id: {gang_id!r}")
+    return f"{GANG_UNIT_PREFIX}{escape_unit_component(model)}-{gang_id}-r{part.rank}-{part.role.value}"
+
+
+def gang_labels(owner: str, model: str, gang_id: str, part: GangPart, size: int, shared_hash: str) -> dict[str, str]:
+    """The labels of a part's unit: owner node, model, gang id, rank, role, size and the shared
+    part's hash (agent/config/gang.py), so adoption can tell a part of another entry."""
+    return {"owner": owner, "model": model, "gang": gang_id, "gang_rank": str(part.rank),
+            "gang_role": part.role.value, "gang_size": str(size), "gang_shared_hash": shared_hash}
+
+
+def part_of_labels(labels: Mapping[str, str]) -> tuple[str, GangPart] | None:
+    """``(gang id, part)`` read back from a unit's labels; None when they are not a gang part's
+    (missing or malformed: such a unit is not adopted as one)."""
+    gang_id, rank, role = labels.get("gang", ""), labels.get("gang_rank", ""), labels.get("gang_role", "")
+    if not is_gang_id(gang_id) or not (rank.isascii() and rank.isdigit()) or role not in PartRole.__members__.values():
+        return None
+    return gang_id, GangPart(int(rank), PartRole(role))
