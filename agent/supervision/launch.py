@@ -24,6 +24,12 @@ from viiwork.engines.registry import ENGINES
 log = logging.getLogger("viiwork.agent.supervision.supervisor")
 
 
+# Keys added after a release (issue 21's gangs): left out of the hash while at their default.
+ADDED_ENTRY_KEYS: dict[str, object] = {"hosts": [], "gang_port": None}
+ADDED_OPTION_KEYS = frozenset({"rpc_binary", "split_mode", "tensor_split", "tensor_parallel", "pipeline_parallel",
+                               "ray_binary"})
+
+
 def config_hash(model: ModelConfig) -> str:
     """sha256 (hex) of a model entry, normalised, plus its engine's name and command_version.
 
@@ -31,11 +37,23 @@ def config_hash(model: ModelConfig) -> str:
     with their defaults filled in. Two configs that launch the same command hash the same,
     and an adapter that changes its command (bumps ``command_version``) changes every hash,
     so an adopted backend is kept exactly when a fresh launch would run the same thing.
+    Keys added to the config after a release (:data:`ADDED_ENTRY_KEYS`,
+    :data:`ADDED_OPTION_KEYS`) count only when set away from their default, so an entry that
+    does not use them hashes as before they existed and an upgrade adopts its engines
+    (tests/unit/test_config_hash.py pins hashes of earlier releases).
     """
     data = model.model_dump(mode="json", exclude={"options"})
     data["gpus"] = [str(g) for g in model.gpus]
     options = model.options
     data["options"] = options.model_dump(mode="json") if options is not None else None
+    for key, unset in ADDED_ENTRY_KEYS.items():
+        if data.get(key) == unset:
+            del data[key]
+    if options is not None:
+        fields = type(options).model_fields
+        for key in ADDED_OPTION_KEYS & fields.keys():
+            if getattr(options, key) == fields[key].get_default(call_default_factory=True):
+                del data["options"][key]
     engine = ENGINES[model.engine]
     payload = {"model": data, "engine": engine.name, "command_version": engine.command_version}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
