@@ -34,6 +34,9 @@ from viiwork.agent.banner import ready_lines
 from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
 from viiwork.agent.config.schema import Config, parse_hostport
+from viiwork.agent.gang.head import GangHead
+from viiwork.agent.gang.worker import GangWorker
+from viiwork.agent.host.facts.mesh import read_node_id
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
 from viiwork.agent.host.statedir import StateDirLocked, take_state_dir
 from viiwork.agent.notify import (
@@ -172,7 +175,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             return 1
         runner = await make_runner(config)
         stack.push_async_callback(runner.close)
-        supervisor = Supervisor(config, runner, probe_http, config.node.name, vendor_of=_vendor_lookup(inventory))
+        supervisor = Supervisor(config, runner, probe_http, config.node.name, vendor_of=_vendor_lookup(inventory),
+                                node_id=read_node_id(config))
         # The origin queues, shared by the request pipeline and the mesh link (slot offers).
         queues = Queues(supervisor.models, config.routing.queue_max, config.routing.queue_timeout_s)
         # Outlier ejection (agent/serving/ejections.py), shared by the pipeline and the mesh link:
@@ -204,6 +208,10 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
                             draining=lambda: api.draining, gpus=lambda: gpus.inventory, ejections=ejections,
                             prefixes=prefixes)
+            # Gangs (agent/gang/): this host's parts when a head asks; its routes before the listener starts.
+            gang_worker = GangWorker(supervisor.node, mesh.node)
+            gang_worker.add_routes(mesh.node.app)
+            stack.push_async_callback(gang_worker.stop)
             # viiworkctl usage --mesh: this node's ledger for peers that ask (agent/peering/mesh_usage.py).
             mesh_usage = MeshUsage(mesh, config.usage.file(config.node.state_dir))
             if auth is not None and auth.revocations is not None:
@@ -258,6 +266,13 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 log.error("mesh: %s", exc)
                 notifier.status(f"mesh: {exc}")
                 return 1
+            supervisor.set_node_id(mesh.node.node_id)
+            link_for_gangs = mesh
+            supervisor.attach_gangs(lambda runtime: GangHead(supervisor.node, lambda: runtime.config, link_for_gangs))
+            if any(m.hosts for m in config.models):
+                api.extra_status["gangs"] = lambda: {
+                    "heads": {name: rt.gang.status() for name, rt in supervisor.models.items() if rt.gang is not None},
+                    **gang_worker.status()}
             stack.push_async_callback(mesh.stop)
             if sync is not None:
                 await sync.start()

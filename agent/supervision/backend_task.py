@@ -354,7 +354,14 @@ class BackendTask:
                 return _Failure(reason=str(exc))
         spec = backend_spec(model, backend, port=port, socket_path=sock, key_dir=key_dir,
                             vendor=self._vendor(backend.gpus), host_cpus=node.host_cpus)
-        command = self.runtime.engine.build_command(spec)
+        gang = self.runtime.gang
+        if gang is not None and adopted is None:  # a gang's head: its parts first (agent/gang/head.py)
+            try:
+                command = await gang.prepare(spec)
+            except Exception as exc:  # GangError: the launch fails, the ladder backs off
+                return _Failure(reason=str(exc))
+        else:
+            command = self.runtime.engine.build_command(spec)
         env_file = None
         if command.key_env and adopted is None:  # an engine that reads its key from the environment (vLLM)
             try:
@@ -391,9 +398,15 @@ class BackendTask:
                 async with asyncio.timeout(RUNNER_START_TIMEOUT_S):
                     handle = await node.runner.start(request)
             except RunnerError as exc:
+                if gang is not None:
+                    await gang.abort()
                 return _Failure(reason=str(exc))
             except TimeoutError:
+                if gang is not None:
+                    await gang.abort()
                 return _Failure(reason=f"runner did not start the engine within {RUNNER_START_TIMEOUT_S:.0f} s")
+            if gang is not None:
+                handle = gang.watch(handle)
         started = time.monotonic()
         self.handle = handle
         self.exit_task = asyncio.ensure_future(handle.wait())

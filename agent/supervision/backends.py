@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NewType
+from typing import Any, NewType, Protocol
 
 from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.supervision.runners.base import RunHandle
 from viiwork.agent.supervision.speeds import ModelSpeed, SpeedEstimate, model_speed
-from viiwork.engines.contract import Engine, Load, served_endpoints
+from viiwork.engines.contract import BackendSpec, Engine, LaunchCommand, Load, served_endpoints
 
 BackendId = NewType("BackendId", str)
 
@@ -169,6 +170,20 @@ class Capacity:
     ejected: tuple[tuple[BackendId, int], ...] = ()
 
 
+class GangLauncher(Protocol):
+    """What a backend's launch asks of its gang (agent/gang/head.py ``GangHead``): ``prepare``
+    brings the other parts up and returns the serving engine's command (raises on failure),
+    ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts."""
+
+    async def prepare(self, spec: BackendSpec) -> LaunchCommand: ...
+
+    def watch(self, handle: RunHandle) -> RunHandle: ...
+
+    async def abort(self) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 @dataclass(eq=False)
 class ModelRuntime:
     """One configured model on this node: its config, engine and backends.
@@ -182,6 +197,8 @@ class ModelRuntime:
     backends: list[Backend] = field(default_factory=list)
     state: ModelState = ModelState.RUNNING
     listeners: list[Callable[[ModelRuntime], None]] = field(default_factory=list)
+    # A gang's head (agent/gang/head.py): its parts come up before the backend's launch.
+    gang: GangLauncher | None = None
     _endpoints: tuple[ModelConfig, Engine, frozenset[str]] | None = field(default=None, init=False, repr=False)
 
     @property

@@ -48,10 +48,11 @@ from typing import Any
 
 import aiohttp
 
-from viiwork.agent.config.schema import Config
+from viiwork.agent.config.gang import GangConfigError, gang_rank
+from viiwork.agent.config.schema import Config, ModelConfig
 from viiwork.agent.supervision import health_ladder as hl
 from viiwork.agent.supervision.backend_task import BackendTask, NodeContext
-from viiwork.agent.supervision.backends import Backend, BackendId, ModelRuntime, ModelState
+from viiwork.agent.supervision.backends import Backend, BackendId, GangLauncher, ModelRuntime, ModelState
 from viiwork.agent.supervision.engine_keys import engine_dir, read_key
 from viiwork.agent.supervision.launch import config_hash
 from viiwork.agent.supervision.runners.base import RunHandle, Runner, RunnerError
@@ -95,6 +96,7 @@ class Supervisor:
         node_name: str,
         vendor_of: Callable[[str], str] = lambda gpu: "unknown",
         environ: Mapping[str, str] | None = None,
+        node_id: str | None = None,
     ) -> None:
         self.node = NodeContext(
             config=config,
@@ -113,10 +115,54 @@ class Supervisor:
         # Every backend's task: the same list as node.tasks (a launch avoids their ports).
         self._tasks = self.node.tasks
         self._started = False
-        for model in config.models:
+        self.node_id = node_id
+        # A gang's head builds its parts' launcher once the mesh is up (attach_gangs).
+        self.gang_factory: Callable[[ModelRuntime], GangLauncher] | None = None
+        for model in self._served(config):
             runtime = ModelRuntime(config=model, engine=ENGINES[model.engine])
             self._tasks += self._build_backends(runtime)
             self.models[model.name] = runtime
+
+    def _served(self, config: Config) -> list[ModelConfig]:
+        """The entries whose backends run here: every one-host entry, and a gang's entry only on
+        its head (rank 0). A worker's parts start when its head asks (agent/gang/worker.py); a
+        host the entry does not name ignores it (agent/config/gang.py)."""
+        served = []
+        for model in config.models:
+            if model.hosts:
+                try:
+                    rank = gang_rank(model, self.node_id, self.node.node_name)
+                except GangConfigError as exc:
+                    log.error("model %s: %s: not served here", model.name, exc)
+                    continue
+                if rank != 0:
+                    continue
+            served.append(model)
+        return served
+
+    def set_node_id(self, node_id: str) -> None:
+        """This node's mesh id, once known (a first start creates the key with the mesh): the
+        gang entries naming this host by id are served from now on. Before :meth:`start` only."""
+        if node_id == self.node_id:
+            return
+        if self._started:
+            raise RuntimeError("set_node_id() after start()")
+        self.node_id = node_id
+        self._tasks.clear()
+        served = {m.name for m in self._served(self.config)}
+        for name in [n for n in self.models if n not in served]:
+            del self.models[name]
+        for model in self._served(self.config):
+            runtime = self.models.get(model.name) or ModelRuntime(config=model, engine=ENGINES[model.engine])
+            self.models[model.name] = runtime
+            self._tasks += self._build_backends(runtime)
+
+    def attach_gangs(self, factory: Callable[[ModelRuntime], GangLauncher]) -> None:
+        """Give every gang head's runtime its launcher (``factory``), now and after reloads."""
+        self.gang_factory = factory
+        for runtime in self.models.values():
+            if runtime.config.hosts:
+                runtime.gang = factory(runtime)
 
     @property
     def config(self) -> Config:
@@ -175,6 +221,8 @@ class Supervisor:
             key = read_key(task.key_dir) if task is not None else None
             if task is None:
                 stale.append((handle, "its model or backend is no longer configured"))
+            elif task.runtime.gang is not None:
+                stale.append((handle, "a gang's head is not adopted yet: its gang starts anew (docs/mesh.md)"))
             elif labels.get("config_hash") != task.config_hash:
                 stale.append((handle, "its config entry changed"))
             elif not port.isdigit() or task.adopted is not None:
@@ -240,8 +288,8 @@ class Supervisor:
         stopped; added ones start; unchanged ones are not touched. Health settings apply
         from now on. Returns ``{"added", "changed", "removed", "unchanged"}`` model names.
         """
-        old = {m.name: m for m in self.config.models}
-        new = {m.name: m for m in config.models}
+        old = {m.name: m for m in self._served(self.config)}
+        new = {m.name: m for m in self._served(config)}
         added = [n for n in new if n not in old]
         removed = [n for n in old if n not in new]
         changed = [n for n in new if n in old and config_hash(new[n]) != config_hash(old[n])]
@@ -261,6 +309,7 @@ class Supervisor:
             else:
                 runtime.config, runtime.engine = new[name], ENGINES[new[name].engine]
                 runtime.state = ModelState.RUNNING
+            runtime.gang = self.gang_factory(runtime) if runtime.config.hosts and self.gang_factory else None
             starting += self._build_backends(runtime)
         self._tasks += starting
         if self._started:

@@ -1,0 +1,357 @@
+"""The head's side of a gang: bring the parts up in the plan's order, launch the serving engine, watch the whole.
+
+The gang's model is one backend on its head (docs/mesh.md, "Gangs"). Its backend task
+(agent/supervision/backend_task.py) launches it like any other, with two hooks:
+
+- :meth:`GangHead.prepare` before the launch: a new gang id; every worker host must be
+  ``alive`` in the mesh (waited for up to :data:`PEER_WAIT_S`); the parts other than the
+  serving one start in the gang plan's order (engines/gang_plan.py): the head's own
+  (a vLLM head's Ray runtime) through the runner, the workers' by asking their agents over
+  the mesh's mutual TLS (agent/gang/wire.py), all at once within a step; for llama.cpp RPC
+  one :class:`~viiwork.agent.gang.tunnel.TunnelEntry` per worker on loopback. Returns the
+  serving engine's command (the adapter's ``gang_command`` with the gang's addresses).
+  Any failure stops what was started and raises :class:`GangError`: the backend fails its
+  launch and the health ladder backs off and tries again, a whole new gang.
+- :meth:`GangHead.watch` wraps the serving engine's handle in a :class:`GangHandle`: its
+  ``wait()`` ends when the engine exits **or** any part is lost (a worker no longer
+  ``alive`` in the mesh, or publishing ``leaving``; its agent answering that the part is not
+  running; :data:`WATCH_MISSES` watches in a row without an answer). Then the serving engine
+  is stopped and every part with it: no half-gang serves. The ladder sees an exit and
+  restarts the whole gang with backoff. ``stop()`` stops the engine and the parts.
+
+Not yet: adopting a gang after the head's agent restarts (the tunnels live in the agent
+process, so the head engine loses its RPC devices with it): a restarted head starts a new
+gang. docs/mesh.md says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from viiwork.agent.config.gang import shared_digests
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.gang.parts import PartFailed, gang_engine, start_part, wait_ready
+from viiwork.agent.gang.tunnel import TunnelEntry
+from viiwork.agent.gang.wire import PARTS_PATH, START_PATH, STOP_PATH, StartRequest
+from viiwork.agent.peering.mesh_link import MeshLink, read_bounded
+from viiwork.agent.supervision.backend_task import NodeContext
+from viiwork.agent.supervision.runners.base import ExitInfo, RunHandle
+from viiwork.engines.contract import BackendSpec, LaunchCommand
+from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, new_gang_id
+from viiwork.engines.gang_plan import plan_gang
+from viiwork.mesh.dialing import expect_node
+from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.membership import Liveness, PeerView
+from viiwork.mesh.summary import PublishedState
+
+log = logging.getLogger(__name__)
+
+#: How long prepare() waits for every worker host to be alive in the mesh.
+PEER_WAIT_S = 30.0
+#: A worker's start answers once its part is up: rpc-server or a runtime within this.
+START_TIMEOUT_S = 90.0
+WATCH_INTERVAL_S = 1.0
+WATCH_TIMEOUT_S = 2.0
+#: Watches in a row without an answer from a worker's agent before its part counts as lost.
+WATCH_MISSES = 3
+
+
+class GangError(Exception):
+    """The gang could not be brought up; the message names the host and the cause."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    host: str  # as the entry names it
+    node_id: NodeId
+    base_url: str
+    address: str  # its mesh host, for the engines' rendezvous and the tunnel
+    tunnel_port: int | None = None
+
+
+@dataclass
+class _Gang:
+    gang: str
+    workers: list[_Worker]
+    entries: list[TunnelEntry] = field(default_factory=list)
+    local: list[RunHandle] = field(default_factory=list)
+
+
+class GangHead:
+    """One gang model's head on this node (module doc). ``model``: a function giving the
+    entry in force (a reload replaces it); ``mesh``: the started mesh link."""
+
+    def __init__(self, node: NodeContext, model: Callable[[], ModelConfig], mesh: MeshLink) -> None:
+        self.node = node
+        self.model = model
+        self.mesh = mesh
+        self.current: _Gang | None = None
+        self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0}
+        self.last_failure = ""
+
+    # -- the workers --------------------------------------------------------------------------
+
+    def _view(self, host: str) -> PeerView | None:
+        views = [v for v in self.mesh.node.peers() if (v.node_id == host if is_node_id(host) else v.name == host)]
+        return views[0] if len(views) == 1 else None
+
+    async def _workers(self, model: ModelConfig) -> list[_Worker]:
+        deadline = time.monotonic() + PEER_WAIT_S
+        while True:
+            missing = []
+            workers = []
+            for rank, host in enumerate(model.hosts[1:], start=1):
+                view = self._view(host)
+                if view is None or view.liveness is not Liveness.ALIVE or not view.mesh or lost(view):
+                    missing.append(f"{host} (rank {rank}): "
+                                   + ("not known in the mesh" if view is None else f"{view.liveness.value}, "
+                                      f"{view.state.value}"))
+                    continue
+                workers.append(_Worker(rank, host, view.node_id, f"https://{view.mesh}",
+                                       view.mesh.rpartition(":")[0].strip("[]")))
+            if not missing:
+                return workers
+            if time.monotonic() >= deadline:
+                raise GangError(f"gang of {model.name}: not every host is alive in the mesh: {'; '.join(missing)}")
+            await asyncio.sleep(0.5)
+
+    def _own_address(self) -> str:
+        advertised = self.mesh.node.advertised_mesh or ""
+        return advertised.rpartition(":")[0].strip("[]") or "127.0.0.1"
+
+    async def _post(self, worker: _Worker, path: str, doc: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        session = self.mesh.session
+        if session is None:
+            raise GangError("the mesh is not started")
+        try:
+            async with session.post(worker.base_url + path, json=doc, headers=expect_node(worker.node_id),
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await read_bounded(resp.content, 64 * 1024)
+                answer = _json(raw)
+                if resp.status != 200:
+                    raise GangError(f"{worker.host} (rank {worker.rank}) refused: "
+                                    f"{answer.get('reason', resp.status)}: {answer.get('detail', '')}")
+                return answer
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:
+            raise GangError(f"{worker.host} (rank {worker.rank}) cannot be reached: {exc or type(exc).__name__}") from None
+
+    # -- prepare ------------------------------------------------------------------------------
+
+    async def prepare(self, spec: BackendSpec) -> LaunchCommand:
+        """Bring up every part but the serving one; returns the serving engine's command
+        (module doc). Raises :class:`GangError`."""
+        await self.abort()
+        model = self.model()
+        try:
+            engine = gang_engine(model)
+        except PartFailed as exc:
+            raise GangError(str(exc)) from None
+        if model.gang_port is None:
+            raise GangError(f"gang of {model.name}: no gang_port")
+        workers = await self._workers(model)
+        gang = _Gang(new_gang_id(), workers)
+        self.current = gang
+        size = len(model.hosts)
+        nodes = (self._own_address(), *(w.address for w in workers))
+        own = GangAddresses(gang.gang, 0, size, nodes, model.gang_port)
+        digests = shared_digests(model)
+        self.counters["starts"] += 1
+        try:
+            for step in plan_gang(engine.launch_shape, size).steps:
+                starts = []
+                for part in step.parts:
+                    if part.rank == 0 and part.role is not PartRole.SERVER:  # the head's own runtime
+                        handle = await start_part(self.node, model, spec, part, own)
+                        gang.local.append(handle)
+                        await wait_ready(handle, step.ready_of(part), engine.gang_listen(part.role, own))
+                    elif part.rank > 0:
+                        worker = workers[part.rank - 1]
+                        request = StartRequest(model.name, gang.gang, part.rank, size, nodes, digests)
+                        starts.append(self._start_worker(worker, request))
+                await asyncio.gather(*starts)
+            if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
+                client_ssl = self.mesh.node.client_ssl_context
+                if client_ssl is None:
+                    raise GangError("the mesh is not started")
+                for worker in workers:
+                    assert worker.tunnel_port is not None
+                    entry = TunnelEntry(gang=gang.gang, worker=worker.node_id, worker_host=worker.address,
+                                        worker_port=worker.tunnel_port, ssl_context=client_ssl)
+                    gang.entries.append(await entry.start())
+            endpoints = tuple(f"127.0.0.1:{e.port}" for e in gang.entries)
+            addresses = GangAddresses(gang.gang, 0, size, nodes, model.gang_port, worker_endpoints=endpoints)
+            command = engine.gang_command(spec, PartRole.SERVER, addresses)
+        except (GangError, PartFailed, OSError, ValueError) as exc:
+            self.counters["failures"] += 1
+            self.last_failure = str(exc)
+            await self.abort()
+            raise GangError(f"gang {gang.gang} of {model.name}: {exc}") from None
+        log.info("gang %s of %s: %d workers up (%s), launching the head", gang.gang, model.name, len(workers),
+                 ", ".join(f"{w.host} rank {w.rank}" for w in workers))
+        return command
+
+    async def _start_worker(self, worker: _Worker, request: StartRequest) -> None:
+        answer = await self._post(worker, START_PATH, request.to_json(), START_TIMEOUT_S)
+        if answer.get("gang") != request.gang:
+            raise GangError(f"{worker.host} (rank {worker.rank}) answered for another gang")
+        port = answer.get("tunnel_port")
+        worker.tunnel_port = port if type(port) is int and 0 < port < 65536 else None
+
+    async def abort(self) -> None:
+        """Stop every part of the current gang (workers asked, tunnels closed, local parts
+        stopped); no-op without one."""
+        gang, self.current = self.current, None
+        if gang is None:
+            return
+        for entry in gang.entries:
+            with contextlib.suppress(Exception):
+                await entry.stop()
+        model = self.model()
+        await asyncio.gather(*(self._stop_worker(w, model.name, gang.gang) for w in gang.workers))
+        grace = self.node.config.supervisor.stop_timeout_s
+        for handle in reversed(gang.local):
+            with contextlib.suppress(Exception):
+                await handle.stop(grace)
+
+    async def _stop_worker(self, worker: _Worker, model: str, gang: str) -> None:
+        try:
+            await self._post(worker, STOP_PATH, {"model": model, "gang": gang}, 5.0 + self.node.config.supervisor.stop_timeout_s)
+        except GangError as exc:
+            log.info("gang %s of %s: could not ask %s to stop its part: %s", gang, model, worker.host, exc)
+
+    # -- watch --------------------------------------------------------------------------------
+
+    def watch(self, handle: RunHandle) -> GangHandle:
+        """The serving engine's ``handle``, ending with any part of the current gang."""
+        assert self.current is not None, "watch() after prepare()"
+        return GangHandle(self, self.current, handle)
+
+    async def part_lost(self, gang: _Gang) -> str | None:
+        """Why a part of ``gang`` is lost now, or None while every part runs."""
+        by_id = {v.node_id: v for v in self.mesh.node.peers()}
+        for worker in gang.workers:
+            view = by_id.get(worker.node_id)
+            if view is None or view.liveness is not Liveness.ALIVE or lost(view):
+                return (f"{worker.host} (rank {worker.rank}) is "
+                        + ("gone from the mesh" if view is None else f"{view.liveness.value}, {view.state.value}"))
+        for handle in gang.local:
+            if not handle.running():
+                return "the head's own part exited"
+        return None
+
+    async def part_running(self, gang: _Gang, worker: _Worker) -> bool | None:
+        """Whether ``worker``'s agent says its part of ``gang`` runs (None: no answer)."""
+        session = self.mesh.session
+        if session is None:
+            return None
+        try:
+            async with session.get(worker.base_url + PARTS_PATH, headers=expect_node(worker.node_id),
+                                   timeout=aiohttp.ClientTimeout(total=WATCH_TIMEOUT_S)) as resp:
+                if resp.status != 200:
+                    return None
+                parts = _json(await read_bounded(resp.content, 64 * 1024)).get("parts")
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError):
+            return None
+        if not isinstance(parts, list):
+            return None
+        return any(isinstance(p, dict) and p.get("gang") == gang.gang and p.get("running") is True for p in parts)
+
+    def status(self) -> dict[str, Any]:
+        gang = self.current
+        return {"gang": gang.gang if gang else None,
+                "parts": [] if gang is None else [
+                    {"rank": w.rank, "host": w.host, "node_id": w.node_id} for w in gang.workers],
+                "tunnels": [e.counters.as_dict() for e in gang.entries] if gang else [],
+                "last_failure": self.last_failure, **self.counters}
+
+
+def lost(view: PeerView) -> bool:
+    """A worker publishing ``leaving`` (a graceful stop) or ``restarting`` is lost to its gang."""
+    return view.state in (PublishedState.LEAVING, PublishedState.RESTARTING)
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    import json
+
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+class GangHandle:
+    """The serving engine's :class:`RunHandle`, ending with the gang (module doc)."""
+
+    def __init__(self, head: GangHead, gang: _Gang, inner: RunHandle) -> None:
+        self.head, self.gang, self.inner = head, gang, inner
+        self.pid, self.unit, self.labels = inner.pid, inner.unit, inner.labels
+        self._lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._ended: ExitInfo | None = None
+        self._watch = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        misses = {w.rank: 0 for w in self.gang.workers}
+        try:
+            while self.inner.running():
+                why = await self.head.part_lost(self.gang)
+                if why is None:
+                    for worker in self.gang.workers:
+                        running = await self.head.part_running(self.gang, worker)
+                        misses[worker.rank] = misses[worker.rank] + 1 if running is None else 0
+                        if running is False:
+                            why = f"the part on {worker.host} (rank {worker.rank}) is not running"
+                        elif misses[worker.rank] >= WATCH_MISSES:
+                            why = f"{worker.host} (rank {worker.rank}) did not answer {WATCH_MISSES} watches"
+                        if why:
+                            break
+                if why is not None:
+                    self.head.counters["parts_lost"] += 1
+                    self.head.last_failure = why
+                    log.warning("gang %s: %s: stopping the gang (it restarts whole)", self.gang.gang, why)
+                    if not self._lost.done():
+                        self._lost.set_result(why)
+                    return
+                await asyncio.sleep(WATCH_INTERVAL_S)
+        except asyncio.CancelledError:
+            raise
+
+    def running(self) -> bool:
+        return self.inner.running() and not self._lost.done()
+
+    async def wait(self) -> ExitInfo:
+        if self._ended is not None:
+            return self._ended
+        exited = asyncio.ensure_future(self.inner.wait())
+        waited: set[asyncio.Future[Any]] = {exited, self._lost}
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        if self._lost.done() and not exited.done():
+            await self.inner.stop(self.head.node.config.supervisor.stop_timeout_s)
+            await exited
+            info = ExitInfo("gang", detail=f"part lost: {self._lost.result()}")
+        else:
+            info = exited.result()
+        await self._end()
+        self._ended = info
+        return info
+
+    async def stop(self, grace_s: float) -> ExitInfo:
+        info = await self.inner.stop(grace_s)
+        await self._end()
+        return info
+
+    async def _end(self) -> None:
+        self._watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watch
+        if self.head.current is self.gang:
+            await self.head.abort()

@@ -1,0 +1,137 @@
+"""Starting one part of a gang on this host, and waiting until the gang plan's level says it is up.
+
+A worker's parts (agent/gang/worker.py) and the head's own parts other than the serving one
+(a vLLM head's Ray runtime: agent/gang/head.py) are started here, through the node's runner
+like any backend: a transient unit ``viiwork-gang-<model>-<gang>-r<rank>-<role>``
+(agent/supervision/gang_units.py) in the engines' slice, pinned to this host's ``gpus`` of
+the entry, with the entry's limits and sandbox, labelled with the gang id, rank, role and
+the shared part's hash. The command is the adapter's (``gang_command``: engines/gang.py),
+built from this host's own entry and the gang's addresses only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from viiwork.agent.config.gang import shared_hash
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.supervision.backend_task import NodeContext
+from viiwork.agent.supervision.backends import Backend, BackendId
+from viiwork.agent.supervision.gang_units import gang_labels, gang_unit_stem
+from viiwork.agent.supervision.launch import backend_spec, escape_name, free_loopback_port
+from viiwork.agent.supervision.pinning import engine_environment
+from viiwork.agent.supervision.runners.base import LaunchRequest, RunHandle, RunnerError
+from viiwork.engines.contract import BackendSpec
+from viiwork.engines.gang import GangAddresses, GangEngine, GangPart, PartRole
+from viiwork.engines.gang_plan import Ready
+from viiwork.engines.registry import ENGINES
+
+#: How long a part may take to reach its level (a port listening, a process running).
+PART_READY_TIMEOUT_S = 60.0
+#: A process counts as running once it has lived this long (it did not die on its arguments).
+PROCESS_SETTLE_S = 0.5
+
+
+class PartFailed(Exception):
+    """A part did not start or did not reach its level; the message says why."""
+
+
+def gang_engine(model: ModelConfig) -> GangEngine:
+    engine = ENGINES[model.engine]
+    if not isinstance(engine, GangEngine):
+        raise PartFailed(f"engine {model.engine!r} cannot serve a model across hosts")
+    return engine
+
+
+def part_spec(node: NodeContext, model: ModelConfig, rank: int) -> BackendSpec:
+    """This host's spec for its part of ``model``'s gang: its own ``gpus``, a free loopback port
+    (for a part that serves HTTP on this host), the key file of a gang part's private dir."""
+    backend = Backend(id=BackendId(f"{model.name}-gang-r{rank}"), model=model.name, index=0,
+                      gpus=model.backend_gpus(0), parallel=model.parallel)
+    vendors = {node.vendor_of(g) for g in backend.gpus}
+    return backend_spec(model, backend, port=free_loopback_port(), socket_path="", key_dir=part_dir(node, model),
+                        vendor=vendors.pop() if len(vendors) == 1 else "unknown", host_cpus=node.host_cpus)
+
+
+def part_dir(node: NodeContext, model: ModelConfig) -> Path:
+    return node.engine_dir / f"{escape_name(model.name)}-gang"
+
+
+async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, part: GangPart,
+                     addresses: GangAddresses) -> RunHandle:
+    """Start ``part`` (this host's, ``addresses.rank``) through the node's runner; raises
+    :class:`PartFailed` when the runner cannot start it."""
+    command = gang_engine(model).gang_command(spec, part.role, addresses)
+    environ = os.environ if node.environ is None else node.environ
+    env = engine_environment(environ, vendor=spec.vendor, gpus=spec.gpus, model_env=model.env,
+                             engine_env=command.env)
+    log_dir = Path(node.config.supervisor.log_dir or (node.config.node.state_dir / "logs"))
+    request = LaunchRequest(
+        name=gang_unit_stem(model.name, addresses.gang_id, part),
+        argv=command.argv,
+        env=env,
+        description=f"viiwork gang {addresses.gang_id} of {model.name}: rank {part.rank} {part.role.value}",
+        labels=gang_labels(node.node_name, model.name, addresses.gang_id, part, addresses.size, shared_hash(model)),
+        log_path=str(log_dir / f"{escape_name(model.name)}-gang-r{part.rank}-{part.role.value}.log"),
+        stop_timeout_s=node.config.supervisor.stop_timeout_s,
+        memory_max_bytes=model.memory_max_bytes,
+        cpu_weight=model.cpu_weight,
+        tasks_max=model.tasks_max,
+        sandbox=model.sandbox,
+        private_dir=str(part_dir(node, model)),
+    )
+    with contextlib.suppress(OSError):
+        Path(request.private_dir or "").mkdir(parents=True, exist_ok=True)
+    try:
+        return await node.runner.start(request)
+    except RunnerError as exc:
+        raise PartFailed(f"{part} of gang {addresses.gang_id}: {exc}") from None
+
+
+async def wait_ready(handle: RunHandle, level: Ready, listen: str | None,
+                     timeout_s: float = PART_READY_TIMEOUT_S) -> None:
+    """Return once ``handle``'s part reached ``level``: ``PROCESS`` running for
+    :data:`PROCESS_SETTLE_S`, ``PORT`` its ``listen`` ("host:port") accepting TCP. Raises
+    :class:`PartFailed` when it exits first or ``timeout_s`` passes. ``PROBE`` is the serving
+    part's, which the backend's own task probes: not waited for here."""
+    deadline = time.monotonic() + timeout_s
+    settled = time.monotonic() + PROCESS_SETTLE_S
+    while True:
+        if not handle.running():
+            info = await handle.wait()
+            raise PartFailed(f"it exited: {info.describe()}")
+        now = time.monotonic()
+        if level is Ready.PROCESS and now >= settled:
+            return
+        if level is Ready.PORT and listen is not None and now >= settled and await _accepts(listen):
+            return
+        if level is Ready.PROBE or (level is Ready.PORT and listen is None):
+            return
+        if now >= deadline:
+            raise PartFailed(f"not {level.value} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+async def _accepts(listen: str) -> bool:
+    host, _, port = listen.rpartition(":")
+    try:
+        async with asyncio.timeout(1.0):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def roles_here(model: ModelConfig, rank: int) -> tuple[PartRole, ...]:
+    """The parts this host of ``rank`` runs, but the serving one (its backend's own launch)."""
+    from viiwork.engines.gang import roles_at
+
+    shape = gang_engine(model).launch_shape
+    return tuple(r for r in roles_at(shape, rank) if r is not PartRole.SERVER)

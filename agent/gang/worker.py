@@ -1,0 +1,266 @@
+"""A worker host's side of a gang: start, list and stop its parts when the head asks (docs/mesh.md, "Gangs").
+
+The routes (agent/gang/wire.py) are on the mesh listener, so the sender is a verified mesh
+node. A start is refused unless every check of this host's **own** config passes:
+
+1. the config has a gang entry by that name (``no_gang_entry``) that names this host
+   (``not_in_gang``) at the rank the head sent, in a gang of the same size (``rank_mismatch``);
+2. the sender is the head that entry names (its first host: a node id, or a node name unique
+   among the peers this node knows; ``not_the_head``);
+3. the head's digests of the shared part equal this host's (``config_mismatch``, naming the
+   differing keys).
+
+Only then are the parts started (agent/gang/parts.py), from this host's entry and the gang's
+addresses: nothing in the request reaches a command line but the gang id, the ranks' hosts
+(checked as host names or addresses) and the size. A llama.cpp RPC worker's rpc-server listens
+on 127.0.0.1 only; a :class:`~viiwork.agent.gang.tunnel.TunnelExit` on the mesh's address
+admits only the head and delivers to that port. One gang per model on a host: a start for a
+new gang id stops the old one's parts first; a start for the running gang answers what runs.
+
+Every refusal is counted by reason (``refused``) and logged (WARNING once per reason and
+sender, then DEBUG); nothing a peer sends raises out of this module. When this agent stops,
+its parts stop with it (the head sees the part gone and the host leaving, and takes the
+model down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from viiwork.agent.config.gang import differing_keys, gang_rank, mismatch_message, shared_digests
+from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.gang.parts import (
+    PartFailed,
+    gang_engine,
+    part_spec,
+    roles_here,
+    start_part,
+    wait_ready,
+)
+from viiwork.agent.gang.tunnel import TunnelExit
+from viiwork.agent.gang.wire import (
+    MAX_BODY_BYTES,
+    PARTS_PATH,
+    START_PATH,
+    STATUS,
+    STOP_PATH,
+    Malformed,
+    Reason,
+    StartRequest,
+    parse_start,
+    parse_stop,
+)
+from viiwork.agent.supervision.backend_task import NodeContext
+from viiwork.agent.supervision.runners.base import RunHandle
+from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole
+from viiwork.engines.gang_plan import plan_gang
+from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.node import MeshNode
+from viiwork.mesh.transport import peer_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Gang:
+    """This host's parts of one gang."""
+
+    model: str
+    gang: str
+    rank: int
+    handles: list[RunHandle] = field(default_factory=list)
+    exit: TunnelExit | None = None
+    parts: list[dict[str, Any]] = field(default_factory=list)
+
+    def running(self) -> bool:
+        return bool(self.handles) and all(h.running() for h in self.handles)
+
+
+class GangWorker:
+    """Serves the gang routes of this node (module doc). ``node``: the supervisor's
+    :class:`NodeContext` (config, runner, environment); ``mesh``: this node's mesh (its id, its
+    peers for finding the head by name, its listener's TLS context and host for a tunnel exit)."""
+
+    def __init__(self, node: NodeContext, mesh: MeshNode) -> None:
+        self.node = node
+        self.mesh = mesh
+        self.gangs: dict[str, _Gang] = {}
+        self.refused: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+        self._warned: set[tuple[str, str]] = set()
+        self._lock = asyncio.Lock()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(START_PATH, self.handle_start)
+        app.router.add_post(STOP_PATH, self.handle_stop)
+        app.router.add_get(PARTS_PATH, self.handle_parts)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _entry(self, name: str) -> ModelConfig | None:
+        for model in self.node.config.models:
+            if model.name == name and model.hosts:
+                return model
+        return None
+
+    def head_of(self, model: ModelConfig) -> NodeId | None:
+        """The node id of ``model``'s head: its first host, an id or a name unique among the
+        peers (None when the name is unknown or not unique)."""
+        head = model.hosts[0]
+        if is_node_id(head):
+            return NodeId(head)
+        named = [p.node_id for p in self.mesh.peers() if p.name == head]
+        return named[0] if len(named) == 1 else None
+
+    def _refuse(self, reason: Reason, sender: str, detail: str, **extra: Any) -> web.Response:
+        self.refused[reason.value] += 1
+        level = logging.WARNING if (reason.value, sender) not in self._warned else logging.DEBUG
+        self._warned.add((reason.value, sender))
+        log.log(level, "gang request from %s refused (%s): %s", sender, reason.value, detail)
+        return web.json_response({"reason": reason.value, "detail": detail, **extra}, status=STATUS[reason])
+
+    async def _body(self, request: web.Request) -> bytes | None:
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            return None
+        raw = await request.content.read(MAX_BODY_BYTES + 1)
+        return None if len(raw) > MAX_BODY_BYTES else raw
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def handle_start(self, request: web.Request) -> web.Response:
+        peer = peer_of(request)
+        sender = str(peer or request.remote)
+        raw = await self._body(request)
+        if peer is None or raw is None:
+            return self._refuse(Reason.MALFORMED, sender, "no verified peer, or a body over the bound")
+        try:
+            start = parse_start(raw)
+        except Malformed as exc:
+            return self._refuse(Reason.MALFORMED, sender, str(exc))
+        model = self._entry(start.model)
+        if model is None:
+            return self._refuse(Reason.NO_GANG_ENTRY, sender, f"this host's config has no gang entry {start.model!r}")
+        rank = gang_rank(model, str(self.mesh.node_id), self.node.node_name)
+        if rank is None:
+            return self._refuse(Reason.NOT_IN_GANG, sender, f"{start.model!r} does not name this host")
+        if rank != start.rank or len(model.hosts) != start.size:
+            return self._refuse(Reason.RANK_MISMATCH, sender, (
+                f"this host is rank {rank} of {len(model.hosts)} in {start.model!r}, "
+                f"the head sent rank {start.rank} of {start.size}"))
+        head = self.head_of(model)
+        if head is None or head != peer:
+            return self._refuse(Reason.NOT_THE_HEAD, sender, (
+                f"{start.model!r} names {model.hosts[0]!r} as its head"
+                + ("" if head is not None else " (not a node id, nor a name unique among the peers)")))
+        keys = differing_keys(shared_digests(model), start.digests)
+        if keys:
+            return self._refuse(Reason.CONFIG_MISMATCH, sender,
+                                mismatch_message(model.name, self.node.node_name, keys), keys=list(keys))
+        async with self._lock:
+            try:
+                gang = await self._start(model, start, head)
+            except PartFailed as exc:
+                return self._refuse(Reason.PART_FAILED, sender, f"{start.model!r} rank {rank}: {exc}")
+        self.counters["starts"] += 1
+        return web.json_response({"gang": gang.gang, "rank": gang.rank, "parts": gang.parts,
+                                  "tunnel_port": gang.exit.port if gang.exit is not None else None})
+
+    async def handle_stop(self, request: web.Request) -> web.Response:
+        peer = peer_of(request)
+        sender = str(peer or request.remote)
+        raw = await self._body(request)
+        if peer is None or raw is None:
+            return self._refuse(Reason.MALFORMED, sender, "no verified peer, or a body over the bound")
+        try:
+            name, gang_id = parse_stop(raw)
+        except Malformed as exc:
+            return self._refuse(Reason.MALFORMED, sender, str(exc))
+        model = self._entry(name)
+        if model is None:
+            return self._refuse(Reason.NO_GANG_ENTRY, sender, f"this host's config has no gang entry {name!r}")
+        if self.head_of(model) != peer:
+            return self._refuse(Reason.NOT_THE_HEAD, sender, f"{name!r} names {model.hosts[0]!r} as its head")
+        async with self._lock:
+            gang = self.gangs.get(name)
+            stopped = gang is not None and gang.gang == gang_id
+            if stopped:
+                await self._stop(name)
+        return web.json_response({"stopped": stopped})
+
+    async def handle_parts(self, request: web.Request) -> web.Response:
+        if peer_of(request) is None:
+            return self._refuse(Reason.MALFORMED, str(request.remote), "no verified peer")
+        return web.json_response({"parts": [
+            {"model": g.model, "gang": g.gang, "rank": g.rank, "running": g.running()} for g in self.gangs.values()]})
+
+    # -- parts --------------------------------------------------------------------------------
+
+    async def _start(self, model: ModelConfig, start: StartRequest, head: NodeId) -> _Gang:
+        held = self.gangs.get(model.name)
+        if held is not None and held.gang == start.gang and held.running():
+            return held
+        if held is not None:
+            await self._stop(model.name)
+        engine = gang_engine(model)
+        assert model.gang_port is not None  # the schema requires it with hosts
+        addresses = GangAddresses(start.gang, start.rank, start.size, start.addresses, model.gang_port)
+        plan = plan_gang(engine.launch_shape, start.size)
+        gang = _Gang(model.name, start.gang, start.rank)
+        self.gangs[model.name] = gang
+        try:
+            spec = part_spec(self.node, model, start.rank)
+            for role in roles_here(model, start.rank):
+                part = GangPart(start.rank, role)
+                handle = await start_part(self.node, model, spec, part, addresses)
+                gang.handles.append(handle)
+                gang.parts.append({"role": role.value, "pid": handle.pid, "unit": handle.unit})
+                step = next(s for s in plan.steps if part in s.parts)
+                await wait_ready(handle, step.ready_of(part), engine.gang_listen(role, addresses))
+            if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
+                if self.mesh.server_ssl_context is None:
+                    raise PartFailed("the mesh is not started")
+                gang.exit = await TunnelExit(gang=start.gang, head=head, rpc_port=model.gang_port,
+                                             ssl_context=self.mesh.server_ssl_context,
+                                             listen_host=self.mesh.settings.listen.rpartition(":")[0].strip("[]")).start()
+        except (PartFailed, OSError, ValueError) as exc:
+            await self._stop(model.name)
+            raise PartFailed(str(exc)) from None
+        log.info("gang %s of %s: rank %d started (%s)", start.gang, model.name, start.rank,
+                 ", ".join(f"{p['role']} pid {p['pid']}" for p in gang.parts))
+        return gang
+
+    async def _stop(self, name: str) -> None:
+        gang = self.gangs.pop(name, None)
+        if gang is None:
+            return
+        if gang.exit is not None:
+            with contextlib.suppress(Exception):
+                await gang.exit.stop()
+        grace = self.node.config.supervisor.stop_timeout_s
+        for handle in reversed(gang.handles):
+            with contextlib.suppress(Exception):
+                await handle.stop(grace)
+        self.counters["stops"] += 1
+        log.info("gang %s of %s: rank %d stopped", gang.gang, name, gang.rank)
+
+    async def stop(self) -> None:
+        """This agent stops: every part with it."""
+        async with self._lock:
+            for name in list(self.gangs):
+                await self._stop(name)
+
+    def status(self) -> dict[str, Any]:
+        """For /v1/status and ``viiworkctl status``: the gangs this host lends parts to."""
+        return {"parts": [{"model": g.model, "gang": g.gang, "rank": g.rank, "running": g.running(),
+                           "parts": g.parts} for g in self.gangs.values()],
+                "refused": dict(self.refused)}
+
+
+__all__ = ["GangWorker", "PartRole"]

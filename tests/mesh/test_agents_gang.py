@@ -1,0 +1,148 @@
+"""A gang over two real agents on loopback (issue 21): the head's agent asks the worker's agent, over
+the mesh's mutual TLS, to start its part; the head engine reaches it through the gang tunnel;
+losing the part restarts the gang whole; only the named head may start a part.
+
+Fake gang engines (support/fake_gang.py: a loopback-only rpc-server, a llama-server that dials
+every ``--rpc`` endpoint before it serves) stand for llama.cpp; each agent's runner is the
+process runner. The real llama.cpp RPC run is tests/real/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from support.agent import Agent, run_agent
+from support.gang_driver import gang_binaries
+from support.procs import free_port, stop_process
+from viiwork.agent.gang.wire import START_PATH
+from viiwork.mesh.identity import load_or_create_identity
+from viiwork.mesh.tls import client_context
+from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
+
+MESH_ID = "test-gang"
+
+
+def mesh_section(seeds: list[str]) -> dict[str, Any]:
+    return {"trust": "open", "mesh_id": MESH_ID, "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
+            "discovery": ["seeds"], "seeds": seeds}
+
+
+def gang_entry(bins: dict[str, str], port: int, log: Path) -> dict[str, Any]:
+    return {"name": "g", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "hosts": ["gh", "gw"],
+            "gang_port": port, "env": {"FAKE_GANG_LOG": str(log)},
+            "llamacpp": {"binary": bins["llama-server"], "rpc_binary": bins["rpc-server"]}}
+
+
+def healthy(doc: dict[str, Any]) -> bool:
+    models = [m for m in doc["models"] if m["name"] == "g"]
+    return bool(models) and all(b["state"] == "healthy" for b in models[0]["backends"])
+
+
+def worker_parts(agent: Agent) -> list[dict[str, Any]]:
+    return agent.status().get("gangs", {}).get("parts", [])
+
+
+@dataclass
+class Gang:
+    tmp: Path
+    head: Agent
+    worker: Agent
+    log: Path
+
+
+@pytest.fixture
+def gang(tmp_path: Path) -> Iterator[Gang]:
+    bins = gang_binaries(tmp_path / "bin")
+    log = tmp_path / "fake-gang.log"
+    entry = gang_entry(bins, free_port(), log)
+    with ExitStack() as stack:
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={"mesh": mesh_section([])}))
+        address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
+        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={"mesh": mesh_section([address])}))
+        head.wait_for(healthy, 60, "the gang's model healthy on its head")
+        yield Gang(tmp_path, head, worker, log)
+
+
+async def post_as_stranger(tmp: Path, target: Agent, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` to ``target``'s gang start route as a mesh member that is not the head."""
+    identity = load_or_create_identity(tmp / "stranger")
+    cert = tmp / "stranger" / "node.crt"
+    cert.write_bytes(issue_open_certificate(identity, "stranger", MESH_ID))
+    ca_pem = open_mesh_ca(MESH_ID)[1].public_bytes(serialization.Encoding.PEM)
+    ctx = client_context(cert, tmp / "stranger" / "node.key", ca_pem)
+    address = target.status()["mesh"]["self"]["mesh"]
+    async with aiohttp.ClientSession() as http, http.post(
+            f"https://{address}{START_PATH}", json=body, ssl=ctx, timeout=aiohttp.ClientTimeout(total=10)) as r:
+        return r.status, json.loads(await r.read())
+
+
+def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gang: Gang) -> None:
+    (part,) = worker_parts(gang.worker)
+    assert part["model"] == "g" and part["rank"] == 1 and part["running"] is True
+    heads = gang.head.status()["gangs"]["heads"]
+    assert heads["g"]["gang"] == part["gang"] and heads["g"]["parts"][0]["host"] == "gw"
+    events = gang.log.read_text().splitlines()
+    rpc = next(i for i, line in enumerate(events) if line.startswith("rpc-server listening"))
+    served = next(i for i, line in enumerate(events) if line.startswith("llama-server serving"))
+    assert rpc < served
+    # The head dialled its tunnel entry on loopback, not the worker's rpc-server port, and the
+    # rpc-server's answer came back through the tunnel (bytes both ways).
+    rpc_port = events[rpc].split()[-1]
+    endpoint = events[served].split()[-1]
+    assert endpoint.startswith("127.0.0.1:") and endpoint.split(":")[1] != rpc_port
+    (tunnel,) = heads["g"]["tunnels"]
+    assert tunnel["connections_total"] >= 1 and tunnel["bytes_in"] > 0 and tunnel["bytes_out"] > 0, tunnel
+
+
+def test_only_the_named_head_starts_a_part(gang: Gang) -> None:
+    (part,) = worker_parts(gang.worker)
+    body = {"model": "g", "gang": "abcdefghijkl", "rank": 1, "size": 2,
+            "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}}
+    status, answer = asyncio.run(post_as_stranger(gang.tmp, gang.worker, body))
+    assert status == 403 and answer["reason"] == "not_the_head", answer
+    status, answer = asyncio.run(post_as_stranger(gang.tmp, gang.worker, {"model": "g"}))
+    assert status == 400 and answer["reason"] == "malformed", answer
+    refused = gang.worker.status()["gangs"]["refused"]
+    assert refused == {"not_the_head": 1, "malformed": 1}
+    (still,) = worker_parts(gang.worker)
+    assert still == part  # nothing changed
+
+
+def test_a_lost_part_restarts_the_gang_whole(gang: Gang) -> None:
+    (part,) = worker_parts(gang.worker)
+    os.kill(part["parts"][0]["pid"], signal.SIGKILL)
+    gang.head.wait_for(lambda d: not healthy(d), 15, "the model unhealthy once its part is gone")
+
+    def new_gang(doc: dict[str, Any]) -> bool:
+        parts = worker_parts(gang.worker)
+        return healthy(doc) and len(parts) == 1 and parts[0]["gang"] != part["gang"] and parts[0]["running"]
+    doc = gang.head.wait_for(new_gang, 60, "a new gang, whole and healthy")
+    (again,) = worker_parts(gang.worker)
+    assert again["parts"][0]["pid"] != part["parts"][0]["pid"]
+    assert doc["gangs"]["heads"]["g"]["gang"] == again["gang"]
+    assert doc["gangs"]["heads"]["g"]["parts_lost"] >= 1
+
+
+def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: Gang) -> None:
+    (part,) = worker_parts(gang.worker)
+    pid = part["parts"][0]["pid"]
+    stop_process(gang.worker.proc, 30)  # SIGTERM: a graceful stop, `leaving` published
+    doc = gang.head.wait_for(lambda d: not healthy(d), 15, "the model down once its worker host left")
+    assert "gw" in doc["gangs"]["heads"]["g"]["last_failure"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the part stopped with its agent
+    # No half-gang comes back while the worker is away.
+    with pytest.raises(AssertionError):
+        gang.head.wait_for(healthy, 5, "the model healthy without its worker")
