@@ -691,6 +691,10 @@ class Config(_Strict):
                     raise PathError(("models", i, "gpus"),
                                      f"GPU {g} already belongs to model {owner[str(g)]!r}; a GPU belongs to one model")
                 owner[str(g)] = m.name
+            if m.hosts and self.mesh is None:
+                raise PathError(("models", i, "hosts"), (
+                    "a model served by a gang needs [mesh]: the head asks its workers over the mesh "
+                    "(docs/mesh.md, \"Gangs\")"))
         if self.mesh is not None:
             _check_summary_fits(self)
         _check_auth(self)

@@ -22,13 +22,14 @@ from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.agent.config.schema import ModelConfig
 
 NODE_B_ID = "abcdefghijklmnop"  # the shape of a node id
+MESH = '[mesh]\ntrust = "open"\nmesh_id = "gangs"\n'  # a gang needs the mesh
 
 
 def entry(engine: str = "llamacpp", block: str = "", **keys: str) -> str:
     fields = {"name": '"big"', "engine": f'"{engine}"', "path": '"/models/big.gguf"',
               "hosts": f'["gpu-a", "{NODE_B_ID}", "gpu-c"]', "gang_port": "50052", **keys}
     lines = "\n".join(f"{k} = {v}" for k, v in fields.items() if v != "")
-    return f"[[models]]\n{lines}\n" + (f"[models.{engine}]\n{block}\n" if block else "")
+    return (f'{MESH}[[models]]\n{lines}\n' + (f"[models.{engine}]\n{block}\n" if block else ""))
 
 
 def model(text: str) -> ModelConfig:
@@ -203,3 +204,8 @@ def test_digests_do_not_carry_the_values() -> None:
 def test_a_peers_digests_are_checked(value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_digests(value)
+
+
+def test_a_gang_entry_needs_the_mesh() -> None:
+    (issue,) = issues(entry().removeprefix(MESH))
+    assert "models[0].hosts" in issue and "needs [mesh]" in issue
