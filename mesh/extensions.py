@@ -89,6 +89,12 @@ def canonical_bytes(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
+def fits(spec: ExtensionSpec[T], value: T) -> bool:
+    """Whether ``value`` encodes within ``spec``'s cap (a publisher trims to this before it
+    publishes: :meth:`Extensions.of` refuses a value over its cap)."""
+    return len(canonical_bytes(spec.encode(value))) <= spec.cap_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class ExtensionSpec(Generic[T]):
     """One understood ``(name, version)``: ``cap_bytes`` bounds the canonical size of its

@@ -94,7 +94,7 @@ from viiwork.engines.contract import Engine
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.extensions import EMPTY as NO_EXTENSIONS
-from viiwork.mesh.extensions import ENDPOINTS, PREFIXES, SPEEDS, Extensions, ExtensionSpec, Priority
+from viiwork.mesh.extensions import ENDPOINTS, PREFIXES, SPEEDS, ExtensionError, Extensions, ExtensionSpec, Priority
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -291,14 +291,21 @@ class MeshLink:
     def publish_extension(self, spec: ExtensionSpec[Any], value: Any | None) -> None:
         """Publish ``value`` as ``spec``'s extension from now on (None: leave it out), beside the
         others this node publishes; a change is published at once (a new summary)."""
+        candidate = dict(self._extensions)
         if value is None:
-            if self._extensions.pop(spec, None) is None:
+            if candidate.pop(spec, None) is None:
                 return
-        elif self._extensions.get(spec) == value:
+        elif candidate.get(spec) == value:
             return
         else:
-            self._extensions[spec] = value
-        self.node.set_local_extensions(Extensions.of(self._extensions) if self._extensions else NO_EXTENSIONS)
+            candidate[spec] = value
+        try:
+            ext = Extensions.of(candidate) if candidate else NO_EXTENSIONS
+        except ExtensionError as exc:  # a publisher's bug: the extensions published before stay
+            log.warning("extension %s not published: %s", spec.name, exc)
+            return
+        self._extensions = candidate
+        self.node.set_local_extensions(ext)
 
     def _capacity(self) -> tuple[list[ModelCapacity], PublishedState, list[GpuCapacity] | None]:
         ext = self.speeds.update(self.runtimes.values())

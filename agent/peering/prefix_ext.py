@@ -5,7 +5,8 @@ What is published: per model, the digests of :meth:`PrefixRouting.published`
 (agent/serving/prefix_routing.py): blocks 0, 1, 3, 7, ... and the last of each prompt served
 here, the most recent kept, at most :data:`~viiwork.mesh.extensions.MAX_PREFIXES_PER_MODEL`
 (64) a model and at most :func:`per_model_limit` so that every model fits the extension's cap
-(4 KiB: 19 bytes a digest with its quotes and comma). When: when they changed, and at most
+(4 KiB: 19 bytes a digest with its quotes and comma), fewer when long model names take more
+of the cap (the encoded value is checked against it). When: when they changed, and at most
 once every :data:`PUBLISH_MIN_S` seconds, since ``MeshNode.set_local_extensions`` signs and
 gossips a new summary at once: a node serving ten requests a second publishes one change
 every few seconds, not ten a second.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from viiwork.agent.serving.prefix_routing import PrefixRouting
-from viiwork.mesh.extensions import MAX_PREFIXES_PER_MODEL, PREFIXES, ModelPrefixes, Prefixes
+from viiwork.mesh.extensions import MAX_PREFIXES_PER_MODEL, PREFIXES, ModelPrefixes, Prefixes, fits
 
 PUBLISH_MIN_S = 3.0
 DIGEST_WIRE_BYTES = 19  # '"0123456789abcdef",'
@@ -53,7 +54,11 @@ class PrefixPublisher:
         self._version = version
         digests = self.prefixes.published()
         limit = per_model_limit(len(digests))
-        value = Prefixes(tuple(ModelPrefixes(model, d[-limit:]) for model, d in sorted(digests.items()) if limit))
+        while True:  # long model names take more of the cap than the estimate allows for
+            value = Prefixes(tuple(ModelPrefixes(model, d[-limit:]) for model, d in sorted(digests.items()) if limit))
+            if limit == 0 or fits(PREFIXES, value):
+                break
+            limit -= 1
         if value == self.published:
             return None
         self.published, self._at = value, now

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from viiwork.agent.supervision.backends import ModelRuntime
-from viiwork.mesh.extensions import EMPTY, SPEEDS, Extensions, ModelSpeed, Speeds
+from viiwork.mesh.extensions import EMPTY, SPEEDS, Extensions, ModelSpeed, Speeds, fits
 
 STEP_FRACTION = 0.10
 STEP_MIN_TPS = 2
@@ -28,12 +28,16 @@ def _wire(value: int | None) -> int:
 
 
 def speeds_of(runtimes: Iterable[ModelRuntime]) -> Speeds:
-    """The ``speeds`` value for ``runtimes`` (models without a measured figure left out)."""
+    """The ``speeds`` value for ``runtimes`` (models without a measured figure left out; the
+    models last by name left out too when all of them do not fit the extension's cap: peers
+    then score those on load alone, as a peer that publishes no speed)."""
     out = []
     for rt in sorted(runtimes, key=lambda r: r.name):
         speed = rt.speed()
         if speed is not None:
             out.append(ModelSpeed(rt.name, _wire(speed.prefill_tps), _wire(speed.decode_tps)))
+    while out and not fits(SPEEDS, Speeds(tuple(out))):
+        out.pop()
     return Speeds(tuple(out))
 
 

@@ -251,6 +251,21 @@ def test_publication_on_change_at_most_every_few_seconds_and_within_the_cap() ->
     assert ext.get(PREFIXES) == value
 
 
+def test_long_model_names_publish_fewer_digests_within_the_cap() -> None:
+    # Names up to 200 characters: 3 models of 150 took 4,114 bytes of a 4,096-byte cap once.
+    routing = PrefixRouting(PrefixSettings(), {})
+    clock = Clock()
+    pub = PrefixPublisher(routing, clock)
+    names = [f"{'n' * 146}{m:04d}" for m in range(3)]
+    for name in names:
+        for i in range(80):
+            routing.served(name, "b0", key({"prompt": f"{name}-{i:03d}" * 600}))
+    value = pub.update()
+    assert value is not None and [p.model for p in value.models] == names
+    assert 0 < len(value.of(names[0])) < per_model_limit(3)
+    assert Extensions.of({PREFIXES: value}).get(PREFIXES) == value  # raises when over the cap
+
+
 @pytest.mark.parametrize("models, limit", [(1, 64), (3, 64), (4, 50), (10, 17), (40, 1), (64, 0)])
 def test_per_model_limit_fits_the_cap(models: int, limit: int) -> None:
     assert per_model_limit(models) == limit

@@ -263,3 +263,17 @@ async def test_a_model_that_leaves_loses_its_series(engine_port: int) -> None:
             assert not any(model == "m" for _, model in got), "the removed model's series stayed"
         finally:
             await runner.cleanup()
+
+
+def test_speeds_of_many_long_named_models_stay_within_the_cap() -> None:
+    # 10 models named 200 characters would take ~2.3 KB: the last by name are left out.
+    rts = []
+    for i in range(10):
+        rt = runtime(f"{'m' * 196}{i:04d}", 1)
+        rt.backends[0].speed = SpeedEstimate.of(1000.0 + i, 50.0)
+        rts.append(rt)
+    ext = SpeedPublisher().update(rts)  # Extensions.of raises when over the cap
+    assert ext is not None
+    published = ext.get(SPEEDS)
+    assert published is not None and 0 < len(published.models) < 10
+    assert [s.model for s in published.models] == sorted(r.name for r in rts)[:len(published.models)]
