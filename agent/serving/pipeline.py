@@ -419,7 +419,8 @@ class Pipeline:
             return _refusal(503, "not-served", f"node {self.node_name!r} does not serve model {model!r} at "
                             f"{call.request.path}")
         runtime = self.runtimes[model]
-        hit = self.prefixes.local_hit(model, call.prefix, (b.id for b in runtime.backends if b.free_slots > 0))
+        hit = self.prefixes.local_hit(model, call.prefix,
+                                      ((b.id, b.busy) for b in runtime.backends if b.free_slots > 0))
         backend = self.peers.admit_forward(queue, offer_id, origin, call.priority, hit[0] if hit else None)
         if backend is None:
             return _refusal(429, "no-slot", f"node {self.node_name!r} has no free slot for {model!r}")

@@ -88,14 +88,22 @@ class PrefixRouting:
         return PrefixQuery(key.digests, key.prompt_bytes, hits, service.value_s if service is not None else 1.0,
                            self.settings.guard)
 
-    def local_hit(self, model: str, key: PrefixKey | None, free: Iterable[str]) -> tuple[str, int] | None:
-        """Among local backends ``free`` (ids with a free slot), the one holding most of
-        ``key`` and its blocks (None: none holds a block): a forwarded request's backend."""
+    def local_hit(self, model: str, key: PrefixKey | None, free: Iterable[tuple[str, int]]) -> tuple[str, int] | None:
+        """Among local backends ``free`` ((id, busy slots) of those with a free slot), the one
+        holding most of ``key`` and its blocks, within the balance guard: at most
+        ``guard_slots`` busier than the least busy of them (None: none such holds
+        ``min_blocks``): a forwarded request's backend."""
         if key is None or not key.digests or model not in self._indexes:
             return None
         self._forget_restarted(model)
+        candidates = list(free)
+        if not candidates:
+            return None
+        least = min(busy for _, busy in candidates)
+        guard = self.settings.guard
         hits = self._indexes[model].hits(key)
-        best = max(((hits[b], b) for b in free if b in hits), default=None)
+        best = max(((hits[b], b) for b, busy in candidates
+                    if b in hits and hits[b] >= guard.min_blocks and busy - least <= guard.guard_slots), default=None)
         return None if best is None else (best[1], best[0])
 
     def served(self, model: str, backend_id: str, key: PrefixKey | None) -> None:

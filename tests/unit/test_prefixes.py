@@ -453,3 +453,14 @@ def test_routed_counts_rules_and_hit_blocks() -> None:
 def test_prefix_routing_off_gives_no_key() -> None:
     assert PrefixRouting(PrefixSettings(enabled=False), {}).key(BODY, M, "") is None
     assert PrefixRouting(PrefixSettings(), {}).key(BODY, M, "") == KEY
+
+
+def test_a_forwarded_request_takes_the_holding_backend_only_within_the_guard() -> None:
+    routing = PrefixRouting(PrefixSettings(), {})
+    k = key(chat("system prompt " * 300))
+    routing.served(M, "b0", k)
+    blocks = len(k.digests)
+    assert routing.local_hit(M, k, [("b0", 2), ("b1", 0)]) == ("b0", blocks)  # 2 busier: within the guard
+    assert routing.local_hit(M, k, [("b0", 3), ("b1", 0)]) is None  # 3 busier: the least-loaded rule decides
+    assert routing.local_hit(M, k, [("b1", 0)]) is None  # the holder has no free slot
+    assert routing.local_hit(M, k, []) is None
