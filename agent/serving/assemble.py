@@ -45,6 +45,8 @@ import json.scanner
 from collections.abc import Iterable
 from typing import Any, cast
 
+from viiwork.agent.serving.tokens import body_bytes
+
 # Path -> the ``object`` of its non-streamed answer. /v1/embeddings has no stream.
 ASSEMBLED_PATHS: dict[str, str] = {
     "/v1/chat/completions": "chat.completion",
@@ -86,7 +88,7 @@ def stream_body(body: bytes) -> bytes:
         raise ValueError("request body is not a JSON object")
     payload["stream"] = True
     payload["stream_options"] = {"include_usage": True}
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    return body_bytes(payload)
 
 
 def stream_lines(body: bytes) -> list[str]:

@@ -141,7 +141,17 @@ def ask_stream_usage(payload: dict[str, Any]) -> bytes | None:
     if not isinstance(options, dict) or options.get("include_usage") is True:
         return None
     changed = {**payload, "stream_options": {**options, "include_usage": True}}
-    return json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode()
+    return body_bytes(changed)
+
+
+def body_bytes(payload: dict[str, Any]) -> bytes:
+    """``payload`` as a compact JSON body, UTF-8. A string holding a lone UTF-16 surrogate (valid
+    JSON as ``\\ud800``, not encodable as UTF-8) is sent escaped, as the client wrote it: the
+    engine answers it as it would the client's own body (it was a 500 of the agent)."""
+    try:
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(payload, separators=(",", ":")).encode()
 
 
 _DONE_LINES = (b"data: [DONE]", b"data:[DONE]")

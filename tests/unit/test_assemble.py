@@ -27,6 +27,7 @@ from viiwork.agent.serving.assemble import (
     stream_lines,
 )
 from viiwork.agent.serving.errors import engine_failed
+from viiwork.agent.serving.tokens import ask_stream_usage
 from viiwork.engines.contract import stops_nonstream_on_disconnect
 from viiwork.engines.llamacpp import LlamaCppEngine
 from viiwork.engines.sglang import SglangEngine
@@ -336,3 +337,12 @@ def test_adapters_declare_whether_a_close_stops_a_nonstreamed_generation() -> No
     assert stops_nonstream_on_disconnect(VllmEngine()) is True
     assert stops_nonstream_on_disconnect(None) is True
     assert stops_nonstream_on_disconnect(type("Odd", (), {"nonstream_stops_on_disconnect": "no"})()) is True
+
+
+def test_a_lone_surrogate_is_sent_on_escaped_not_a_500() -> None:
+    # Valid JSON, not encodable as UTF-8: the agent answered 500 (UnicodeEncodeError).
+    raw = b'{"model":"m","messages":[{"role":"user","content":"a\\ud800b \xc3\xa9"}]}'
+    out = stream_body(raw)
+    assert json.loads(out)["messages"][0]["content"] == "a\ud800b \u00e9"
+    asked = ask_stream_usage(json.loads(raw))
+    assert asked is not None and json.loads(asked)["messages"][0]["content"] == "a\ud800b \u00e9"
