@@ -12,6 +12,7 @@ from viiwork.agent.peering.prefix_ext import PUBLISH_MIN_S, PrefixPublisher, per
 from viiwork.agent.serving.prefix_routing import PrefixRouting, PrefixSettings
 from viiwork.agent.serving.prefixes import (
     BLOCK_BYTES,
+    MAX_BLOCKS,
     PrefixIndex,
     PrefixKey,
     peer_hit,
@@ -464,3 +465,13 @@ def test_a_forwarded_request_takes_the_holding_backend_only_within_the_guard() -
     assert routing.local_hit(M, k, [("b0", 3), ("b1", 0)]) is None  # 3 busier: the least-loaded rule decides
     assert routing.local_hit(M, k, [("b1", 0)]) is None  # the holder has no free slot
     assert routing.local_hit(M, k, []) is None
+
+
+def test_a_huge_prompt_is_hashed_only_in_its_leading_blocks_and_cannot_wipe_the_index() -> None:
+    index = PrefixIndex()
+    small = key(chat("system prompt " * 300))
+    index.served("b0", small)
+    huge = key({"prompt": "x" * (17 << 20)})  # 17 MiB, within api.max_body_bytes
+    assert len(huge.digests) == MAX_BLOCKS and huge.prompt_bytes >= 17 << 20
+    index.served("b1", huge)
+    assert index.hits(small) == {"b0": len(small.digests)}  # still remembered
