@@ -314,12 +314,12 @@ class Pipeline:
                         # (the router's backend was taken meanwhile: the one with most free slots)
                         route = decision.route if backend.id == decision.backend_id else ROUTE_LEAST_LOADED
                         headers[ROUTE_HEADER] = route_entry(self.node_name, route)
-                        self.prefixes.routed(model, route)
                         self.prefixes.served(model, backend.id, call.prefix)
                         self.retries += failed is not None
                         probe = self.ejections.sent(backend)
                         result = await self._run_here(call, queue, backend, headers, probe, hold=True)
                         if not isinstance(result, Failed):
+                            self.prefixes.routed(model, route)  # once per request: the route that answered
                             if held is not None:  # a retry answered it
                                 self._settle(call, held, result.status < 400)
                             return result
@@ -339,10 +339,10 @@ class Pipeline:
                         queue.dispatch(waiter)
                     headers = self._headers(call, started, decision.name, None)
                     headers[ROUTE_HEADER] = route_entry(self.node_name, decision.route)
-                    self.prefixes.routed(model, decision.route)
                     self.retries += failed is not None
                     forwarded = await self.peers.forward(call, decision, offer[1] if offer else None, headers)
                     if not isinstance(forwarded, (Refused, Failed)):
+                        self.prefixes.routed(model, decision.route)  # not each refused attempt
                         if held is not None:  # a retry answered it
                             self._settle(call, held, forwarded.status < 400)
                         return forwarded

@@ -220,5 +220,9 @@ def test_forward_refused_by_draining_peer_is_retried(tmp_path: Path) -> None:
                 assert r.headers["X-Viiwork-Origin"] == "node-a"
             assert time.monotonic() - started < 10
             assert a.status()["mesh"]["forwards"]["refused_out"] >= 1
+            # One request, however many forwards it took: counted once, by the route that answered.
+            metrics = urllib.request.urlopen(f"{a.url}/metrics", timeout=5).read().decode()
+            routed = [line for line in metrics.splitlines() if line.startswith('viiwork_routes_total{model="shared"')]
+            assert sum(float(line.rsplit(" ", 1)[1]) for line in routed) == 1, routed
         finally:
             busy.wait(30)
