@@ -58,6 +58,7 @@ from viiwork.agent.serving.router import (
     RunOnPeer,
     endpoint_refusal,
     local_by_prefix,
+    route_guarded,
 )
 from viiwork.agent.serving.scoring import PrefixQuery
 from viiwork.agent.serving.waitqueue import Queues, Waiter, WaitQueue
@@ -182,15 +183,17 @@ class NoPeers:
         runtime = self.runtimes[model]
         if endpoint is not None and endpoint not in runtime.endpoints:
             return endpoint_refusal(model, endpoint, runtime.endpoints)
+        least_loaded = ROUTE_LEAST_LOADED
         if prefix is not None:  # the same score as in a mesh, over this node's backends
-            scored = local_by_prefix(LocalModel.from_runtime(runtime).without(avoid), prefix)
+            scored, guarded = local_by_prefix(LocalModel.from_runtime(runtime).without(avoid), prefix)
             if scored is not None:
                 return scored
+            least_loaded = route_guarded(guarded)
         best = runtime.most_free()
         if best is None or best.id in avoid:  # every free backend ejected, or this one failed it
             best = runtime.most_free_outside(avoid)
         if best is not None:
-            return RunLocal(best.id)
+            return RunLocal(best.id, least_loaded)
         if not runtime.can_ever_serve:
             states = ", ".join(f"{b.id} {b.state.value}" + (f": {b.reason}" if b.reason else "")
                                for b in runtime.backends)

@@ -64,6 +64,7 @@ class PrefixRouting:
         self._pids: dict[str, int | None] = {}  # backend id -> the engine process that served its prefixes
         self.routes: Counter[tuple[str, str]] = Counter()  # (model, rule) of requests routed here
         self.hit_blocks: Counter[str] = Counter()  # model -> blocks of prompt found cached (routes by prefix)
+        self.guarded: Counter[str] = Counter()  # model -> requests whose hit the balance guard declined
 
     def index(self, model: str) -> PrefixIndex:
         idx = self._indexes.get(model)
@@ -130,6 +131,8 @@ class PrefixRouting:
         self.routes[(model, rule)] += 1
         if rule == "prefix-hit" and rest.startswith("blocks="):
             self.hit_blocks[model] += int(rest[len("blocks="):])
+        elif rest.startswith("guarded="):
+            self.guarded[model] += 1
 
     def published(self) -> dict[str, tuple[str, ...]]:
         """Per model, the digests to publish (most recent last; models with none left out)."""
@@ -142,7 +145,7 @@ class PrefixRouting:
 
     def models(self) -> set[str]:
         """The models with an index or a counted route."""
-        return set(self._indexes) | {model for model, _ in self.routes} | set(self.hit_blocks)
+        return set(self._indexes) | {model for model, _ in self.routes} | set(self.hit_blocks) | set(self.guarded)
 
     def forget_model(self, model: str) -> None:
         """Drop ``model``'s index, service time and counters (it left the config and the mesh)."""
@@ -152,6 +155,7 @@ class PrefixRouting:
                 self._pids.pop(backend, None)
         self._service.pop(model, None)
         self.hit_blocks.pop(model, None)
+        self.guarded.pop(model, None)
         for key in [k for k in self.routes if k[0] == model]:
             del self.routes[key]
 
@@ -169,7 +173,8 @@ class PrefixRouting:
     def metric_families(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """``viiwork_routes_total{model,route}``, ``viiwork_prefix_hit_blocks_total{model}``,
         ``viiwork_prefix_hit_tokens_total{model}`` (blocks x 256, an estimate; the engines' own
-        count is ``viiwork_usage_tokens_total{kind="cached"}``), ``viiwork_prefix_index_entries{model}``
+        count is ``viiwork_usage_tokens_total{kind="cached"}``), ``viiwork_prefix_guard_declines_total{model}``,
+        ``viiwork_prefix_index_entries{model}``
         and ``viiwork_prefix_index_evictions_total{model}`` (docs/metrics.md)."""
         routes = CounterMetricFamily("viiwork_routes", "Requests this node routed, by the rule that decided "
                                      "(X-Viiwork-Route).", labels=["model", "route"])
@@ -184,6 +189,12 @@ class PrefixRouting:
             blocks.add_metric([model], n)
             tokens.add_metric([model], n * BLOCK_BYTES // BYTES_PER_TOKEN)
         yield from (blocks, tokens)
+        guarded = CounterMetricFamily("viiwork_prefix_guard_declines", "Requests whose prefix hit the balance "
+                                      "guard declined (routing.prefix_guard_slots): routed least-loaded.",
+                                      labels=["model"])
+        for model, n in sorted(self.guarded.items()):
+            guarded.add_metric([model], n)
+        yield guarded
         entries = GaugeMetricFamily("viiwork_prefix_index_entries", "Digests in the prefix index.", labels=["model"])
         evicted = CounterMetricFamily("viiwork_prefix_index_evictions", "Digests evicted from the prefix index "
                                       "(its budget, routing.prefix_index_entries).", labels=["model"])

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from viiwork.agent.serving.prefixes import peer_hit
-from viiwork.agent.serving.scoring import Candidate, PrefixQuery, choose
+from viiwork.agent.serving.scoring import Candidate, PrefixQuery, choose, guarded_blocks
 from viiwork.agent.supervision.backends import ModelRuntime
 from viiwork.engines.contract import CLASSIC_ENDPOINTS, ENDPOINT_PATHS, Endpoint
 from viiwork.mesh.extensions import ENDPOINTS, PREFIXES, SPEEDS, Endpoints, Prefixes, Speeds
@@ -323,6 +323,11 @@ ROUTE_LEAST_LOADED = "least-loaded"
 ROUTE_PROBE = "probe"
 
 
+def route_guarded(blocks: int) -> str:
+    """The route of the least-loaded rule: with the blocks of a hit the balance guard declined."""
+    return f"{ROUTE_LEAST_LOADED} guarded={blocks}" if blocks > 0 else ROUTE_LEAST_LOADED
+
+
 def route_prefix(blocks: int) -> str:
     """The route of a prefix decision: a hit of ``blocks`` blocks, or (0) the predicted
     fastest candidate when a hit elsewhere was not the fastest."""
@@ -463,17 +468,19 @@ class Router:
             chosen = self._by_affinity(affinity, targets)
             if chosen is not None:
                 return self._decision(chosen, ROUTE_AFFINITY)
+        least_loaded = ROUTE_LEAST_LOADED
         if prefix is not None:
-            scored = self._by_prefix(model, here, serving, targets, prefix)
+            scored, guarded = self._by_prefix(model, here, serving, targets, prefix)
             if scored is not None:
                 return scored
+            least_loaded = route_guarded(guarded)
         if here is not None:
             best = _best_local(here)
             if best is not None:
-                return RunLocal(best.backend_id)
+                return RunLocal(best.backend_id, least_loaded)
         remote = [t for t in targets if t.local_backend is None and t.free > 0]
         if remote:
-            return self._decision(self._spread(remote))
+            return self._decision(self._spread(remote), least_loaded)
         if self.probe:
             probe = self._probe(model, serving, exclude)
             if probe is not None:
@@ -536,8 +543,10 @@ class Router:
         return None
 
     def _by_prefix(self, model: str, here: LocalModel | None, serving: Sequence[PeerSnapshot],
-                   targets: Sequence[_Target], prefix: PrefixQuery) -> Decision | None:
-        """Rule 2b: score every local backend and routable peer with a free slot."""
+                   targets: Sequence[_Target], prefix: PrefixQuery) -> tuple[Decision | None, int]:
+        """Rule 2b: score every local backend and routable peer with a free slot. Returns the
+        decision (None: the least-loaded rule decides) and the blocks of a hit the balance
+        guard declined (0: none)."""
         candidates = _local_candidates(here, prefix, self.self_id) if here is not None else []
         snapshots = {p.node_id: p for p in serving}
         for t in targets:
@@ -552,13 +561,13 @@ class Router:
             candidates.append(Candidate(t.node_id, None, t.free, t.slots, t.rtt_ms, tps, blocks))
         scored = choose(candidates, prefix.prompt_bytes, prefix.service_s, prefix.guard)
         if scored is None:
-            return None
+            return None, guarded_blocks(candidates, prefix.guard)
         c = scored.candidate
         route = route_prefix(c.blocks or 0)
         if c.backend_id is not None:
-            return RunLocal(c.backend_id, route)
+            return RunLocal(c.backend_id, route), 0
         peer = snapshots[NodeId(c.node)]
-        return RunOnPeer(peer.node_id, peer.name, c.free, route)
+        return RunOnPeer(peer.node_id, peer.name, c.free, route), 0
 
     def _spread(self, remote: list[_Target]) -> _Target:
         most = max(t.free for t in remote)
@@ -704,13 +713,15 @@ def _local_candidates(here: LocalModel, prefix: PrefixQuery, self_id: str) -> li
                       prefix.local_hits.get(b.backend_id, 0)) for b in here.backends if b.free > 0]
 
 
-def local_by_prefix(here: LocalModel, prefix: PrefixQuery) -> RunLocal | None:
+def local_by_prefix(here: LocalModel, prefix: PrefixQuery) -> tuple[RunLocal | None, int]:
     """Rule 2b over this node's backends alone (a node without a mesh): the backend with the
-    smallest predicted TTFT when one within the guard holds a hit, else None."""
-    scored = choose(_local_candidates(here, prefix, ""), prefix.prompt_bytes, prefix.service_s, prefix.guard)
+    smallest predicted TTFT when one within the guard holds a hit, else None; and the blocks
+    of a hit the guard declined (0: none)."""
+    candidates = _local_candidates(here, prefix, "")
+    scored = choose(candidates, prefix.prompt_bytes, prefix.service_s, prefix.guard)
     if scored is None or scored.candidate.backend_id is None:
-        return None
-    return RunLocal(scored.candidate.backend_id, route_prefix(scored.candidate.blocks or 0))
+        return None, guarded_blocks(candidates, prefix.guard)
+    return RunLocal(scored.candidate.backend_id, route_prefix(scored.candidate.blocks or 0)), 0
 
 
 def _best_local(here: LocalModel) -> LocalBackend | None:
@@ -767,7 +778,7 @@ def endpoint_paths(names: Iterable[str]) -> list[str]:
     return sorted(ENDPOINT_PATHS[Endpoint(name)] for name in set(names) if name in _KNOWN_ENDPOINTS)
 
 
-__all__ = ["CLASSIC", "ROUTE_AFFINITY", "ROUTE_LEAST_LOADED", "ROUTE_PINNED", "ROUTE_PROBE", "Decision",
+__all__ = ["CLASSIC", "ROUTE_AFFINITY", "ROUTE_LEAST_LOADED", "route_guarded", "ROUTE_PINNED", "ROUTE_PROBE", "Decision",
            "LocalBackend", "LocalModel", "PeerSnapshot", "Queue", "Refuse", "Reservation", "Reservations", "Router",
            "RunLocal", "RunOnPeer", "endpoint_paths", "endpoint_refusal", "local_by_prefix", "mesh_models",
            "route_prefix"]

@@ -119,6 +119,18 @@ def choose(candidates: Sequence[Candidate], prompt_bytes: int, service_s: float,
     return best
 
 
+def guarded_blocks(candidates: Sequence[Candidate], guard: Guard) -> int:
+    """The most blocks a candidate with a free slot holds that the balance guard left out (busier
+    than the least busy by more than ``guard_slots``), 0 when none: a hit declined, shown in the
+    route (``least-loaded guarded=N``) when nothing within the guard holds one."""
+    free = [c for c in candidates if c.free > 0]
+    if not free:
+        return 0
+    least = min(c.busy for c in free)
+    return max(((c.blocks or 0) for c in free
+                if c.busy - least > guard.guard_slots and (c.blocks or 0) >= guard.min_blocks), default=0)
+
+
 def _median(ordered: Sequence[float]) -> float:
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

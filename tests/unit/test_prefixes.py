@@ -400,8 +400,8 @@ def test_without_a_query_or_a_hit_the_least_loaded_rule_decides() -> None:
 def test_the_local_backend_holding_the_prefix_is_chosen_among_local_ones() -> None:
     d = router().route(M, here(2, 2), [], prefix=query({f"{M}-1": len(KEY.digests)}))
     assert d == RunLocal(f"{M}-1") and d.route.startswith("prefix-hit")
-    standalone = local_by_prefix(here(2, 2)[M], query({f"{M}-1": 3}))
-    assert standalone == RunLocal(f"{M}-1") and standalone.route == "prefix-hit blocks=3"
+    standalone, guarded = local_by_prefix(here(2, 2)[M], query({f"{M}-1": 3}))
+    assert standalone == RunLocal(f"{M}-1") and standalone.route == "prefix-hit blocks=3" and guarded == 0
 
 
 def test_a_hit_on_a_busy_peer_moves_to_the_least_busy() -> None:
@@ -410,7 +410,8 @@ def test_a_hit_on_a_busy_peer_moves_to_the_least_busy() -> None:
     assert isinstance(d, RunOnPeer)  # within the guard (2)
     guarded = PrefixQuery(KEY.digests, KEY.prompt_bytes, {}, 1.0, Guard(guard_slots=0))
     d = router().route(M, here(4, slots=4), [busy], prefix=guarded)
-    assert d == RunLocal(f"{M}-0") and d.route == "least-loaded"
+    # the declined hit is in the route: "a miss everywhere" would read the same otherwise
+    assert d == RunLocal(f"{M}-0") and d.route == f"least-loaded guarded={peer_hit(KEY.digests, frozenset(published(KEY)))}"
 
 
 def test_affinity_and_pinning_keep_their_meaning() -> None:
@@ -475,3 +476,13 @@ def test_a_huge_prompt_is_hashed_only_in_its_leading_blocks_and_cannot_wipe_the_
     assert len(huge.digests) == MAX_BLOCKS and huge.prompt_bytes >= 17 << 20
     index.served("b1", huge)
     assert index.hits(small) == {"b0": len(small.digests)}  # still remembered
+
+
+def test_a_declined_hit_is_counted_apart_from_a_miss() -> None:
+    routing = PrefixRouting(PrefixSettings(), {})
+    routing.routed(M, "least-loaded guarded=3")
+    routing.routed(M, "least-loaded")
+    routing.routed(M, "prefix-hit blocks=4")
+    families = {f.name: f for f in routing.metric_families()}
+    assert [s.value for s in families["viiwork_prefix_guard_declines"].samples if s.name.endswith("_total")] == [1]
+    assert routing.routes[(M, "least-loaded")] == 2 and routing.hit_blocks[M] == 4
