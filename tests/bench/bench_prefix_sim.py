@@ -77,7 +77,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for bench.*
 
 from bench.bench_routing_sim import FORWARD_RETRY, MODEL, SPEEDS, pct  # noqa: E402
-from viiwork.agent.peering.offers import Want, WantBook  # noqa: E402
+from viiwork.agent.peering.offers import WANT_FANOUT, Want, WantBook  # noqa: E402
 from viiwork.agent.peering.prefix_ext import PUBLISH_MIN_S, PrefixPublisher  # noqa: E402
 from viiwork.agent.serving.prefix_routing import PrefixRouting, PrefixSettings  # noqa: E402
 from viiwork.agent.serving.prefixes import BLOCK_BYTES, BYTES_PER_TOKEN, PrefixKey, prefix_key  # noqa: E402
@@ -396,6 +396,13 @@ class Simulation:
         self.queues: list[deque[Req]] = [deque() for _ in range(n)]
         self.wants = [WantBook(clock=lambda: self.now, ttl_ms=600_000.0) for _ in range(n)]
         self.announced: list[float | None] = [None] * n
+        # The peers an origin tells of its waiters: WANT_FANOUT of them (mesh_link._announce: those
+        # with most slots, all equal here, in the order of its table: a fixed order per origin here).
+        self.want_targets = []
+        for o in range(n):
+            order = [q for q in range(n) if q != o]
+            setup.shuffle(order)
+            self.want_targets.append(order[:WANT_FANOUT])
         self.routers = []
         self.reservations = []
         for o in range(n):
@@ -691,16 +698,16 @@ class Simulation:
         self.announce(o)
 
     def announce(self, o: int) -> None:
-        """A want to every peer when ``o``'s oldest waiter changed (bench_routing_sim's model)."""
+        """A want to ``o``'s WANT_FANOUT peers when its oldest waiter changed (bench_routing_sim's
+        model, with the production fan-out)."""
         q = self.queues[o]
         oldest = q[0].arrival if q else None
         if oldest == self.announced[o]:
             return
         self.announced[o] = oldest
         want = Want(MODEL, len(q), self.now - oldest if oldest is not None else 0.0)
-        for p in range(self.n):
-            if p != o:
-                self.push(self.now + self.rtt[o][p] / 2.0, WANT, (p, o, want))
+        for p in self.want_targets[o]:
+            self.push(self.now + self.rtt[o][p] / 2.0, WANT, (p, o, want))
 
     def slot_freed(self, p: int, g: int) -> None:
         """A slot of ``g`` (on ``p``) freed: to the oldest waiter ``p`` knows of."""
