@@ -67,6 +67,10 @@ KNOWN: list[Bench] = [
     # one seed of 20000 requests moves the p99 by tens of milliseconds, the size of the goal.
     Bench("bench_mesh_sim.py", 150, ["--sizes", "10,100"], takes_out=False, title="Mesh simulation"),
     Bench("bench_routing_sim.py", 240, [], takes_out=False, title="Routing simulation"),
+    # The prefix model at 8 and 64 nodes, 70% load, the five policies: ~1 minute here (issue 18); the
+    # 512-node table in docs/benchmarks-routing.md takes ~5 minutes of CPU, so it is left to its command.
+    Bench("bench_prefix_sim.py", 180, ["--nodes", "8,64", "--requests", "2000"], takes_out=False,
+          title="Prefix-aware routing in simulation (issue 18)"),
     # Both protocols at 10 and 100 nodes, 0% and 5% loss: ~80 s of CPU here (issue 16).
     Bench("bench_swim_sim.py", 150, ["--sizes", "10,100", "--steady-s", "20"], takes_out=False,
           title="Probe mode against heartbeats (issue 16)"),
