@@ -642,7 +642,7 @@ class Simulation:
         if not free:
             return None
         hit = self.prefixes[p].local_hit(MODEL, r.spec.key if self.prefix_on else None,
-                                         (BACKEND_IDS[g % BACKENDS] for g in free))
+                                         ((BACKEND_IDS[g % BACKENDS], SLOTS - self.free(g)) for g in free))
         if hit is not None:
             return p * BACKENDS + BACKEND_IDS.index(hit[0])
         return max(free, key=lambda g: (self.free(g), -g))
