@@ -145,5 +145,10 @@ def print_models(doc: dict[str, Any], console: Console) -> None:
 def _summary(name: str, doc: dict[str, Any]) -> str:
     if name == "reload":
         parts = [f"{k}: {', '.join(doc.get(k) or []) or '-'}" for k in ("added", "changed", "removed", "unchanged")]
-        return "reloaded; " + "; ".join(parts)
+        text = "reloaded; " + "; ".join(parts)
+        restart = doc.get("restart_needed") or []
+        if restart:  # reload applies [[models]] (and health) only
+            text += (f"\nnot applied: changes to [{'], ['.join(restart)}] take effect at the next agent restart "
+                     "(systemctl restart viiwork)")
+        return text
     return doc.get("message") or f"{name}: done"

@@ -135,6 +135,12 @@ def test_reload_restarts_only_changed_models(tmp_path: Path, binary: Path) -> No
         agent.wait_healthy("c", timeout_s=30)
         assert "d" not in {m["name"] for m in agent.status()["models"]}
 
+        # [routing] is read at start only: the reload says it did not apply it
+        assert "[routing]" not in text
+        config.write_text(text.replace("[[models]]", "[routing]\nqueue_max = 7\n\n[[models]]", 1))
+        r = ctl(tmp_path, "reload")
+        assert r.returncode == 0 and "not applied: changes to [routing]" in r.stdout, r.stdout
+
 
 def test_ctl_without_agent_says_how_to_fix(tmp_path: Path) -> None:
     r = subprocess.run([CTL, "drain", "--socket", str(tmp_path / "none.sock")], capture_output=True, text=True,
