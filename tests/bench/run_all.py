@@ -100,6 +100,10 @@ KNOWN: list[Bench] = [
     # Five processes on loopback, 3 x 256 MiB per path, 2000 echoes each, then llama.cpp RPC direct and
     # through the tunnel (SmolLM2, 3 x 64 tokens each): ~40 s here (issue 21).
     Bench("bench_gang_tunnel.py", 120, ["--llama"], title="Gang tunnel (issue 21)"),
+    # Three agents in turn (one host, then a gang of two), 6 x 48 tokens each, 3 gang restarts:
+    # ~1 min here (issue 21).
+    Bench("bench_gang.py", 300, ["--requests", "6", "--max-tokens", "48", "--restarts", "3"], takes_out=False,
+          title="A model split over two agents against one host (issue 21)"),
     # One process, 3 x 20000 timings: ~10 s here (issue 18).
     Bench("bench_prefix_hashing.py", 60, ["-n", "20000"], takes_out=False,
           title="Prefix routing: hashing and scoring cost (issue 18)"),
