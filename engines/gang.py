@@ -278,3 +278,13 @@ def check_parallelism(block: str, tensor_parallel: int | None, pipeline_parallel
 def shared_options(options: BaseModel, per_host: frozenset[str]) -> dict[str, object]:
     """``options`` as JSON values (defaults filled in), without the ``per_host`` keys."""
     return {k: v for k, v in options.model_dump(mode="json").items() if k not in per_host}
+
+
+def parallel_shared(options: BaseModel, per_host: frozenset[str], hosts: int, gpus: int) -> dict[str, object]:
+    """:func:`shared_options` of an engine block with ``tensor_parallel`` and
+    ``pipeline_parallel`` (vLLM, SGLang), those two replaced by the sizes in force
+    (:func:`parallel_sizes`)."""
+    shared = shared_options(options, per_host)
+    shared["tensor_parallel"], shared["pipeline_parallel"] = parallel_sizes(
+        getattr(options, "tensor_parallel", None), getattr(options, "pipeline_parallel", None), hosts, gpus)
+    return shared

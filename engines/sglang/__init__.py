@@ -39,7 +39,14 @@ from viiwork.engines.contract import (
     LoadUnknown,
     Probe,
 )
-from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, check_parallelism, parallel_sizes, shared_options
+from viiwork.engines.gang import (
+    GangAddresses,
+    LaunchShape,
+    PartRole,
+    check_parallelism,
+    parallel_shared,
+    parallel_sizes,
+)
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import request_count
 from viiwork.engines.sglang.metrics import parse_samples, scheduler_constant, scheduler_total
@@ -140,10 +147,7 @@ class SglangEngine:
     def gang_shared(self, options: BaseModel, hosts: int, gpus: int) -> dict[str, object]:
         """The block but ``per_host_options``, with the parallel sizes in force."""
         opts = options if isinstance(options, SglangOptions) else SglangOptions()
-        shared = shared_options(opts, self.per_host_options)
-        shared["tensor_parallel"], shared["pipeline_parallel"] = parallel_sizes(
-            opts.tensor_parallel, opts.pipeline_parallel, hosts, gpus)
-        return shared
+        return parallel_shared(opts, self.per_host_options, hosts, gpus)
 
     def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
         """Every rank (SERVER at 0, RANK elsewhere) runs the one-host command with ``--tp-size

@@ -43,8 +43,8 @@ from viiwork.engines.gang import (
     LaunchShape,
     PartRole,
     check_parallelism,
+    parallel_shared,
     parallel_sizes,
-    shared_options,
 )
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import parse_gauges, request_count, token_counters
@@ -164,10 +164,7 @@ class VllmEngine:
     def gang_shared(self, options: BaseModel, hosts: int, gpus: int) -> dict[str, object]:
         """The block but ``per_host_options``, with the parallel sizes in force."""
         opts = options if isinstance(options, VllmOptions) else VllmOptions()
-        shared = shared_options(opts, self.per_host_options)
-        shared["tensor_parallel"], shared["pipeline_parallel"] = parallel_sizes(
-            opts.tensor_parallel, opts.pipeline_parallel, hosts, gpus)
-        return shared
+        return parallel_shared(opts, self.per_host_options, hosts, gpus)
 
     def gang_command(self, spec: BackendSpec, role: PartRole, gang: GangAddresses) -> LaunchCommand:
         """RUNTIME at rank 0: ``<ray_binary> start --head --port <gang port> --node-ip-address
