@@ -134,12 +134,20 @@ class GangWorker:
 
     # -- routes -------------------------------------------------------------------------------
 
-    async def handle_start(self, request: web.Request) -> web.Response:
+    async def _read(self, request: web.Request) -> tuple[NodeId, str, bytes] | web.Response:
+        """The verified sender, its name for logs and the bounded body, or the refusal."""
         peer = peer_of(request)
         sender = str(peer or request.remote)
         raw = await self._body(request)
         if peer is None or raw is None:
             return self._refuse(Reason.MALFORMED, sender, "no verified peer, or a body over the bound")
+        return peer, sender, raw
+
+    async def handle_start(self, request: web.Request) -> web.Response:
+        read = await self._read(request)
+        if isinstance(read, web.Response):
+            return read
+        peer, sender, raw = read
         try:
             start = parse_start(raw)
         except Malformed as exc:
@@ -173,11 +181,10 @@ class GangWorker:
                                   "tunnel_port": gang.exit.port if gang.exit is not None else None})
 
     async def handle_stop(self, request: web.Request) -> web.Response:
-        peer = peer_of(request)
-        sender = str(peer or request.remote)
-        raw = await self._body(request)
-        if peer is None or raw is None:
-            return self._refuse(Reason.MALFORMED, sender, "no verified peer, or a body over the bound")
+        read = await self._read(request)
+        if isinstance(read, web.Response):
+            return read
+        peer, sender, raw = read
         try:
             name, gang_id = parse_stop(raw)
         except Malformed as exc:
