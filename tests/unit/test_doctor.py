@@ -197,7 +197,7 @@ def test_a_gang_worker_that_reads_no_model_file_is_not_checked(tmp_path: Path, e
     """A missing file fails the check only on a host that reads it (docs/configuration.md, "Gangs")."""
     entry = {"name": "m", "engine": engine, "path": str(tmp_path / "absent.gguf"), "hosts": hosts,
              "gang_port": 50052, "gpus": [0] if engine == "sglang" else []}
-    config = write_config(tmp_path, [entry])
+    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})  # a gang needs the mesh
     facts = host(tmp_path, config)
     assert [p.model for p in facts.model_paths] == (["m"] if checked else [])
     (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "model.path"]).results
