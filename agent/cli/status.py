@@ -88,8 +88,11 @@ def gang_lines(section: Any) -> list[str]:
         running = "running" if part.get("running") is True else "not running"
         pids = ", ".join(f"{shown(p.get('role', '?'))} pid {shown(p.get('pid', '?'))}"
                          for p in part.get("parts") or [] if isinstance(p, dict))
+        gpus = part.get("gpus")
+        lent = (f", GPUs {', '.join(shown(g) for g in gpus)}" if isinstance(gpus, list) and gpus
+                else ", CPU" if isinstance(gpus, list) else "")
         lines.append(f"{shown(part.get('model', '?'))}: part of gang {shown(part.get('gang', '?'))}, "
-                     f"rank {shown(part.get('rank', '?'))}{size}, {running}" + (f" ({pids})" if pids else ""))
+                     f"rank {shown(part.get('rank', '?'))}{size}{lent}, {running}" + (f" ({pids})" if pids else ""))
     refused = section.get("refused")
     if isinstance(refused, dict) and refused:
         lines.append("gang requests refused: " + ", ".join(f"{shown(k)} {shown(v)}" for k, v in sorted(refused.items())))

@@ -78,6 +78,7 @@ class _Gang:
     rank: int
     size: int
     head: NodeId
+    gpus: list[str]  # this host's entry's ``gpus``: what it lends the gang (empty: CPU)
     handles: list[RunHandle] = field(default_factory=list)
     exit: TunnelExit | None = None
     parts: list[dict[str, Any]] = field(default_factory=list)
@@ -222,7 +223,7 @@ class GangWorker:
         assert model.gang_port is not None  # the schema requires it with hosts
         addresses = GangAddresses(start.gang, start.rank, start.size, start.addresses, model.gang_port)
         plan = plan_gang(engine.launch_shape, start.size)
-        gang = _Gang(model.name, start.gang, start.rank, start.size, head)
+        gang = _Gang(model.name, start.gang, start.rank, start.size, head, [str(g) for g in model.gpus])
         self.gangs[model.name] = gang
         try:
             spec = part_spec(self.node, model, start.rank)
@@ -274,7 +275,7 @@ class GangWorker:
     def status(self) -> dict[str, Any]:
         """For /v1/status and ``viiworkctl status``: the gangs this host lends parts to."""
         return {"parts": [{"model": g.model, "gang": g.gang, "rank": g.rank, "size": g.size, "head": g.head,
-                           "running": g.running(), "parts": g.parts} for g in self.gangs.values()],
+                           "gpus": g.gpus, "running": g.running(), "parts": g.parts} for g in self.gangs.values()],
                 "refused": dict(self.refused)}
 
 

@@ -147,7 +147,7 @@ def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gan
     assert main(["status", "--url", gang.head.url]) == 0
     assert f"g: head of gang {part['gang']}, parts: gw rank 1" in capsys.readouterr().out
     assert main(["status", "--url", gang.worker.url]) == 0
-    assert f"g: part of gang {part['gang']}, rank 1 of 2, running" in capsys.readouterr().out
+    assert f"g: part of gang {part['gang']}, rank 1 of 2, CPU, running" in capsys.readouterr().out
 
 
 def test_only_the_named_head_starts_a_part(gang: Gang) -> None:

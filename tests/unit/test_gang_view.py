@@ -75,7 +75,7 @@ STATUS_GANGS = {
                       "last_failure": "w1 (rank 1) is dead, serving", "starts": 3, "failures": 1, "parts_lost": 1},
               "idle": {"gang": None, "parts": [], "tunnels": [], "last_failure": "", "starts": 0, "failures": 0,
                        "parts_lost": 0}},
-    "parts": [{"model": "other", "gang": "g9", "rank": 2, "size": 3, "head": "y", "running": False,
+    "parts": [{"model": "other", "gang": "g9", "rank": 2, "size": 3, "head": "y", "gpus": ["0", "GPU-1f"], "running": False,
                "parts": [{"role": "rpc", "pid": 41, "unit": None}]}],
     "refused": {"not_the_head": 2},
 }
@@ -87,7 +87,7 @@ def test_status_lines_show_heads_parts_and_refusals() -> None:
         "big: head of gang g1, parts: w1 rank 1; starts 3, failures 1, parts lost 1; "
         "last failure: w1 (rank 1) is dead, serving",
         "idle: head of gang none (not running), parts: -; starts 0, failures 0, parts lost 0",
-        "other: part of gang g9, rank 2 of 3, not running (rpc pid 41)",
+        "other: part of gang g9, rank 2 of 3, GPUs 0, GPU-1f, not running (rpc pid 41)",
         "gang requests refused: not_the_head 2",
     ]
 
