@@ -270,6 +270,11 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             link_for_gangs = mesh
             supervisor.attach_gangs(lambda runtime: GangHead(supervisor.node, lambda: runtime.config, link_for_gangs))
             if any(m.hosts for m in config.models):
+                # The summary's ``gangs`` extension (agent/peering/gang_ext.py): heads and parts.
+                mesh.gang_members = lambda: [
+                    *(m for rt in supervisor.models.values() if rt.gang is not None
+                      for m in [rt.gang.membership()] if m is not None),
+                    *gang_worker.memberships()]
                 api.extra_status["gangs"] = lambda: {
                     "heads": {name: rt.gang.status() for name, rt in supervisor.models.items() if rt.gang is not None},
                     **gang_worker.status()}

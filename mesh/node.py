@@ -43,7 +43,7 @@ from viiwork.mesh.candidates import unreachable_line
 from viiwork.mesh.clones import IdentityConflict
 from viiwork.mesh.detector import DetectorSettings
 from viiwork.mesh.discovery import DiscoveryError, MdnsDiscovery, is_advertisable, pick_advertised_host
-from viiwork.mesh.extensions import PREFIXES, SPEEDS, Extensions, Prefixes, Speeds
+from viiwork.mesh.extensions import GANGS, PREFIXES, SPEEDS, Extensions, Gangs, Prefixes, Speeds
 from viiwork.mesh.identity import IdentityError, NodeId, load_or_create_identity
 from viiwork.mesh.load_record import apply_load
 from viiwork.mesh.membership import GossipSettings, GossipTarget, Liveness, Membership, PeerView
@@ -718,10 +718,16 @@ class MeshNode:
         null when not measured) from the ``speeds`` extension of that node's summary, or null.
         ``prefix_digests``: how many prefix digests the node publishes for the model (its
         ``prefixes`` extension), or null when it publishes none (docs/routing.md).
+        ``gangs`` (of ``self`` and each node): the memberships its ``gangs`` extension publishes,
+        ``[{"model", "gang", "rank", "size", "leader", "leader_name"}]`` (``leader_name`` null
+        when this node does not know the leader). Top-level ``gangs``: those memberships grouped
+        by gang, ``[{"model", "gang", "size", "leader", "leader_name", "parts": [{"rank",
+        "node", "name"}]}]``, parts by rank (a rank missing: that part is not published as
+        running; docs/mesh.md, "Gangs").
         """
         m, pub = self.membership, self.publisher
         if m is None or pub is None or pub.last is None:
-            return {"self": None, "nodes": [], "conflicts": [], "seeds": [], "counters": {}}
+            return {"self": None, "nodes": [], "conflicts": [], "gangs": [], "seeds": [], "counters": {}}
         conflicts = m.model_conflicts()
         trust = self.settings.trust
         own = pub.last.payload
@@ -741,6 +747,8 @@ class MeshNode:
                                   own.extensions.get(PREFIXES)) for x in own_models],
             "gpus": [_gpu_doc(g) for g in own.gpus],
         }
+        names = {own.node_id: own.name, **{p.node_id: p.name for p in m.peers()}}
+        me["gangs"] = _gang_docs(own.extensions.get(GANGS), names)
         order = {Liveness.ALIVE: 0, Liveness.SUSPECT: 1, Liveness.CONFLICT: 2, Liveness.LEFT: 3, Liveness.DEAD: 4}
         nodes = []
         for p in sorted(m.peers(), key=lambda p: (order[p.liveness], p.name, p.node_id)):
@@ -753,10 +761,11 @@ class MeshNode:
                 "models": [_model_doc(x, p.node_id, conflicts, p.extensions.get(SPEEDS),
                                       p.extensions.get(PREFIXES)) for x in p.models],
                 "gpus": [_gpu_doc(g) for g in p.gpus],
+                "gangs": _gang_docs(p.extensions.get(GANGS), names),
                 "identity_conflict": None if p.conflict is None else p.conflict.doc(),
             })
         return {
-            "self": me, "nodes": nodes,
+            "self": me, "nodes": nodes, "gangs": _gangs_across(me, nodes),
             "conflicts": [{"model": name, "nodes": fps} for name, fps in sorted(conflicts.items())],
             "seeds": self.seeds(),
             "counters": self.counters(),
@@ -786,6 +795,28 @@ def _model_doc(model: ModelCapacity, node_id: str, conflicts: dict[str, dict[Any
                                                 "decode_tps": measured.decode_tps or None},
         "prefix_digests": None if prefixes is None else len(prefixes.of(model.name)),
     }
+
+
+def _gang_docs(gangs: Gangs | None, names: dict[NodeId, str]) -> list[dict[str, Any]]:
+    """A node's ``gangs`` extension for the view (``names``: node id -> name, as known here)."""
+    return [] if gangs is None else [
+        {"model": g.model, "gang": g.gang, "rank": g.rank, "size": g.size, "leader": g.leader,
+         "leader_name": names.get(g.leader)} for g in gangs.members]
+
+
+def _gangs_across(me: dict[str, Any], nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every node's memberships grouped by (model, gang, leader): one entry per gang with its
+    parts by rank (a rank published twice is listed twice: the view shows what is published)."""
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for node in (me, *nodes):
+        for g in node["gangs"]:
+            entry = out.setdefault((g["model"], g["gang"], g["leader"]), {
+                "model": g["model"], "gang": g["gang"], "size": g["size"], "leader": g["leader"],
+                "leader_name": g["leader_name"], "parts": []})
+            entry["parts"].append({"rank": g["rank"], "node": node["id"], "name": node["name"]})
+    for entry in out.values():
+        entry["parts"].sort(key=lambda p: (p["rank"], p["name"], p["node"]))
+    return sorted(out.values(), key=lambda e: (e["model"], e["leader_name"] or "", e["gang"]))
 
 
 def _gpu_doc(gpu: GpuCapacity) -> dict[str, Any]:

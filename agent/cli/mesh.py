@@ -1,6 +1,6 @@
 """viiworkctl mesh: the mesh as an agent sees it, and the CA enrolment tools.
 
-    viiworkctl mesh [--json] [--url URL]            peers: name, address, liveness, state, age, models
+    viiworkctl mesh [--json] [--url URL]            peers: name, address, liveness, state, age, models; gangs
     viiworkctl mesh ca init --out DIR [--days N]     a new mesh CA (ca.key 0600, ca.crt)
     viiworkctl mesh request [--out FILE]             this node's signing request (creates its key if new)
     viiworkctl mesh sign --ca DIR REQUEST [--days N] [--out FILE]   on the CA host: the node certificate
@@ -327,12 +327,33 @@ def speeds_cell(models: list[dict[str, Any]]) -> str:
     return "\n".join(lines) or "-"
 
 
+def gang_lines(gangs: Any) -> list[str]:
+    """One line per gang across the mesh, from /v1/mesh "gangs" (each node's ``gangs``
+    extension, grouped): model, gang id, leader, and each rank's host; a rank no node publishes
+    shows as missing (its part is not running). Strings escaped (``shown``): they come from peers."""
+    lines = []
+    for g in gangs if isinstance(gangs, list) else []:
+        if not isinstance(g, dict):
+            continue
+        parts = [p for p in g.get("parts") or [] if isinstance(p, dict)]
+        size = g.get("size")
+        ranks = {p.get("rank") for p in parts}
+        missing = [r for r in range(size) if r not in ranks] if isinstance(size, int) and 0 < size <= 1024 else []
+        line = (f"{shown(g.get('model', '?'))}: gang {shown(g.get('gang', '?'))}, {len(parts)}/{shown(size)} parts, "
+                f"leader {shown(g.get('leader_name') or g.get('leader', '?'))}: "
+                + ", ".join(f"rank {shown(p.get('rank', '?'))} {shown(p.get('name', '?'))}" for p in parts))
+        if missing:
+            line += "; missing rank " + ", ".join(map(str, missing))
+        lines.append(line)
+    return lines
+
+
 _LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim", "conflict": "bold red"}
 
 
 def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None:
-    """Print the /v1/mesh document as a header line and a table of peers (``wide``: every
-    column). Every string of the document is printed as text with control characters escaped
+    """Print the /v1/mesh document as a header line, a table of peers (``wide``: every
+    column) and one line per gang across the mesh. Every string of the document is printed as text with control characters escaped
     (``cell``/``shown``, agent/cli/tables.py): names come from peers."""
     me = doc.get("self") or {}
     if me:
@@ -381,5 +402,7 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
             ("conflict", "red"),
             f": model {shown(repr(c.get('model')))} is served with different weights: "
             + ", ".join(f"{shown(nid)}={shown(fp)}" for nid, fp in (c.get("nodes") or {}).items())))
+    for line in gang_lines(doc.get("gangs")):
+        console.print(Text.assemble(("gang", "cyan"), " ", Text(line)))
     if not doc.get("nodes"):
         console.print("no peers known (standalone, or none found yet: check mesh.seeds and mDNS)")

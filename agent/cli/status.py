@@ -62,9 +62,46 @@ def outlier_lines(section: Any) -> list[str]:
     return lines
 
 
+def gang_lines(section: Any) -> list[str]:
+    """One line per gang this host heads and per gang part it runs, from /v1/status "gangs"
+    (docs/mesh.md, "Gangs"); none when the config has no gang entry. Strings are escaped
+    (``shown``): host names come from the config, gang ids from the head."""
+    if not isinstance(section, dict):
+        return []
+    lines = []
+    heads = section.get("heads")
+    for model, head in sorted(heads.items()) if isinstance(heads, dict) else []:
+        if not isinstance(head, dict):
+            continue
+        parts = [p for p in head.get("parts") or [] if isinstance(p, dict)]
+        line = (f"{shown(model)}: head of gang {shown(head.get('gang') or 'none (not running)')}, parts: "
+                + (", ".join(f"{shown(p.get('host', '?'))} rank {shown(p.get('rank', '?'))}" for p in parts) or "-")
+                + f"; starts {shown(head.get('starts', 0))}, failures {shown(head.get('failures', 0))}, "
+                  f"parts lost {shown(head.get('parts_lost', 0))}")
+        if head.get("last_failure"):
+            line += f"; last failure: {shown(head['last_failure'])}"
+        lines.append(line)
+    for part in section.get("parts") or []:
+        if not isinstance(part, dict):
+            continue
+        size = f" of {shown(part['size'])}" if "size" in part else ""
+        running = "running" if part.get("running") is True else "not running"
+        pids = ", ".join(f"{shown(p.get('role', '?'))} pid {shown(p.get('pid', '?'))}"
+                         for p in part.get("parts") or [] if isinstance(p, dict))
+        gpus = part.get("gpus")
+        lent = (f", GPUs {', '.join(shown(g) for g in gpus)}" if isinstance(gpus, list) and gpus
+                else ", CPU" if isinstance(gpus, list) else "")
+        lines.append(f"{shown(part.get('model', '?'))}: part of gang {shown(part.get('gang', '?'))}, "
+                     f"rank {shown(part.get('rank', '?'))}{size}{lent}, {running}" + (f" ({pids})" if pids else ""))
+    refused = section.get("refused")
+    if isinstance(refused, dict) and refused:
+        lines.append("gang requests refused: " + ", ".join(f"{shown(k)} {shown(v)}" for k, v in sorted(refused.items())))
+    return lines
+
+
 def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None:
     """Print /v1/status: a node line, a table of models and backends (slots busy/total),
-    then outlier lines. ``wide``: every column."""
+    then outlier lines and gang lines. ``wide``: every column."""
     node = doc.get("node", {})
     console.print(Text.assemble("node ", cell(node.get("name", "?"), "bold"),
                                 f"  version {shown(node.get('version', '?'))}  uptime {shown(node.get('uptime_s', '?'))} s"))
@@ -100,6 +137,8 @@ def render(doc: dict[str, Any], console: Console, *, wide: bool = False) -> None
     console.print(table)
     for line in outlier_lines(doc.get("outliers")):
         console.print(Text.assemble(("outlier", "yellow"), " ", cell(line)))
+    for line in gang_lines(doc.get("gangs")):
+        console.print(Text.assemble(("gang", "cyan"), " ", Text(line)))
 
 
 def run(args: argparse.Namespace) -> int:

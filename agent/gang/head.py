@@ -48,6 +48,7 @@ from viiwork.engines.contract import BackendSpec, LaunchCommand
 from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, new_gang_id
 from viiwork.engines.gang_plan import plan_gang
 from viiwork.mesh.dialing import expect_node
+from viiwork.mesh.extensions import GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.summary import PublishedState
@@ -264,6 +265,14 @@ class GangHead:
         if not isinstance(parts, list):
             return None
         return any(isinstance(p, dict) and p.get("gang") == gang.gang and p.get("running") is True for p in parts)
+
+    def membership(self) -> GangMember | None:
+        """This node's place in its gang for the summary's ``gangs`` extension: rank 0 and
+        leader while a gang is current (from its start until it is stopped), else None."""
+        gang = self.current
+        if gang is None:
+            return None
+        return GangMember(self.model().name, gang.gang, 0, len(gang.workers) + 1, self.mesh.node.node_id)
 
     def status(self) -> dict[str, Any]:
         gang = self.current

@@ -61,6 +61,7 @@ from viiwork.agent.supervision.backend_task import NodeContext
 from viiwork.agent.supervision.runners.base import RunHandle
 from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole
 from viiwork.engines.gang_plan import plan_gang
+from viiwork.mesh.extensions import GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.transport import peer_of
@@ -75,6 +76,9 @@ class _Gang:
     model: str
     gang: str
     rank: int
+    size: int
+    head: NodeId
+    gpus: list[str]  # this host's entry's ``gpus``: what it lends the gang (empty: CPU)
     handles: list[RunHandle] = field(default_factory=list)
     exit: TunnelExit | None = None
     parts: list[dict[str, Any]] = field(default_factory=list)
@@ -219,7 +223,7 @@ class GangWorker:
         assert model.gang_port is not None  # the schema requires it with hosts
         addresses = GangAddresses(start.gang, start.rank, start.size, start.addresses, model.gang_port)
         plan = plan_gang(engine.launch_shape, start.size)
-        gang = _Gang(model.name, start.gang, start.rank)
+        gang = _Gang(model.name, start.gang, start.rank, start.size, head, [str(g) for g in model.gpus])
         self.gangs[model.name] = gang
         try:
             spec = part_spec(self.node, model, start.rank)
@@ -263,10 +267,15 @@ class GangWorker:
             for name in list(self.gangs):
                 await self._stop(name)
 
+    def memberships(self) -> list[GangMember]:
+        """This host's places in gangs for the summary's ``gangs`` extension: one per gang
+        whose parts all run here (a part that died is left out until the head restarts the gang)."""
+        return [GangMember(g.model, g.gang, g.rank, g.size, g.head) for g in self.gangs.values() if g.running()]
+
     def status(self) -> dict[str, Any]:
         """For /v1/status and ``viiworkctl status``: the gangs this host lends parts to."""
-        return {"parts": [{"model": g.model, "gang": g.gang, "rank": g.rank, "running": g.running(),
-                           "parts": g.parts} for g in self.gangs.values()],
+        return {"parts": [{"model": g.model, "gang": g.gang, "rank": g.rank, "size": g.size, "head": g.head,
+                           "gpus": g.gpus, "running": g.running(), "parts": g.parts} for g in self.gangs.values()],
                 "refused": dict(self.refused)}
 
 

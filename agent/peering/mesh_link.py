@@ -13,7 +13,8 @@ supervisor's models and to the pure router (``viiwork.agent.serving.router``):
   the ``speeds`` extension when a speed moved by more than its step
   (``viiwork.agent.peering.speed_ext``), the ``endpoints`` each model serves
   (``viiwork.agent.peering.endpoint_ext``) and the ``prefixes`` extension when the recent
-  prefixes changed, at most every few seconds (``viiwork.agent.peering.prefix_ext``);
+  prefixes changed, at most every few seconds (``viiwork.agent.peering.prefix_ext``), and
+  the ``gangs`` this node takes part in (``viiwork.agent.peering.gang_ext``);
 - ``route`` gives the router a fresh picture of local backends and peers;
 - forwarded requests travel over the mesh listener's mutual TLS (``session``), so the
   receiver knows the origin from its certificate, and every request names the peer it is for
@@ -56,6 +57,7 @@ from viiwork.agent.auth.gate import forward_headers
 from viiwork.agent.config.schema import Config
 from viiwork.agent.host.gpus import GpuInventory
 from viiwork.agent.peering.endpoint_ext import endpoints_of
+from viiwork.agent.peering.gang_ext import gangs_of
 from viiwork.agent.peering.offers import (
     OFFER_HEADER,
     WANT_FANOUT,
@@ -94,7 +96,16 @@ from viiwork.engines.contract import Engine
 from viiwork.engines.registry import ENGINES
 from viiwork.mesh.dialing import expect_node, peer_session_parts
 from viiwork.mesh.extensions import EMPTY as NO_EXTENSIONS
-from viiwork.mesh.extensions import ENDPOINTS, PREFIXES, SPEEDS, ExtensionError, Extensions, ExtensionSpec, Priority
+from viiwork.mesh.extensions import (
+    ENDPOINTS,
+    GANGS,
+    PREFIXES,
+    SPEEDS,
+    Extensions,
+    ExtensionSpec,
+    GangMember,
+    Priority,
+)
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode, MeshSettings
@@ -212,6 +223,9 @@ class MeshLink:
         # This node's extensions by spec (speeds, revocations, ...): published together, since a
         # summary's ``ext`` is one object (MeshNode.set_local_extensions replaces it whole).
         self._extensions: dict[ExtensionSpec[Any], Any] = {}
+        # The gangs this node takes part in (agent/peering/gang_ext.py), set by the agent when
+        # its config has gang entries: the ``gangs`` extension, republished on change.
+        self.gang_members: Callable[[], Iterable[GangMember]] | None = None
         self.forwards_out = 0
         self.forwards_in = 0
         self.refusals_in = 0
@@ -301,7 +315,8 @@ class MeshLink:
             candidate[spec] = value
         try:
             ext = Extensions.of(candidate) if candidate else NO_EXTENSIONS
-        except ExtensionError as exc:  # a publisher's bug: the extensions published before stay
+        except ValueError as exc:  # a publisher's bug (ExtensionError, or a value its own decoder refuses): the
+            # extensions published before stay
             log.warning("extension %s not published: %s", spec.name, exc)
             return
         self._extensions = candidate
@@ -313,6 +328,8 @@ class MeshLink:
             self.publish_extension(SPEEDS, ext.get(SPEEDS))  # None: no model measured
         # The endpoints each model serves (agent/peering/endpoint_ext.py): changes only on a reload.
         self.publish_extension(ENDPOINTS, endpoints_of(self.runtimes.values()))
+        if self.gang_members is not None:  # a gang started or stopped: a new summary (equal: none)
+            self.publish_extension(GANGS, gangs_of(self.gang_members()))
         published = self.prefix_publisher.update()
         if published is not None:  # the recent prefixes changed (at most every PUBLISH_MIN_S)
             self.publish_extension(PREFIXES, published if published.models else None)

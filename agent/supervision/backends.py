@@ -16,6 +16,7 @@ from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.supervision.runners.base import RunHandle
 from viiwork.agent.supervision.speeds import ModelSpeed, SpeedEstimate, model_speed
 from viiwork.engines.contract import BackendSpec, Engine, LaunchCommand, Load, served_endpoints
+from viiwork.mesh.extensions import GangMember
 
 BackendId = NewType("BackendId", str)
 
@@ -173,7 +174,8 @@ class Capacity:
 class GangLauncher(Protocol):
     """What a backend's launch asks of its gang (agent/gang/head.py ``GangHead``): ``prepare``
     brings the other parts up and returns the serving engine's command (raises on failure),
-    ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts."""
+    ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts; ``membership``
+    is this head's entry of the summary's ``gangs`` extension (None without a current gang)."""
 
     async def prepare(self, spec: BackendSpec) -> LaunchCommand: ...
 
@@ -182,6 +184,8 @@ class GangLauncher(Protocol):
     async def abort(self) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def membership(self) -> GangMember | None: ...
 
 
 @dataclass(eq=False)

@@ -13,6 +13,8 @@ import asyncio
 import json
 import os
 import signal
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from support.agent import Agent, run_agent
 from support.gang_driver import gang_binaries
 from support.procs import free_port, stop_process
+from viiwork.agent.cli import main
 from viiwork.agent.gang.wire import START_PATH
 from viiwork.mesh.identity import load_or_create_identity
 from viiwork.mesh.tls import client_context
@@ -52,6 +55,24 @@ def healthy(doc: dict[str, Any]) -> bool:
 
 def worker_parts(agent: Agent) -> list[dict[str, Any]]:
     return agent.status().get("gangs", {}).get("parts", [])
+
+
+def mesh_view(agent: Agent) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{agent.url}/v1/mesh", timeout=5) as r:
+        return json.load(r)
+
+
+def wait_gangs(agent: Agent, gang: str, timeout_s: float = 15) -> dict[str, Any]:
+    """``agent``'s /v1/mesh once it shows ``gang`` whole (both ranks published)."""
+    deadline = time.monotonic() + timeout_s
+    doc: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        doc = mesh_view(agent)
+        gangs = [g for g in doc["gangs"] if g["gang"] == gang]
+        if gangs and [p["rank"] for p in gangs[0]["parts"]] == [0, 1]:
+            return doc
+        time.sleep(0.1)
+    raise AssertionError(f"gang {gang} not whole in {agent.url}/v1/mesh: {json.dumps(doc.get('gangs'))}")
 
 
 @dataclass
@@ -88,7 +109,7 @@ async def post_as_stranger(tmp: Path, target: Agent, body: dict[str, Any]) -> tu
         return r.status, json.loads(await r.read())
 
 
-def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gang: Gang) -> None:
+def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gang: Gang, capsys: Any) -> None:
     (part,) = worker_parts(gang.worker)
     assert part["model"] == "g" and part["rank"] == 1 and part["running"] is True
     heads = gang.head.status()["gangs"]["heads"]
@@ -104,6 +125,29 @@ def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gan
     assert endpoint.startswith("127.0.0.1:") and endpoint.split(":")[1] != rpc_port
     (tunnel,) = heads["g"]["tunnels"]
     assert tunnel["connections_total"] >= 1 and tunnel["bytes_in"] > 0 and tunnel["bytes_out"] > 0, tunnel
+    # Each host publishes its membership (the summary's ``gangs`` extension); each sees both.
+    head_id = gang.head.status()["mesh"]["self"]["id"]
+    worker_id = gang.worker.status()["mesh"]["self"]["id"]
+    whole = {"model": "g", "gang": part["gang"], "size": 2, "leader": head_id, "leader_name": "gh",
+             "parts": [{"rank": 0, "node": head_id, "name": "gh"}, {"rank": 1, "node": worker_id, "name": "gw"}]}
+    for agent, peer, own_rank in ((gang.head, gang.worker, 0), (gang.worker, gang.head, 1)):
+        doc = wait_gangs(agent, part["gang"])
+        assert doc["gangs"] == [whole]
+        (mine,) = doc["self"]["gangs"]
+        assert mine == {"model": "g", "gang": part["gang"], "rank": own_rank, "size": 2, "leader": head_id,
+                        "leader_name": "gh"}
+        (other,) = doc["nodes"][0]["gangs"]
+        assert other["rank"] == 1 - own_rank and doc["nodes"][0]["name"] == peer.status()["node"]["name"]
+    # viiworkctl mesh --json is that document; the table lists the gang; status shows both sides.
+    capsys.readouterr()
+    assert main(["mesh", "--json", "--url", gang.worker.url]) == 0
+    assert json.loads(capsys.readouterr().out)["gangs"] == [whole]
+    assert main(["mesh", "--url", gang.worker.url]) == 0
+    assert f"g: gang {part['gang']}, 2/2 parts, leader gh: rank 0 gh, rank 1 gw" in capsys.readouterr().out
+    assert main(["status", "--url", gang.head.url]) == 0
+    assert f"g: head of gang {part['gang']}, parts: gw rank 1" in capsys.readouterr().out
+    assert main(["status", "--url", gang.worker.url]) == 0
+    assert f"g: part of gang {part['gang']}, rank 1 of 2, CPU, running" in capsys.readouterr().out
 
 
 def test_only_the_named_head_starts_a_part(gang: Gang) -> None:
@@ -133,6 +177,8 @@ def test_a_lost_part_restarts_the_gang_whole(gang: Gang) -> None:
     assert again["parts"][0]["pid"] != part["parts"][0]["pid"]
     assert doc["gangs"]["heads"]["g"]["gang"] == again["gang"]
     assert doc["gangs"]["heads"]["g"]["parts_lost"] >= 1
+    # The new gang id is republished by both hosts; the old one is gone from the summaries.
+    assert [g["gang"] for g in wait_gangs(gang.head, again["gang"])["gangs"]] == [again["gang"]]
 
 
 def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: Gang) -> None:
