@@ -2,7 +2,7 @@
 
 usage: .venv/bin/python tests/bench/bench_prefix_routing.py [--tenants 40] [--active 8] [--requests 60]
        [--system-tokens 1000-2000] [--cache-ram 0] [--sglang-python PATH] [--no-prefix-workload | --only-no-prefix]
-       [--only-agents] [--load 0.7] [--max-tokens 16]
+       [--only-agents] [--load 0.7] [--max-tokens 16] [--systems abcd] [--rates PREFIX,NO_PREFIX]
 
 Four llama-server backends (SmolLM2-135M Q4_1 of the demo package, CPU, one thread each,
 ``--parallel 2``, ``--cache-ram`` as given), served by:
@@ -390,6 +390,9 @@ def main() -> None:
     ap.add_argument("--no-prefix-workload", action="store_true", help="skip the workload without shared prefixes")
     ap.add_argument("--only-no-prefix", action="store_true", help="run only the workload without shared prefixes")
     ap.add_argument("--only-agents", action="store_true", help="run (a) and (b) only")
+    ap.add_argument("--systems", default="abcd", help="the systems to run, e.g. 'c' (default abcd)")
+    ap.add_argument("--rates", help="PREFIX,NO_PREFIX arrival rates (req/s) instead of measuring (b)'s "
+                    "saturation: to run one system again at a rate an earlier run measured")
     args = ap.parse_args()
     model_path = find_demo_model()
     workloads = ([] if args.only_no_prefix else [("prefix", True)]) + \
@@ -398,9 +401,13 @@ def main() -> None:
           f"{args.system_tokens[0]}-{args.system_tokens[1]}-token system prompts, {args.requests} requests a system and workload")
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in workloads}
     rates: dict[str, float] = {}
+    if args.rates:
+        given = [float(r) for r in args.rates.split(",")]
+        rates = {"prefix": given[0], "no prefix": given[-1]}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         work = Path(tmp)
-        for prefix in (False, True):  # (b) first: its saturation sets the rate of every run
+        for prefix in [p for p, letter in ((False, "b"), (True, "a")) if letter in args.systems]:
+            # (b) first: its saturation sets the rate of every run
             with agents(work, args.binary, model_path, prefix, args.cache_ram) as pair:
                 system = System("(a) viiwork, prefix on" if prefix else "(b) viiwork, prefix off",
                                 [f"{a.url}/v1/chat/completions" for a in pair])
@@ -417,6 +424,9 @@ def main() -> None:
         log_dir = work / "servers"
         log_dir.mkdir()
         others = [] if args.only_agents else (["(c)"] if args.sglang_python else []) + ["(d)"]
+        others = [o for o in others if o[1] in args.systems]
+        if others and not rates:
+            raise SystemExit("(c) and (d) run at (b)'s rates: run (b) too, or give --rates")
         for which in others:  # each on llama-servers of its own, started cold like the agents' backends
             with llama_servers(args.binary, model_path, args.cache_ram, log_dir / which) as workers:
                 for w in workers:
