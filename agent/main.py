@@ -35,6 +35,7 @@ from viiwork.agent.config.demo import DEMO_CONFIG_FILE
 from viiwork.agent.config.load import DEFAULT_CONFIG_PATH, ConfigError, parse_config, read_config_text
 from viiwork.agent.config.schema import Config, parse_hostport
 from viiwork.agent.gang.head import GangHead
+from viiwork.agent.gang.tunnel import metric_families as tunnel_metric_families
 from viiwork.agent.gang.worker import GangWorker
 from viiwork.agent.host.facts.mesh import read_node_id
 from viiwork.agent.host.gpus import GpuInventory, GpuMonitor, GpuRefError, check_config_gpus
@@ -278,6 +279,11 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                 api.extra_status["gangs"] = lambda: {
                     "heads": {name: rt.gang.status() for name, rt in supervisor.models.items() if rt.gang is not None},
                     **gang_worker.status()}
+                # The tunnels' counters (agent/gang/tunnel.py): the heads' processes', the workers' exits.
+                api.metric_sources.append(lambda: tunnel_metric_families([
+                    *(v for rt in supervisor.models.values() if isinstance(rt.gang, GangHead)
+                      for v in rt.gang.tunnel_views()),
+                    *gang_worker.exits()]))
             stack.push_async_callback(mesh.stop)
             if sync is not None:
                 await sync.start()

@@ -181,6 +181,9 @@ class MeshNode:
         self.policy: CaTrust | None = None
         self.server_ssl_context: ssl.SSLContext | None = None
         self.client_ssl_context: ssl.SSLContext | None = None
+        # (certificate path, key path, CA PEM) once started: for TLS ends of this node's own
+        # that need a context of their own (a gang's tunnel exit, agent/gang/tunnel.py).
+        self.tls_material: tuple[Path, Path, bytes] | None = None
         self.advertised_mesh: str | None = None
         self.advertised_api: str = ""
         self.listen_port: int | None = None
@@ -290,6 +293,7 @@ class MeshNode:
         try:
             self.server_ssl_context = tls.server_context(cert_path, key_path, ca_pem)
             self.client_ssl_context = tls.client_context(cert_path, key_path, ca_pem)
+            self.tls_material = (cert_path, key_path, ca_pem)
         except (OSError, ValueError) as exc:
             raise MeshStartError(f"cannot load the node certificate/key for TLS: {exc}") from None
         cert_der = certificate_der(cert_path.read_bytes())

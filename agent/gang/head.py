@@ -8,7 +8,8 @@ The gang's model is one backend on its head (docs/mesh.md, "Gangs"). Its backend
   serving one start in the gang plan's order (engines/gang_plan.py): the head's own
   (a vLLM head's Ray runtime) through the runner, the workers' by asking their agents over
   the mesh's mutual TLS (agent/gang/wire.py), all at once within a step; for llama.cpp RPC
-  one :class:`~viiwork.agent.gang.tunnel.TunnelEntry` per worker on loopback. Returns the
+  the gang's tunnel credential (agent/gang/tunnel_cert.py) and one tunnel process per worker
+  on loopback, through the runner (agent/gang/tunnel_process.py). Returns the
   serving engine's command (the adapter's ``gang_command`` with the gang's addresses).
   Any failure stops what was started and raises :class:`GangError`: the backend fails its
   launch and the health ladder backs off and tries again, a whole new gang.
@@ -19,9 +20,12 @@ The gang's model is one backend on its head (docs/mesh.md, "Gangs"). Its backend
   is stopped and every part with it: no half-gang serves. The ladder sees an exit and
   restarts the whole gang with backoff. ``stop()`` stops the engine and the parts.
 
-Not yet: adopting a gang after the head's agent restarts (the tunnels live in the agent
-process, so the head engine loses its RPC devices with it): a restarted head starts a new
-gang. docs/mesh.md says so.
+- :meth:`GangHead.adopt` after the head's agent restarted (the serving engine adopted like a
+  one-host backend, agent/supervision/supervisor.py): the gang id is read back from the
+  engine's labels, every worker must be alive and say its part of that gang runs, and for
+  llama.cpp RPC a tunnel process per worker must still run (they are units of their own,
+  agent/gang/tunnel_process.py, so the engine's RPC connections outlive the agent). Then the
+  gang is current again, watched as before; else :class:`GangError` and a new gang.
 """
 
 from __future__ import annotations
@@ -29,24 +33,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from viiwork.agent.config.gang import shared_digests
+from viiwork.agent.config.gang import shared_digests, shared_hash
 from viiwork.agent.config.schema import ModelConfig
-from viiwork.agent.gang.parts import PartFailed, gang_engine, start_part, wait_ready
-from viiwork.agent.gang.tunnel import TunnelEntry
+from viiwork.agent.gang.parts import PartFailed, gang_engine, part_dir, start_part, wait_ready
+from viiwork.agent.gang.tunnel import TunnelCounters, TunnelEndView
+from viiwork.agent.gang.tunnel_cert import make_credential
+from viiwork.agent.gang.tunnel_process import read_counters
 from viiwork.agent.gang.wire import PARTS_PATH, START_PATH, STOP_PATH, StartRequest
 from viiwork.agent.peering.mesh_link import MeshLink, read_bounded
 from viiwork.agent.supervision.backend_task import NodeContext
-from viiwork.agent.supervision.runners.base import ExitInfo, RunHandle
+from viiwork.agent.supervision.engine_keys import EngineKeyError
+from viiwork.agent.supervision.gang_units import part_of_labels, tunnel_labels, tunnel_of_labels, tunnel_unit_stem
+from viiwork.agent.supervision.launch import escape_name, free_loopback_port
+from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, RunHandle, RunnerError
 from viiwork.engines.contract import BackendSpec, LaunchCommand
-from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, new_gang_id
-from viiwork.engines.gang_plan import plan_gang
+from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, is_gang_id, new_gang_id
+from viiwork.engines.gang_plan import Ready, plan_gang
 from viiwork.mesh.dialing import expect_node
 from viiwork.mesh.extensions import GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
@@ -63,6 +75,8 @@ WATCH_INTERVAL_S = 1.0
 WATCH_TIMEOUT_S = 2.0
 #: Watches in a row without an answer from a worker's agent before its part counts as lost.
 WATCH_MISSES = 3
+#: At adoption, how long a worker's agent is asked whether its part of the gang still runs.
+ADOPT_ASK_S = 10.0
 
 
 class GangError(Exception):
@@ -80,11 +94,21 @@ class _Worker:
 
 
 @dataclass
+class _Tunnel:
+    """The head's tunnel process to one worker (agent/gang/tunnel_process.py)."""
+
+    rank: int
+    port: int
+    handle: RunHandle
+
+
+@dataclass
 class _Gang:
     gang: str
     workers: list[_Worker]
-    entries: list[TunnelEntry] = field(default_factory=list)
-    local: list[RunHandle] = field(default_factory=list)
+    tunnels: list[_Tunnel] = field(default_factory=list)
+    local: list[RunHandle] = field(default_factory=list)  # the head's own parts, tunnels included
+    adopted: bool = False
 
 
 class GangHead:
@@ -96,7 +120,7 @@ class GangHead:
         self.model = model
         self.mesh = mesh
         self.current: _Gang | None = None
-        self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0}
+        self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0, "adopted": 0}
         self.last_failure = ""
 
     # -- the workers --------------------------------------------------------------------------
@@ -166,7 +190,9 @@ class GangHead:
         own = GangAddresses(gang.gang, 0, size, nodes, model.gang_port)
         digests = shared_digests(model)
         self.counters["starts"] += 1
+        rpc = engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD
         try:
+            cert = self._credential(model, gang.gang) if rpc else None
             for step in plan_gang(engine.launch_shape, size).steps:
                 starts = []
                 for part in step.parts:
@@ -176,22 +202,16 @@ class GangHead:
                         await wait_ready(handle, step.ready_of(part), engine.gang_listen(part.role, own))
                     elif part.rank > 0:
                         worker = workers[part.rank - 1]
-                        request = StartRequest(model.name, gang.gang, part.rank, size, nodes, digests)
+                        request = StartRequest(model.name, gang.gang, part.rank, size, nodes, digests, cert)
                         starts.append(self._start_worker(worker, request))
                 await asyncio.gather(*starts)
-            if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
-                client_ssl = self.mesh.node.client_ssl_context
-                if client_ssl is None:
-                    raise GangError("the mesh is not started")
+            if rpc:
                 for worker in workers:
-                    assert worker.tunnel_port is not None
-                    entry = TunnelEntry(gang=gang.gang, worker=worker.node_id, worker_host=worker.address,
-                                        worker_port=worker.tunnel_port, ssl_context=client_ssl)
-                    gang.entries.append(await entry.start())
-            endpoints = tuple(f"127.0.0.1:{e.port}" for e in gang.entries)
+                    await self._start_tunnel(model, gang, worker, size)
+            endpoints = tuple(f"127.0.0.1:{t.port}" for t in gang.tunnels)
             addresses = GangAddresses(gang.gang, 0, size, nodes, model.gang_port, worker_endpoints=endpoints)
             command = engine.gang_command(spec, PartRole.SERVER, addresses)
-        except (GangError, PartFailed, OSError, ValueError) as exc:
+        except (GangError, PartFailed, OSError, ValueError, EngineKeyError) as exc:
             self.counters["failures"] += 1
             self.last_failure = str(exc)
             await self.abort()
@@ -199,6 +219,105 @@ class GangHead:
         log.info("gang %s of %s: %d workers up (%s), launching the head", gang.gang, model.name, len(workers),
                  ", ".join(f"{w.host} rank {w.rank}" for w in workers))
         return command
+
+    def tunnel_dir(self, model: ModelConfig) -> Path:
+        """The head's tunnel directory of ``model``: the gang's credential and the tunnel
+        processes' counters (agent/gang/tunnel_process.py)."""
+        return part_dir(self.node, model).with_name(f"{escape_name(model.name)}-gang-tunnel")
+
+    def _credential(self, model: ModelConfig, gang: str) -> str:
+        """A new gang's tunnel credential, written for the tunnel processes; its certificate PEM."""
+        material = self.mesh.node.tls_material
+        if material is None:
+            raise GangError("the mesh is not started")
+        return make_credential(self.tunnel_dir(model), gang, getattr(self.node.runner, "engine_user", None),
+                               material[2])
+
+    async def _start_tunnel(self, model: ModelConfig, gang: _Gang, worker: _Worker, size: int) -> None:
+        """The tunnel process to ``worker``'s exit, through the runner, listening on a free
+        loopback port; returns once it accepts there. Raises GangError."""
+        assert worker.tunnel_port is not None
+        port = free_loopback_port({t.port for t in gang.tunnels})
+        directory = str(self.tunnel_dir(model))
+        environ = os.environ if self.node.environ is None else self.node.environ
+        log_dir = self.node.config.supervisor.log_dir or str(self.node.config.node.state_dir / "logs")
+        request = LaunchRequest(
+            name=tunnel_unit_stem(model.name, gang.gang, worker.rank),
+            argv=(sys.executable, "-m", "viiwork.agent.gang.tunnel_process", "--gang", gang.gang,
+                  "--rank", str(worker.rank), "--worker", worker.node_id,
+                  "--connect", f"{worker.address}:{worker.tunnel_port}", "--port", str(port), "--dir", directory),
+            env={k: environ[k] for k in ("PATH", "LANG", "PYTHONPATH") if k in environ},
+            description=f"viiwork gang {gang.gang} of {model.name}: tunnel to rank {worker.rank} ({worker.host})",
+            labels=tunnel_labels(self.node.node_name, model.name, gang.gang, worker.rank, size, shared_hash(model),
+                                 port, worker.node_id),
+            log_path=f"{log_dir}/{escape_name(model.name)}-gang-r{worker.rank}-tunnel.log",
+            stop_timeout_s=self.node.config.supervisor.stop_timeout_s,
+            memory_max_bytes=256 * 1024 * 1024,
+            sandbox=model.sandbox,
+            private_dir=directory,
+        )
+        try:
+            handle = await self.node.runner.start(request)
+        except RunnerError as exc:
+            raise GangError(f"the tunnel to {worker.host} (rank {worker.rank}): {exc}") from None
+        gang.local.append(handle)
+        gang.tunnels.append(_Tunnel(worker.rank, port, handle))
+        try:
+            await wait_ready(handle, Ready.PORT, f"127.0.0.1:{port}")
+        except PartFailed as exc:
+            raise GangError(f"the tunnel to {worker.host} (rank {worker.rank}): {exc}") from None
+
+    # -- adoption -----------------------------------------------------------------------------
+
+    def labels(self) -> dict[str, str]:
+        """What the serving engine's unit records of its gang (read back by :meth:`adopt`)."""
+        return {"gang": self.current.gang} if self.current is not None else {}
+
+    async def adopt(self, labels: dict[str, str], parts: list[RunHandle]) -> None:
+        """Take the gang of a serving engine left running by an earlier agent as current
+        (module doc). ``labels``: the engine's; ``parts``: this host's running units of that
+        gang (tunnels, a head's runtime). Raises :class:`GangError` saying what is missing;
+        the caller then stops the engine and ``parts`` and starts a new gang."""
+        model = self.model()
+        gang_id = labels.get("gang", "")
+        if not is_gang_id(gang_id):
+            raise GangError(f"gang of {model.name}: the engine left running records no gang id")
+        try:
+            engine = gang_engine(model)
+        except PartFailed as exc:
+            raise GangError(str(exc)) from None
+        workers = await self._workers(model)
+        gang = _Gang(gang_id, workers, adopted=True)
+        for worker in workers:
+            if not await self._still_running(gang, worker):
+                raise GangError(f"gang {gang_id} of {model.name}: the part on {worker.host} (rank {worker.rank}) "
+                                "is not running")
+        for handle in parts:
+            tunnel = tunnel_of_labels(handle.labels)
+            if tunnel is not None and tunnel[0] == gang_id:
+                gang.tunnels.append(_Tunnel(tunnel[1], tunnel[2], handle))
+            elif part_of_labels(handle.labels) is None:
+                continue
+            gang.local.append(handle)
+        if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
+            have = {t.rank for t in gang.tunnels if t.handle.running()}
+            missing = [w for w in workers if w.rank not in have]
+            if missing:
+                raise GangError(f"gang {gang_id} of {model.name}: no tunnel runs to "
+                                + ", ".join(f"{w.host} (rank {w.rank})" for w in missing))
+        gang.tunnels.sort(key=lambda t: t.rank)
+        self.current = gang
+        self.counters["adopted"] += 1
+        log.info("gang %s of %s: adopted (%s; %d local parts)", gang_id, model.name,
+                 ", ".join(f"{w.host} rank {w.rank}" for w in workers), len(gang.local))
+
+    async def _still_running(self, gang: _Gang, worker: _Worker) -> bool:
+        deadline = time.monotonic() + ADOPT_ASK_S
+        while True:
+            running = await self.part_running(gang, worker)
+            if running is not None or time.monotonic() >= deadline:
+                return running is True
+            await asyncio.sleep(0.5)
 
     async def _start_worker(self, worker: _Worker, request: StartRequest) -> None:
         answer = await self._post(worker, START_PATH, request.to_json(), START_TIMEOUT_S)
@@ -213,9 +332,6 @@ class GangHead:
         gang, self.current = self.current, None
         if gang is None:
             return
-        for entry in gang.entries:
-            with contextlib.suppress(Exception):
-                await entry.stop()
         model = self.model()
         await asyncio.gather(*(self._stop_worker(w, model.name, gang.gang) for w in gang.workers))
         grace = self.node.config.supervisor.stop_timeout_s
@@ -274,12 +390,28 @@ class GangHead:
             return None
         return GangMember(self.model().name, gang.gang, 0, len(gang.workers) + 1, self.mesh.node.node_id)
 
+    def tunnel_counters(self) -> list[tuple[int, TunnelCounters]]:
+        """(rank, counters) of the current gang's tunnel processes, as they last wrote them
+        (zeros for one that has not written yet)."""
+        gang = self.current
+        if gang is None:
+            return []
+        directory = self.tunnel_dir(self.model())
+        return [(t.rank, read_counters(directory, t.rank) or TunnelCounters()) for t in gang.tunnels]
+
+    def tunnel_views(self) -> list[TunnelEndView]:
+        """The current gang's tunnel ends for ``/metrics`` (agent/gang/tunnel.py ``metric_families``)."""
+        gang = self.current
+        return [TunnelEndView(gang.gang, "entry", c) for _, c in self.tunnel_counters()] if gang else []
+
     def status(self) -> dict[str, Any]:
         gang = self.current
         return {"gang": gang.gang if gang else None,
+                "adopted": gang.adopted if gang else False,
                 "parts": [] if gang is None else [
                     {"rank": w.rank, "host": w.host, "node_id": w.node_id} for w in gang.workers],
-                "tunnels": [e.counters.as_dict() for e in gang.entries] if gang else [],
+                "tunnels": [{"rank": rank, "pid": t.handle.pid, "unit": t.handle.unit, **c.as_dict()}
+                            for (rank, c), t in zip(self.tunnel_counters(), gang.tunnels, strict=True)] if gang else [],
                 "last_failure": self.last_failure, **self.counters}
 
 

@@ -14,11 +14,11 @@ rpc-server listens on 127.0.0.1 only, and the agents carry its stream:
                                         (loopback:E)            (mesh address:X)  rpc-server
 
 - :class:`TunnelExit` (worker side, one per gang part) listens on the worker's mesh address.
-  Every connection must complete a TLS 1.3 handshake with the mesh's node certificates
-  (:func:`viiwork.mesh.tls.server_context`: a client certificate from the mesh CA is
-  required) and the client's certificate must be the gang head's: its node id is recomputed
-  from the certificate's key (:func:`viiwork.mesh.tls.peer_node_id`), as the mesh listener
-  does, and compared with the one head id the exit was made for. Only then is the stream
+  Every connection must complete a TLS 1.3 handshake (the worker's node certificate; a client
+  certificate is required: :func:`viiwork.agent.gang.tunnel_cert.exit_context`) and the
+  client's certificate must be, byte for byte, the gang's tunnel certificate that the head
+  sent in its start request over the mesh's mutual TLS (agent/gang/tunnel_cert.py: the head's
+  end runs as a process of its own, without the node's mesh key). Only then is the stream
   spliced to ``127.0.0.1:<rpc_port>``: the target host is not a parameter, and the port is
   fixed when the exit is made, so the head can reach that one rpc-server and nothing else
   (no preamble names a target).
@@ -89,8 +89,8 @@ class Refusal(str, Enum):
 
     - ``handshake_failed``: the TLS handshake failed (plain TCP, garbage, no client
       certificate, another CA's, an expired one) or timed out.
-    - ``wrong_node``: the peer's certificate is a mesh node, but not the gang's head (exit)
-      or not the worker (entry).
+    - ``wrong_node``: the peer's certificate is not the gang's tunnel certificate (exit: a
+      mesh member's, for one) or not the worker's (entry).
     - ``too_many_connections``: ``max_connections`` were open; closed at accept.
     - ``target_unreachable``: exit side: nothing accepts on ``127.0.0.1:<rpc_port>``.
     - ``peer_unreachable``: entry side: the worker's exit could not be reached.
@@ -123,6 +123,29 @@ class TunnelCounters:
         refused.update(self.refused)
         return {"connections_open": self.connections_open, "connections_total": self.connections_total,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "refused": refused}
+
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> TunnelCounters:
+        """The counters :meth:`as_dict` wrote (a tunnel process's file: agent/gang/tunnel_process.py);
+        a value of the wrong type reads as 0."""
+        def count(value: object) -> int:
+            return value if type(value) is int and value >= 0 else 0
+
+        refused = doc.get("refused")
+        return cls(count(doc.get("connections_open")), count(doc.get("connections_total")), count(doc.get("bytes_in")),
+                   count(doc.get("bytes_out")),
+                   Counter({r.value: count(refused.get(r.value)) for r in Refusal} if isinstance(refused, dict) else {}))
+
+
+@dataclass(frozen=True)
+class TunnelEndView:
+    """A tunnel end's counters as read from elsewhere (a tunnel process's file), for
+    :func:`metric_families` beside the ends of this process."""
+
+    gang: str
+    role: str
+    counters: TunnelCounters
 
 
 class _Unframed(Exception):
@@ -282,24 +305,27 @@ def _peer_address(writer: asyncio.StreamWriter) -> str:
 
 class TunnelExit(_End):
     """Worker side of one gang part: a mutual-TLS listener on ``listen_host:listen_port``
-    (0: a free port, see :attr:`port`) that admits only the node ``head`` and splices each
-    admitted connection to ``127.0.0.1:rpc_port`` (the part's rpc-server; the host is fixed).
+    (0: a free port, see :attr:`port`) that admits only a client presenting ``client_cert``
+    (DER: the gang's tunnel certificate from the head ``head``) and splices each admitted
+    connection to ``127.0.0.1:rpc_port`` (the part's rpc-server; the host is fixed).
 
-    ``ssl_context`` is the mesh listener's (:func:`viiwork.mesh.tls.server_context`).
+    ``ssl_context``: :func:`viiwork.agent.gang.tunnel_cert.exit_context`.
     Refusals are counted (:class:`Refusal`), never raised.
     """
 
     role = "exit"
 
-    def __init__(self, *, gang: str, head: NodeId, rpc_port: int, ssl_context: ssl.SSLContext,
+    def __init__(self, *, gang: str, head: NodeId, client_cert: bytes, rpc_port: int, ssl_context: ssl.SSLContext,
                  listen_host: str, listen_port: int = 0, max_connections: int = MAX_CONNECTIONS,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         if ssl_context.verify_mode != ssl.CERT_REQUIRED:
             raise ValueError("the tunnel exit needs a context that requires a client certificate "
-                             "(viiwork.mesh.tls.server_context)")
+                             "(viiwork.agent.gang.tunnel_cert.exit_context)")
+        if not client_cert:
+            raise ValueError("the tunnel exit needs the gang's tunnel certificate (DER)")
         super().__init__(gang=gang, max_connections=max_connections, handshake_timeout_s=handshake_timeout_s,
                          connect_timeout_s=connect_timeout_s)
-        self.head, self.rpc_port = head, rpc_port
+        self.head, self.client_cert, self.rpc_port = head, client_cert, rpc_port
         self.ssl_context = ssl_context
         self.listen_host, self.listen_port = listen_host, listen_port
 
@@ -317,10 +343,12 @@ class TunnelExit(_End):
             exc.__traceback__ = None  # the frames hold asyncio's TLS buffers in a cycle (mesh/transport.py)
             await _close(writer, abort=True)
             return
-        presented = peer_node_id(writer.get_extra_info("ssl_object"))
-        if presented != self.head:
-            self._refuse(Refusal.WRONG_NODE, f"{address} is node {presented or '(no node certificate)'}, "
-                                             f"not the gang's head {self.head}")
+        ssl_object = writer.get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.getpeercert(binary_form=True) != self.client_cert:
+            presented = peer_node_id(ssl_object)
+            self._refuse(Refusal.WRONG_NODE, f"{address} presented "
+                                             + (f"node {presented}'s certificate" if presented else "another certificate")
+                                             + f", not gang {self.gang}'s tunnel certificate (head {self.head})")
             await _close(writer, abort=True)
             return
         try:
@@ -339,7 +367,8 @@ class TunnelEntry(_End):
     carried over a new mutual-TLS connection to ``worker_host:worker_port`` (the worker's
     :class:`TunnelExit`), whose certificate must be the node ``worker``.
 
-    ``ssl_context`` is the mesh's client context (:func:`viiwork.mesh.tls.client_context`).
+    ``ssl_context``: the gang's tunnel certificate as client certificate, the mesh CA as
+    trust root (:func:`viiwork.agent.gang.tunnel_cert.entry_context`).
     A worker that cannot be reached, or is another node, closes the local connection
     (llama-server then fails to load, and the gang restarts: the agent's concern).
     """
@@ -381,7 +410,7 @@ class TunnelEntry(_End):
         await self._splice((reader, writer), remote)
 
 
-def metric_families(ends: Iterable[TunnelEntry | TunnelExit]) -> list[GaugeMetricFamily | CounterMetricFamily]:
+def metric_families(ends: Iterable[TunnelEntry | TunnelExit | TunnelEndView]) -> list[GaugeMetricFamily | CounterMetricFamily]:
     """Prometheus families for tunnel ends (a ``MetricSource`` of agent/serving/metrics.py),
     labelled by gang and role (entry, exit): ``viiwork_gang_tunnel_connections_open`` (now),
     ``viiwork_gang_tunnel_connections_total`` (spliced), ``viiwork_gang_tunnel_bytes_total``

@@ -7,12 +7,13 @@ certificate, as for every mesh route):
   (JSON, at most :data:`MAX_BODY_BYTES`): ``model`` (the entry's name), ``gang`` (the gang id:
   engines/gang.py ``new_gang_id``), ``rank`` (the worker's, 1..size-1), ``size``,
   ``addresses`` (one host per rank, the head's first: where the engines' own rendezvous are
-  reached) and ``digests`` (the head's per-key digests of the entry's shared part:
-  agent/config/gang.py). Answer 200 ``{"gang", "rank", "parts": [{"role", "pid", "unit"}],
-  "tunnel_port"}`` once the parts are ready at the level the gang plan asks
-  (``tunnel_port``: the worker's tunnel exit for a llama.cpp RPC worker, else null); a refusal
-  is ``{"reason", "detail"}`` with 4xx (:class:`Reason`), a part that did not come up 503
-  ``part_failed``.
+  reached), ``digests`` (the head's per-key digests of the entry's shared part:
+  agent/config/gang.py) and ``tunnel_cert`` (a llama.cpp RPC gang's tunnel certificate, PEM,
+  which the worker's exit will admit: agent/gang/tunnel_cert.py; null for other engines).
+  Answer 200 ``{"gang", "rank", "parts": [{"role", "pid", "unit"}], "tunnel_port"}`` once
+  the parts are ready at the level the gang plan asks (``tunnel_port``: the worker's tunnel
+  exit for a llama.cpp RPC worker, else null); a refusal is ``{"reason", "detail"}`` with
+  4xx (:class:`Reason`), a part that did not come up 503 ``part_failed``.
 - ``POST /mesh/v1/gang/stop``: ``{"model", "gang"}``, from the head: the worker stops that
   gang's parts (200 ``{"stopped": bool}``).
 - ``GET /mesh/v1/gang/parts``: the worker's parts, ``{"parts": [{"model", "gang", "rank",
@@ -30,6 +31,7 @@ from enum import StrEnum
 from typing import Any
 
 from viiwork.agent.config.gang import parse_digests
+from viiwork.agent.gang.tunnel_cert import pinned_der
 from viiwork.engines.gang import MAX_GANG_HOSTS, is_gang_id
 
 START_PATH = "/mesh/v1/gang/start"
@@ -67,10 +69,11 @@ class StartRequest:
     size: int
     addresses: tuple[str, ...]
     digests: dict[str, str]
+    tunnel_cert: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gang": self.gang, "rank": self.rank, "size": self.size,
-                "addresses": list(self.addresses), "digests": self.digests}
+                "addresses": list(self.addresses), "digests": self.digests, "tunnel_cert": self.tunnel_cert}
 
 
 def _object(raw: bytes, keys: frozenset[str]) -> dict[str, Any]:
@@ -102,7 +105,7 @@ def _int(value: object, name: str, low: int, high: int) -> int:
 
 def parse_start(raw: bytes) -> StartRequest:
     """The body of ``POST /mesh/v1/gang/start``; raises :class:`Malformed`."""
-    doc = _object(raw, frozenset({"model", "gang", "rank", "size", "addresses", "digests"}))
+    doc = _object(raw, frozenset({"model", "gang", "rank", "size", "addresses", "digests", "tunnel_cert"}))
     model, gang = _model_and_gang(doc)
     size = _int(doc["size"], "size", 2, MAX_GANG_HOSTS)
     rank = _int(doc["rank"], "rank", 1, size - 1)
@@ -114,7 +117,13 @@ def parse_start(raw: bytes) -> StartRequest:
         digests = parse_digests(doc["digests"])
     except ValueError as exc:
         raise Malformed(f"digests: {exc}") from None
-    return StartRequest(model, gang, rank, size, tuple(addresses), digests)
+    cert = doc["tunnel_cert"]
+    if cert is not None:
+        try:
+            pinned_der(cert)
+        except ValueError as exc:
+            raise Malformed(f"tunnel_cert: {exc}") from None
+    return StartRequest(model, gang, rank, size, tuple(addresses), digests, cert)
 
 
 def parse_stop(raw: bytes) -> tuple[str, str]:

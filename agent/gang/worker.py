@@ -14,7 +14,8 @@ Only then are the parts started (agent/gang/parts.py), from this host's entry an
 addresses: nothing in the request reaches a command line but the gang id, the ranks' hosts
 (checked as host names or addresses) and the size. A llama.cpp RPC worker's rpc-server listens
 on 127.0.0.1 only; a :class:`~viiwork.agent.gang.tunnel.TunnelExit` on the mesh's address
-admits only the head and delivers to that port. One gang per model on a host: a start for a
+admits only the gang's tunnel certificate, which the head sent in its start request
+(agent/gang/tunnel_cert.py), and delivers to that port. One gang per model on a host: a start for a
 new gang id stops the old one's parts first; a start for the running gang answers what runs.
 
 Every refusal is counted by reason (``refused``) and logged (WARNING once per reason and
@@ -45,6 +46,7 @@ from viiwork.agent.gang.parts import (
     wait_ready,
 )
 from viiwork.agent.gang.tunnel import TunnelExit
+from viiwork.agent.gang.tunnel_cert import exit_context, pinned_der
 from viiwork.agent.gang.wire import (
     MAX_BODY_BYTES,
     PARTS_PATH,
@@ -235,10 +237,13 @@ class GangWorker:
                 step = next(s for s in plan.steps if part in s.parts)
                 await wait_ready(handle, step.ready_of(part), engine.gang_listen(role, addresses))
             if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
-                if self.mesh.server_ssl_context is None:
+                if self.mesh.tls_material is None:
                     raise PartFailed("the mesh is not started")
-                gang.exit = await TunnelExit(gang=start.gang, head=head, rpc_port=model.gang_port,
-                                             ssl_context=self.mesh.server_ssl_context,
+                if start.tunnel_cert is None:
+                    raise PartFailed("the head sent no tunnel certificate for a llama.cpp RPC part")
+                context = exit_context(*self.mesh.tls_material, start.tunnel_cert)
+                gang.exit = await TunnelExit(gang=start.gang, head=head, client_cert=pinned_der(start.tunnel_cert),
+                                             rpc_port=model.gang_port, ssl_context=context,
                                              listen_host=self.mesh.settings.listen.rpartition(":")[0].strip("[]")).start()
         except (PartFailed, OSError, ValueError) as exc:
             await self._stop(model.name)
@@ -266,6 +271,10 @@ class GangWorker:
         async with self._lock:
             for name in list(self.gangs):
                 await self._stop(name)
+
+    def exits(self) -> list[TunnelExit]:
+        """The tunnel exits of this host's parts (for ``/metrics``)."""
+        return [g.exit for g in self.gangs.values() if g.exit is not None]
 
     def memberships(self) -> list[GangMember]:
         """This host's places in gangs for the summary's ``gangs`` extension: one per gang

@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -148,6 +148,8 @@ class BackendTask:
     # An engine left running by an earlier agent, taken over at start: (handle, port, key,
     # socket path or "").
     adopted: tuple[RunHandle, int, str, str] | None = None
+    # A gang head's units of the adopted engine's gang (tunnels, a runtime): agent/gang/head.py adopt.
+    adopted_parts: list[RunHandle] = field(default_factory=list)
     # Probes and load reads of the current launch: the agent's session plus the key.
     http: aiohttp.ClientSession | None = None
     # Down for a respawn: from the failure until the new engine is ready (or parked, dead).
@@ -334,7 +336,18 @@ class BackendTask:
         backend = self.backend
         model = self.runtime.config
         adopted, self.adopted = self.adopted, None
+        parts, self.adopted_parts = self.adopted_parts, []
         await self.terminate(drain=False)
+        gang = self.runtime.gang
+        if gang is not None and adopted is not None:  # the gang of the engine left running, or a new one
+            try:
+                await gang.adopt(dict(adopted[0].labels), parts)
+            except Exception as exc:  # GangError: stop what was left, start a new gang
+                log.warning("backend %s: not adopting %s: %s; starting a new gang", backend.id,
+                            adopted[0].unit or adopted[0].pid, exc)
+                grace = node.config.supervisor.stop_timeout_s
+                await asyncio.gather(*(h.stop(grace) for h in (adopted[0], *parts)), return_exceptions=True)
+                adopted = None
         used = {t.backend.port for t in node.tasks if t is not self and t.backend.port is not None}
         key_dir = self.key_dir
         if adopted is not None:
@@ -354,7 +367,6 @@ class BackendTask:
                 return _Failure(reason=str(exc))
         spec = backend_spec(model, backend, port=port, socket_path=sock, key_dir=key_dir,
                             vendor=self._vendor(backend.gpus), host_cpus=node.host_cpus)
-        gang = self.runtime.gang
         if gang is not None and adopted is None:  # a gang's head: its parts first (agent/gang/head.py)
             try:
                 command = await gang.prepare(spec)
@@ -372,6 +384,8 @@ class BackendTask:
         request = launch_request(node.config, node.node_name, model, backend, digest=self.config_hash, spec=spec,
                                  command=command, environ=os.environ if node.environ is None else node.environ,
                                  key_dir=key_dir, env_file=env_file)
+        if gang is not None:  # the gang id, for adoption by the next agent
+            request = replace(request, labels={**request.labels, **gang.labels()})
         self.spec = spec
         backend.port = port or None
         backend.socket_path = sock or None
@@ -405,8 +419,8 @@ class BackendTask:
                 if gang is not None:
                     await gang.abort()
                 return _Failure(reason=f"runner did not start the engine within {RUNNER_START_TIMEOUT_S:.0f} s")
-            if gang is not None:
-                handle = gang.watch(handle)
+        if gang is not None:
+            handle = gang.watch(handle)
         started = time.monotonic()
         self.handle = handle
         self.exit_task = asyncio.ensure_future(handle.wait())

@@ -174,14 +174,20 @@ class Capacity:
 class GangLauncher(Protocol):
     """What a backend's launch asks of its gang (agent/gang/head.py ``GangHead``): ``prepare``
     brings the other parts up and returns the serving engine's command (raises on failure),
-    ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts; ``membership``
-    is this head's entry of the summary's ``gangs`` extension (None without a current gang)."""
+    ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts; ``labels``
+    are what the engine's unit records of its gang, ``adopt`` takes the gang of an engine left running
+    by an earlier agent (raises when it cannot); ``membership`` is this head's entry of the
+    summary's ``gangs`` extension (None without a current gang)."""
 
     async def prepare(self, spec: BackendSpec) -> LaunchCommand: ...
 
     def watch(self, handle: RunHandle) -> RunHandle: ...
 
     async def abort(self) -> None: ...
+
+    def labels(self) -> dict[str, str]: ...
+
+    async def adopt(self, labels: dict[str, str], parts: list[RunHandle]) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
 

@@ -146,14 +146,22 @@ def write_key(directory: Path, engine_user: str | None = None) -> tuple[str, Pat
     """A fresh key written to ``directory/key`` (0600, in a 0700 dir, owned by ``engine_user``
     when the agent is root); returns (key, file path). Raises EngineKeyError."""
     key = secrets.token_urlsafe(KEY_BYTES)
-    path = directory / KEY_FILE
-    tmp = directory / f".{KEY_FILE}.{os.getpid()}"
-    with _writing("key", path, tmp):
+    return key, write_private(directory, KEY_FILE, f"{key}\n".encode(), engine_user, what="key")
+
+
+def write_private(directory: Path, name: str, data: bytes, engine_user: str | None = None, *,
+                  what: str = "file") -> Path:
+    """``data`` written whole to ``directory/name`` (0600, in a 0700 dir under the agent's
+    engine dir, both owned by ``engine_user`` when the agent is root; a fresh name then a
+    rename, as the key); returns the path. Raises EngineKeyError naming ``what``."""
+    path = directory / name
+    tmp = directory / f".{name}.{os.getpid()}"
+    with _writing(what, path, tmp):
         owner = _owner(engine_user)
         _private_dir(directory, owner)
         # The dir may belong to the engine user: a fresh name, never a link it left there.
-        _replace_fresh(path, tmp, f"{key}\n".encode(), owner)
-    return key, path
+        _replace_fresh(path, tmp, data, owner)
+    return path
 
 
 def write_env_file(directory: Path, name: str, key: str) -> Path:

@@ -43,3 +43,33 @@ def part_of_labels(labels: Mapping[str, str]) -> tuple[str, GangPart] | None:
     if not is_gang_id(gang_id) or not (rank.isascii() and rank.isdigit()) or role not in PartRole.__members__.values():
         return None
     return gang_id, GangPart(int(rank), PartRole(role))
+
+
+#: The role label of the head's tunnel process for one worker (agent/gang/tunnel_process.py):
+#: not an engine part (engines/gang.py ``PartRole``), the agents' own carrier of a part's stream.
+TUNNEL_ROLE = "tunnel"
+
+
+def tunnel_unit_stem(model: str, gang_id: str, rank: int) -> str:
+    """``viiwork-gang-<model>-<gang id>-r<rank>-tunnel``: the head's tunnel to rank ``rank``.
+    Raises ValueError for a gang id ``new_gang_id`` did not make."""
+    if not is_gang_id(gang_id):
+        raise ValueError(f"not a gang id: {gang_id!r}")
+    return f"{GANG_UNIT_PREFIX}{escape_unit_component(model)}-{gang_id}-r{rank}-{TUNNEL_ROLE}"
+
+
+def tunnel_labels(owner: str, model: str, gang_id: str, rank: int, size: int, shared_hash: str, port: int,
+                  worker: str) -> dict[str, str]:
+    """A tunnel unit's labels: those of a part (``gang_role`` ``tunnel``) plus its loopback
+    ``port`` and the ``gang_worker`` node id it reaches."""
+    return {"owner": owner, "model": model, "gang": gang_id, "gang_rank": str(rank), "gang_role": TUNNEL_ROLE,
+            "gang_size": str(size), "gang_shared_hash": shared_hash, "port": str(port), "gang_worker": worker}
+
+
+def tunnel_of_labels(labels: Mapping[str, str]) -> tuple[str, int, int] | None:
+    """``(gang id, rank, port)`` of a tunnel unit's labels; None when they are not a tunnel's."""
+    gang_id, rank, port = labels.get("gang", ""), labels.get("gang_rank", ""), labels.get("port", "")
+    if (labels.get("gang_role") != TUNNEL_ROLE or not is_gang_id(gang_id) or not (rank.isascii() and rank.isdigit())
+            or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
+        return None
+    return gang_id, int(rank), int(port)

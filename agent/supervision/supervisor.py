@@ -54,8 +54,10 @@ from viiwork.agent.supervision import health_ladder as hl
 from viiwork.agent.supervision.backend_task import BackendTask, NodeContext
 from viiwork.agent.supervision.backends import Backend, BackendId, GangLauncher, ModelRuntime, ModelState
 from viiwork.agent.supervision.engine_keys import engine_dir, read_key
+from viiwork.agent.supervision.gang_units import GANG_UNIT_PREFIX
 from viiwork.agent.supervision.launch import config_hash
 from viiwork.agent.supervision.runners.base import RunHandle, Runner, RunnerError
+from viiwork.engines.gang import is_gang_id
 from viiwork.engines.registry import ENGINES
 
 log = logging.getLogger(__name__)
@@ -208,6 +210,7 @@ class Supervisor:
         """
         try:
             handles = await self.node.runner.adoptable(self.node.node_name)
+            gang_parts = list(await self.node.runner.adoptable(self.node.node_name, GANG_UNIT_PREFIX))
         except RunnerError as exc:
             log.warning("cannot list engines left by an earlier agent: %s", exc)
             return
@@ -221,8 +224,8 @@ class Supervisor:
             key = read_key(task.key_dir) if task is not None else None
             if task is None:
                 stale.append((handle, "its model or backend is no longer configured"))
-            elif task.runtime.gang is not None:
-                stale.append((handle, "a gang's head is not adopted yet: its gang starts anew (docs/mesh.md)"))
+            elif task.runtime.gang is not None and not is_gang_id(labels.get("gang", "")):
+                stale.append((handle, "a gang's head that records no gang id"))
             elif labels.get("config_hash") != task.config_hash:
                 stale.append((handle, "its config entry changed"))
             elif not port.isdigit() or task.adopted is not None:
@@ -233,8 +236,15 @@ class Supervisor:
                 stale.append((handle, f"its socket {sock} is gone"))
             else:
                 task.adopted = (handle, int(port), key, sock)
+                if task.runtime.gang is not None:  # its gang's units here: checked by the gang head's adopt
+                    task.adopted_parts = [p for p in gang_parts if p.labels.get("gang") == labels["gang"]
+                                          and p.labels.get("model") == task.runtime.name]
                 log.info("backend %s: adopting %s (pid %s, %s)", task.backend.id,
                          handle.unit or "engine", handle.pid, f"socket {sock}" if sock else f"port {port}")
+        # A gang unit no adopted head claims: a head's part of a gang over, or a worker's part
+        # left by its agent (a worker's agent does not adopt its parts: the head starts a new gang).
+        claimed = {id(p) for t in self._tasks for p in t.adopted_parts}
+        stale += [(p, "a gang part no adopted gang head here claims") for p in gang_parts if id(p) not in claimed]
         for handle, why in stale:
             log.info("stopping engine %s left by an earlier agent: %s", handle.unit or handle.pid, why)
         results = await asyncio.gather(*(h.stop(self.config.supervisor.stop_timeout_s) for h, _ in stale),

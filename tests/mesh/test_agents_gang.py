@@ -123,8 +123,13 @@ def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gan
     rpc_port = events[rpc].split()[-1]
     endpoint = events[served].split()[-1]
     assert endpoint.startswith("127.0.0.1:") and endpoint.split(":")[1] != rpc_port
-    (tunnel,) = heads["g"]["tunnels"]
-    assert tunnel["connections_total"] >= 1 and tunnel["bytes_in"] > 0 and tunnel["bytes_out"] > 0, tunnel
+    # The head's tunnel is a process of its own (agent/gang/tunnel_process.py): it writes its
+    # counters every second.
+    def carried(doc: dict[str, Any]) -> bool:
+        (t,) = doc["gangs"]["heads"]["g"]["tunnels"]
+        return t["connections_total"] >= 1 and t["bytes_in"] > 0 and t["bytes_out"] > 0
+    (tunnel,) = gang.head.wait_for(carried, 10, "the tunnel's counters")["gangs"]["heads"]["g"]["tunnels"]
+    assert tunnel["pid"] not in (None, gang.head.proc.pid) and tunnel["rank"] == 1
     # Each host publishes its membership (the summary's ``gangs`` extension); each sees both.
     head_id = gang.head.status()["mesh"]["self"]["id"]
     worker_id = gang.worker.status()["mesh"]["self"]["id"]
@@ -153,7 +158,7 @@ def test_the_worker_part_starts_first_and_the_head_serves_through_the_tunnel(gan
 def test_only_the_named_head_starts_a_part(gang: Gang) -> None:
     (part,) = worker_parts(gang.worker)
     body = {"model": "g", "gang": "abcdefghijkl", "rank": 1, "size": 2,
-            "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}}
+            "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}, "tunnel_cert": None}
     status, answer = asyncio.run(post_as_stranger(gang.tmp, gang.worker, body))
     assert status == 403 and answer["reason"] == "not_the_head", answer
     status, answer = asyncio.run(post_as_stranger(gang.tmp, gang.worker, {"model": "g"}))

@@ -23,7 +23,7 @@ import pytest
 from support.mesh_nodes import enrol, make_ca
 from support.procs import free_port
 from viiwork.agent.gang.tunnel import TunnelEntry, TunnelExit
-from viiwork.mesh import tls
+from viiwork.agent.gang.tunnel_cert import entry_context, exit_context, make_credential, pinned_der
 from viiwork.mesh.identity import load_or_create_identity
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
@@ -110,12 +110,14 @@ async def test_rpc_through_the_tunnel_answers_as_one_host(tmp_path: Path, llama_
         with process([str(rpc_server), "-H", "127.0.0.1", "-p", str(rpc_port), "-t", THREADS],
                      tmp_path / "rpc-server.log") as worker:
             await wait_listening(rpc_port, worker, tmp_path / "rpc-server.log")
+            # The gang's tunnel credential, as the head makes it (agent/gang/tunnel_cert.py).
+            pem = make_credential(tmp_path / "engines" / "smol-gang-tunnel", "abcdefghijkl", None, ca_pem)
             tunnel_exit = await TunnelExit(
-                gang="smol-1", head=head_id, rpc_port=rpc_port, listen_host="127.0.0.1",
-                ssl_context=tls.server_context(certs["worker"], tmp_path / "worker" / "node.key", ca_pem)).start()
+                gang="smol-1", head=head_id, client_cert=pinned_der(pem), rpc_port=rpc_port, listen_host="127.0.0.1",
+                ssl_context=exit_context(certs["worker"], tmp_path / "worker" / "node.key", ca_pem, pem)).start()
             entry = await TunnelEntry(
                 gang="smol-1", worker=worker_id, worker_host="127.0.0.1", worker_port=tunnel_exit.port,
-                ssl_context=tls.client_context(certs["head"], tmp_path / "head" / "node.key", ca_pem)).start()
+                ssl_context=entry_context(tmp_path / "engines" / "smol-gang-tunnel")).start()
             try:
                 head_port = free_port()
                 with process(server_argv(llama_server, smollm2_path, head_port, "--rpc", f"127.0.0.1:{entry.port}",

@@ -1,7 +1,8 @@
-"""The gang tunnel (agent/gang/tunnel.py) on loopback with real mesh certificates: the
-stream both ways intact (a large transfer, half-close, either side closing), the gang's head
-the only node the exit admits, plain TCP and garbage refused and counted, and the exit
-delivering to 127.0.0.1 only."""
+"""The gang tunnel (agent/gang/tunnel.py) on loopback with real mesh certificates and a real
+gang tunnel credential (agent/gang/tunnel_cert.py): the stream both ways intact (a large
+transfer, half-close, either side closing), the gang's tunnel certificate the only one the
+exit admits (a mesh member's, even the head node's own, refused), plain TCP and garbage
+refused and counted, and the exit delivering to 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 
 from support.mesh_nodes import enrol, make_ca, wait_for
 from viiwork.agent.gang.tunnel import MAX_RECORD_BYTES, TunnelEntry, TunnelExit, metric_families
+from viiwork.agent.gang.tunnel_cert import entry_context, exit_context, make_credential, pinned_der
 from viiwork.mesh import tls
 from viiwork.mesh.identity import NodeId, load_or_create_identity
 
@@ -31,19 +33,32 @@ class Node:
     client: ssl.SSLContext
 
 
+PINNED: dict[str, bytes] = {}
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Node]:
-    """head, worker and stranger: three nodes enrolled in one mesh CA."""
+    """head-node, worker and stranger: three nodes enrolled in one mesh CA; ``head``: the
+    head's tunnel process, with gang g1's tunnel credential as its client certificate, and the
+    worker's server context admitting that credential (what the worker builds from the start
+    request)."""
     root = tmp_path_factory.mktemp("gang-mesh")
     ca = make_ca(root / "ca")
     ca_pem = (ca / "ca.crt").read_bytes()
     out = {}
-    for name in ("head", "worker", "stranger"):
+    certs = {}
+    for name in ("head-node", "worker", "stranger"):
         state = root / name
-        cert = enrol(state, ca, name)
+        certs[name] = cert = enrol(state, ca, name)
         out[name] = Node(load_or_create_identity(state).node_id,
                          tls.server_context(cert, state / "node.key", ca_pem),
                          tls.client_context(cert, state / "node.key", ca_pem))
+    tunnel_dir = root / "engines" / "big-gang-tunnel"
+    pem = make_credential(tunnel_dir, "g1", None, ca_pem)
+    PINNED["g1"] = pinned_der(pem)
+    worker = out["worker"]
+    worker.server = exit_context(certs["worker"], root / "worker" / "node.key", ca_pem, pem)
+    out["head"] = Node(out["head-node"].node_id, out["head-node"].server, entry_context(tunnel_dir))
     return out
 
 
@@ -110,7 +125,7 @@ async def make_tunnel(nodes: dict[str, Node]) -> AsyncIterator[Callable[..., obj
     async def make(behaviour: Callable[..., object] = echo, *, dialer: str = "head", expect: str = "worker",
                    head: str = "head", max_connections: int = 16) -> Tunnel:
         target = await Target(behaviour).start()
-        tunnel_exit = await TunnelExit(gang="g1", head=nodes[head].node_id, rpc_port=target.port,
+        tunnel_exit = await TunnelExit(gang="g1", head=nodes[head].node_id, client_cert=PINNED["g1"], rpc_port=target.port,
                                        ssl_context=nodes["worker"].server, listen_host="127.0.0.1",
                                        max_connections=max_connections).start()
         entry = await TunnelEntry(gang="g1", worker=nodes[expect].node_id, worker_host="127.0.0.1",
@@ -222,8 +237,11 @@ async def test_target_reset_and_client_abort_release_the_connection(make_tunnel)
         await wait_for(lambda tun=tun: tun.entry.counters.connections_open == 0, 5, "the entry to close")
 
 
-async def test_exit_refuses_a_node_other_than_the_head(make_tunnel, nodes: dict[str, Node]) -> None:
-    t = await make_tunnel(dialer="stranger")  # a member of the mesh, not the gang's head
+@pytest.mark.parametrize("dialer", ["stranger", "head-node"])
+async def test_exit_refuses_a_node_other_than_the_head(make_tunnel, nodes: dict[str, Node], dialer: str) -> None:
+    # A member of the mesh, not the gang's head; or the head node's own mesh certificate: only
+    # the gang's tunnel certificate is admitted.
+    t = await make_tunnel(dialer=dialer)
     reader, writer = await t.open()
     writer.write(b"GET_DEVICE_MEMORY")
     assert await read_closed(reader) == b""
@@ -318,7 +336,7 @@ async def test_exit_delivers_to_loopback_only(nodes: dict[str, Node]) -> None:
     holds the rpc port too: the stream must reach 127.0.0.1:<rpc_port> and nothing else."""
     real = await Target(echo).start("127.0.0.1")
     decoy = await Target(echo).start("127.0.0.2", real.port)
-    tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, rpc_port=real.port,
+    tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, client_cert=PINNED["g1"], rpc_port=real.port,
                                    ssl_context=nodes["worker"].server, listen_host="127.0.0.2").start()
     entry = await TunnelEntry(gang="g1", worker=nodes["worker"].node_id, worker_host="127.0.0.2",
                               worker_port=tunnel_exit.port, ssl_context=nodes["head"].client).start()

@@ -99,8 +99,9 @@ class Runner(Protocol):
         """Launch; raises RunnerError when it cannot start at all (binary missing...)."""
         ...
 
-    async def adoptable(self, owner: str) -> Sequence[RunHandle]:
-        """Running backends labelled with ``owner`` left by an earlier agent; [] if none."""
+    async def adoptable(self, owner: str, prefix: str = "viiwork-engine-") -> Sequence[RunHandle]:
+        """Running backends labelled with ``owner`` left by an earlier agent, among the units
+        whose names start with ``prefix`` (a gang's parts: ``viiwork-gang-``); [] if none."""
         ...
 
     async def close(self) -> None:

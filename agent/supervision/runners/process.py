@@ -192,7 +192,7 @@ class ProcessRunner:
         log.info("started engine %s: pid %s, log %s", request.name, proc.pid, request.log_path)
         return ProcessHandle(proc, request.labels, request.name)
 
-    async def adoptable(self, owner: str) -> list[RunHandle]:
+    async def adoptable(self, owner: str, prefix: str = "viiwork-engine-") -> list[RunHandle]:
         """Always []: process backends die with the agent (parent-death signal)."""
         return []
 

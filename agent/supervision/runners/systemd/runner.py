@@ -354,16 +354,17 @@ class SystemdRunner:
                 self._removed.pop(path, None)
         raise AssertionError("unreachable")
 
-    async def adoptable(self, owner: str) -> list[SystemdHandle]:
+    async def adoptable(self, owner: str, prefix: str = UNIT_PREFIX) -> list[SystemdHandle]:
         """Running engine units labelled ``owner=<owner>``, as handles watched from now on.
 
-        Lists ``viiwork-engine-*.service`` units that are active, activating or reloading
+        Lists ``<prefix>*.service`` units (``viiwork-engine-*``; a gang's parts are
+        ``viiwork-gang-*``: agent/supervision/gang_units.py) that are active, activating or reloading
         (``ListUnitsByPatterns``) and reads each one's Environment for its labels. Units
         that are being stopped are left alone. Raises RunnerError when systemd cannot list.
         """
         try:
             units = (await call(self._conn, SYSTEMD_BUS_NAME, SYSTEMD_PATH, MANAGER_IFACE, "ListUnitsByPatterns",
-                                "asas", [["active", "activating", "reloading"], [f"{UNIT_PREFIX}*.service"]]))[0]
+                                "asas", [["active", "activating", "reloading"], [f"{prefix}*.service"]]))[0]
         except DBusError as exc:
             raise RunnerError(f"cannot list engine units: {exc.text}") from exc
         found = []
