@@ -285,6 +285,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
                       for v in rt.gang.tunnel_views()),
                     *gang_worker.exits()]))
             stack.push_async_callback(mesh.stop)
+            if any(m.hosts for m in config.models):  # this host's parts follow their heads (agent/gang/worker.py)
+                stack.push_async_callback(_cancel, asyncio.create_task(gang_worker.run(), name="gang-heads"))
             if sync is not None:
                 await sync.start()
                 stack.push_async_callback(sync.stop)  # before mesh.stop (last in, first out)

@@ -438,6 +438,7 @@ class GangHandle:
         self.pid, self.unit, self.labels = inner.pid, inner.unit, inner.labels
         self._lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._ended: ExitInfo | None = None
+        self._ending: asyncio.Future[None] | None = None
         self._watch = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -491,6 +492,15 @@ class GangHandle:
         return info
 
     async def _end(self) -> None:
+        """Stop watching and stop the gang's parts, once: ``wait()`` (the engine exited) and
+        ``stop()`` may both get here, and the task running ``wait()`` is cancelled once the
+        engine is stopped; the parts are stopped in a task of their own that such a
+        cancellation does not cut (else the worker's part and the tunnels would outlive the head)."""
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(self._finish())
+        await asyncio.shield(self._ending)
+
+    async def _finish(self) -> None:
         self._watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watch

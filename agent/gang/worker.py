@@ -21,7 +21,8 @@ new gang id stops the old one's parts first; a start for the running gang answer
 Every refusal is counted by reason (``refused``) and logged (WARNING once per reason and
 sender, then DEBUG); nothing a peer sends raises out of this module. When this agent stops,
 its parts stop with it (the head sees the part gone and the host leaving, and takes the
-model down).
+model down). When the head leaves (``leaving``) or is not alive for :data:`HEAD_GONE_S`,
+the parts stop too (:meth:`GangWorker.check_heads`); a head that restarts keeps them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,10 +67,18 @@ from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole
 from viiwork.engines.gang_plan import plan_gang
 from viiwork.mesh.extensions import GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
+from viiwork.mesh.membership import Liveness
 from viiwork.mesh.node import MeshNode
+from viiwork.mesh.summary import PublishedState
 from viiwork.mesh.transport import peer_of
 
 log = logging.getLogger(__name__)
+
+#: How often a worker looks at its gangs' heads in the mesh.
+HEAD_WATCH_S = 1.0
+#: A head not alive in the mesh this long has its parts stopped (a restarted head's agent is
+#: back well within it and adopts them; docs/mesh.md, "Gangs").
+HEAD_GONE_S = 60.0
 
 
 @dataclass
@@ -84,6 +94,7 @@ class _Gang:
     handles: list[RunHandle] = field(default_factory=list)
     exit: TunnelExit | None = None
     parts: list[dict[str, Any]] = field(default_factory=list)
+    head_gone_since: float | None = None  # monotonic: since when the head is not alive in the mesh
 
     def running(self) -> bool:
         return bool(self.handles) and all(h.running() for h in self.handles)
@@ -107,6 +118,41 @@ class GangWorker:
         app.router.add_post(START_PATH, self.handle_start)
         app.router.add_post(STOP_PATH, self.handle_stop)
         app.router.add_get(PARTS_PATH, self.handle_parts)
+
+    # -- the heads ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Watch the heads of this host's gangs every :data:`HEAD_WATCH_S` (:meth:`check_heads`)
+        until cancelled."""
+        while True:
+            await asyncio.sleep(HEAD_WATCH_S)
+            await self.check_heads(time.monotonic())
+
+    async def check_heads(self, now: float) -> None:
+        """Stop the parts of a gang whose head left: it publishes ``leaving`` (a graceful stop:
+        its agent has stopped its engine), or it has not been ``alive`` in the mesh for
+        :data:`HEAD_GONE_S` (crashed or cut off, and not back to adopt the gang). A head that
+        publishes ``restarting``, or comes back alive within that time, keeps its parts: its
+        agent adopts them (agent/gang/head.py)."""
+        views = {v.node_id: v for v in self.mesh.peers()}
+        for name, gang in list(self.gangs.items()):
+            view = views.get(gang.head)
+            why = None
+            if view is not None and view.state is PublishedState.LEAVING:
+                why = "its head left the mesh"
+            elif view is None or view.liveness is not Liveness.ALIVE:
+                gang.head_gone_since = gang.head_gone_since if gang.head_gone_since is not None else now
+                if now - gang.head_gone_since >= HEAD_GONE_S:
+                    why = f"its head has not been alive in the mesh for {HEAD_GONE_S:.0f} s"
+            else:
+                gang.head_gone_since = None
+            if why is None:
+                continue
+            async with self._lock:
+                if self.gangs.get(name) is gang:
+                    log.warning("gang %s of %s: stopping rank %d: %s", gang.gang, name, gang.rank, why)
+                    self.counters["head_gone"] += 1
+                    await self._stop(name)
 
     # -- checks -------------------------------------------------------------------------------
 
