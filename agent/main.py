@@ -212,7 +212,10 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             # Gangs (agent/gang/): this host's parts when a head asks; its routes before the listener starts.
             gang_worker = GangWorker(supervisor.node, mesh.node)
             gang_worker.add_routes(mesh.node.app)
-            stack.push_async_callback(gang_worker.stop)
+            # This host's gang parts stop with it, or keep running for a restart (systemd's).
+            stopping: dict[str, StopDecision] = {}
+            stack.push_async_callback(lambda: gang_worker.stop(
+                restart=stopping.get("decision") is not None and stopping["decision"].intent is StopIntent.RESTART))
             # viiworkctl usage --mesh: this node's ledger for peers that ask (agent/peering/mesh_usage.py).
             mesh_usage = MeshUsage(mesh, config.usage.file(config.node.state_dir))
             if auth is not None and auth.revocations is not None:
@@ -270,6 +273,8 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             supervisor.set_node_id(mesh.node.node_id)
             link_for_gangs = mesh
             supervisor.attach_gangs(lambda runtime: GangHead(supervisor.node, lambda: runtime.config, link_for_gangs))
+            if any(m.hosts for m in config.models):  # parts left by an earlier agent, before the supervisor's adoption
+                supervisor.gang_parts_claimed = await gang_worker.adopt()
             if any(m.hosts for m in config.models):
                 # The summary's ``gangs`` extension (agent/peering/gang_ext.py): heads and parts.
                 mesh.gang_members = lambda: [
@@ -353,7 +358,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         await supervisor.start()
         # On the way out: drain and stop the engines, or leave them running when systemd is
         # restarting the agent (the next one adopts them): viiwork.agent.notify.
-        stopping: dict[str, StopDecision] = {}  # the stop intent, once asked (below)
+        stopping.clear()  # the stop intent, once asked (below)
         stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
         stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         if ready_banner:

@@ -33,8 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,22 +41,22 @@ from typing import Any
 
 import aiohttp
 
-from viiwork.agent.config.gang import shared_digests, shared_hash
+from viiwork.agent.config.gang import shared_digests
 from viiwork.agent.config.schema import ModelConfig
-from viiwork.agent.gang.parts import PartFailed, gang_engine, part_dir, start_part, wait_ready
+from viiwork.agent.gang.parts import PartFailed, gang_engine, start_part, start_tunnel, tunnel_dir, wait_ready
 from viiwork.agent.gang.tunnel import TunnelCounters, TunnelEndView
-from viiwork.agent.gang.tunnel_cert import make_credential
+from viiwork.agent.gang.tunnel_cert import make_credential, pinned_der, write_peer
 from viiwork.agent.gang.tunnel_process import read_counters
 from viiwork.agent.gang.wire import PARTS_PATH, START_PATH, STOP_PATH, StartRequest
 from viiwork.agent.peering.mesh_link import MeshLink, read_bounded
 from viiwork.agent.supervision.backend_task import NodeContext
 from viiwork.agent.supervision.engine_keys import EngineKeyError
-from viiwork.agent.supervision.gang_units import part_of_labels, tunnel_labels, tunnel_of_labels, tunnel_unit_stem
-from viiwork.agent.supervision.launch import escape_name, free_loopback_port
-from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, RunHandle, RunnerError
+from viiwork.agent.supervision.gang_units import part_of_labels, tunnel_of_labels
+from viiwork.agent.supervision.launch import free_loopback_port
+from viiwork.agent.supervision.runners.base import ExitInfo, RunHandle
 from viiwork.engines.contract import BackendSpec, LaunchCommand
 from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, is_gang_id, new_gang_id
-from viiwork.engines.gang_plan import Ready, plan_gang
+from viiwork.engines.gang_plan import plan_gang
 from viiwork.mesh.dialing import expect_node
 from viiwork.mesh.extensions import GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
@@ -91,6 +89,8 @@ class _Worker:
     base_url: str
     address: str  # its mesh host, for the engines' rendezvous and the tunnel
     tunnel_port: int | None = None
+    tunnel_cert: str | None = None  # its tunnel end's certificate (PEM), from its start answer
+    restarting_since: float | None = None  # monotonic: since when it publishes ``restarting``
 
 
 @dataclass
@@ -136,7 +136,8 @@ class GangHead:
             workers = []
             for rank, host in enumerate(model.hosts[1:], start=1):
                 view = self._view(host)
-                if view is None or view.liveness is not Liveness.ALIVE or not view.mesh or lost(view):
+                if (view is None or view.liveness is not Liveness.ALIVE or not view.mesh or lost(view)
+                        or view.state is PublishedState.RESTARTING):
                     missing.append(f"{host} (rank {rank}): "
                                    + ("not known in the mesh" if view is None else f"{view.liveness.value}, "
                                       f"{view.state.value}"))
@@ -221,51 +222,30 @@ class GangHead:
         return command
 
     def tunnel_dir(self, model: ModelConfig) -> Path:
-        """The head's tunnel directory of ``model``: the gang's credential and the tunnel
-        processes' counters (agent/gang/tunnel_process.py)."""
-        return part_dir(self.node, model).with_name(f"{escape_name(model.name)}-gang-tunnel")
+        return tunnel_dir(self.node, model)
 
     def _credential(self, model: ModelConfig, gang: str) -> str:
-        """A new gang's tunnel credential, written for the tunnel processes; its certificate PEM."""
-        material = self.mesh.node.tls_material
-        if material is None:
-            raise GangError("the mesh is not started")
-        return make_credential(self.tunnel_dir(model), gang, getattr(self.node.runner, "engine_user", None),
-                               material[2])
+        """A new gang's tunnel credential for the head's ends; its certificate PEM."""
+        return make_credential(self.tunnel_dir(model), gang, getattr(self.node.runner, "engine_user", None))
 
     async def _start_tunnel(self, model: ModelConfig, gang: _Gang, worker: _Worker, size: int) -> None:
-        """The tunnel process to ``worker``'s exit, through the runner, listening on a free
-        loopback port; returns once it accepts there. Raises GangError."""
-        assert worker.tunnel_port is not None
+        """The head's tunnel end to ``worker``'s exit (agent/gang/parts.py ``start_tunnel``),
+        listening on a free loopback port. Raises GangError."""
+        assert worker.tunnel_port is not None and worker.tunnel_cert is not None
         port = free_loopback_port({t.port for t in gang.tunnels})
-        directory = str(self.tunnel_dir(model))
-        environ = os.environ if self.node.environ is None else self.node.environ
-        log_dir = self.node.config.supervisor.log_dir or str(self.node.config.node.state_dir / "logs")
-        request = LaunchRequest(
-            name=tunnel_unit_stem(model.name, gang.gang, worker.rank),
-            argv=(sys.executable, "-m", "viiwork.agent.gang.tunnel_process", "--gang", gang.gang,
-                  "--rank", str(worker.rank), "--worker", worker.node_id,
-                  "--connect", f"{worker.address}:{worker.tunnel_port}", "--port", str(port), "--dir", directory),
-            env={k: environ[k] for k in ("PATH", "LANG", "PYTHONPATH") if k in environ},
-            description=f"viiwork gang {gang.gang} of {model.name}: tunnel to rank {worker.rank} ({worker.host})",
-            labels=tunnel_labels(self.node.node_name, model.name, gang.gang, worker.rank, size, shared_hash(model),
-                                 port, worker.node_id),
-            log_path=f"{log_dir}/{escape_name(model.name)}-gang-r{worker.rank}-tunnel.log",
-            stop_timeout_s=self.node.config.supervisor.stop_timeout_s,
-            memory_max_bytes=256 * 1024 * 1024,
-            sandbox=model.sandbox,
-            private_dir=directory,
-        )
+        directory = self.tunnel_dir(model)
         try:
-            handle = await self.node.runner.start(request)
-        except RunnerError as exc:
-            raise GangError(f"the tunnel to {worker.host} (rank {worker.rank}): {exc}") from None
+            peer = write_peer(directory, f"r{worker.rank}", worker.tunnel_cert,
+                              getattr(self.node.runner, "engine_user", None))
+            handle = await start_tunnel(
+                self.node, model, gang.gang, worker.rank, size, worker.node_id,
+                ("entry", "--gang", gang.gang, "--rank", str(worker.rank), "--dir", str(directory), "--peer", str(peer),
+                 "--worker", worker.node_id, "--connect", f"{worker.address}:{worker.tunnel_port}", "--port", str(port)),
+                f"127.0.0.1:{port}")
+        except (PartFailed, EngineKeyError) as exc:
+            raise GangError(f"{worker.host} (rank {worker.rank}): {exc}") from None
         gang.local.append(handle)
         gang.tunnels.append(_Tunnel(worker.rank, port, handle))
-        try:
-            await wait_ready(handle, Ready.PORT, f"127.0.0.1:{port}")
-        except PartFailed as exc:
-            raise GangError(f"the tunnel to {worker.host} (rank {worker.rank}): {exc}") from None
 
     # -- adoption -----------------------------------------------------------------------------
 
@@ -325,6 +305,16 @@ class GangHead:
             raise GangError(f"{worker.host} (rank {worker.rank}) answered for another gang")
         port = answer.get("tunnel_port")
         worker.tunnel_port = port if type(port) is int and 0 < port < 65536 else None
+        cert = answer.get("tunnel_cert")
+        if request.tunnel_cert is not None:  # llama.cpp RPC: the worker's end of the tunnel
+            try:
+                pinned_der(cert)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise GangError(f"{worker.host} (rank {worker.rank}) answered no usable tunnel certificate: "
+                                f"{exc}") from None
+            if worker.tunnel_port is None:
+                raise GangError(f"{worker.host} (rank {worker.rank}) answered no tunnel port")
+            worker.tunnel_cert = cert
 
     async def abort(self) -> None:
         """Stop every part of the current gang (workers asked, tunnels closed, local parts
@@ -352,11 +342,36 @@ class GangHead:
         assert self.current is not None, "watch() after prepare()"
         return GangHandle(self, self.current, handle)
 
+    def restart_grace_s(self) -> float:
+        """How long a worker that publishes ``restarting`` is waited for (the mesh's
+        ``restart_grace_ms``, docs/mesh.md)."""
+        return self.mesh.node.settings.gossip.restart_grace_ms / 1000
+
+    def in_restart_grace(self, worker: _Worker, view: PeerView | None, now: float) -> bool:
+        """Whether ``worker`` is restarting within its grace: it published ``restarting`` (its
+        agent stops for a restart and comes back; its parts run on, as units) less than
+        :meth:`restart_grace_s` ago and is not back yet. Tracks since when on ``worker``."""
+        if view is not None and view.state is PublishedState.RESTARTING:
+            if worker.restarting_since is None:
+                worker.restarting_since = now
+                log.info("gang: %s (rank %d) is restarting: waiting up to %.0f s for it", worker.host, worker.rank,
+                         self.restart_grace_s())
+        elif view is not None and view.liveness is Liveness.ALIVE:
+            worker.restarting_since = None  # back (or never away)
+        return worker.restarting_since is not None and now - worker.restarting_since < self.restart_grace_s()
+
     async def part_lost(self, gang: _Gang) -> str | None:
-        """Why a part of ``gang`` is lost now, or None while every part runs."""
+        """Why a part of ``gang`` is lost now, or None while every part runs (a worker
+        restarting within its grace counts as running: :meth:`in_restart_grace`)."""
         by_id = {v.node_id: v for v in self.mesh.node.peers()}
+        now = time.monotonic()
         for worker in gang.workers:
             view = by_id.get(worker.node_id)
+            if self.in_restart_grace(worker, view, now):
+                continue
+            if worker.restarting_since is not None:
+                return (f"{worker.host} (rank {worker.rank}) did not come back within its restart grace "
+                        f"({self.restart_grace_s():.0f} s)")
             if view is None or view.liveness is not Liveness.ALIVE or lost(view):
                 return (f"{worker.host} (rank {worker.rank}) is "
                         + ("gone from the mesh" if view is None else f"{view.liveness.value}, {view.state.value}"))
@@ -416,8 +431,10 @@ class GangHead:
 
 
 def lost(view: PeerView) -> bool:
-    """A worker publishing ``leaving`` (a graceful stop) or ``restarting`` is lost to its gang."""
-    return view.state in (PublishedState.LEAVING, PublishedState.RESTARTING)
+    """A worker publishing ``leaving`` (a graceful stop) is lost to its gang; one publishing
+    ``restarting`` is waited for (:meth:`GangHead.in_restart_grace`), and at a gang's start
+    it is not ready (:meth:`GangHead.prepare` waits for it to be back)."""
+    return view.state is PublishedState.LEAVING
 
 
 def _json(raw: bytes) -> dict[str, Any]:
@@ -448,6 +465,9 @@ class GangHandle:
                 why = await self.head.part_lost(self.gang)
                 if why is None:
                     for worker in self.gang.workers:
+                        if worker.restarting_since is not None:  # in its restart grace: its agent is away
+                            misses[worker.rank] = 0
+                            continue
                         running = await self.head.part_running(self.gang, worker)
                         misses[worker.rank] = misses[worker.rank] + 1 if running is None else 0
                         if running is False:

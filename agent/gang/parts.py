@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from viiwork.agent.config.gang import shared_hash
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.supervision.backend_task import NodeContext
 from viiwork.agent.supervision.backends import Backend, BackendId
-from viiwork.agent.supervision.gang_units import gang_labels, gang_unit_stem
+from viiwork.agent.supervision.gang_units import gang_labels, gang_unit_stem, tunnel_labels, tunnel_unit_stem
 from viiwork.agent.supervision.launch import backend_spec, escape_name, free_loopback_port
 from viiwork.agent.supervision.pinning import engine_environment
 from viiwork.agent.supervision.runners.base import LaunchRequest, RunHandle, RunnerError
@@ -34,6 +35,8 @@ from viiwork.engines.registry import ENGINES
 PART_READY_TIMEOUT_S = 60.0
 #: A process counts as running once it has lived this long (it did not die on its arguments).
 PROCESS_SETTLE_S = 0.5
+#: A tunnel end's memory limit (it holds at most 16 connections of 64 KiB records).
+TUNNEL_MEMORY_MAX_BYTES = 256 * 1024 * 1024
 
 
 class PartFailed(Exception):
@@ -62,9 +65,10 @@ def part_dir(node: NodeContext, model: ModelConfig) -> Path:
 
 
 async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, part: GangPart,
-                     addresses: GangAddresses) -> RunHandle:
-    """Start ``part`` (this host's, ``addresses.rank``) through the node's runner; raises
-    :class:`PartFailed` when the runner cannot start it."""
+                     addresses: GangAddresses, head: str = "") -> RunHandle:
+    """Start ``part`` (this host's, ``addresses.rank``) through the node's runner; ``head``: the
+    head's node id, on a worker (a label for adoption). Raises :class:`PartFailed` when the
+    runner cannot start it."""
     command = gang_engine(model).gang_command(spec, part.role, addresses)
     environ = os.environ if node.environ is None else node.environ
     env = engine_environment(environ, vendor=spec.vendor, gpus=spec.gpus, model_env=model.env,
@@ -75,7 +79,8 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
         argv=command.argv,
         env=env,
         description=f"viiwork gang {addresses.gang_id} of {model.name}: rank {part.rank} {part.role.value}",
-        labels=gang_labels(node.node_name, model.name, addresses.gang_id, part, addresses.size, shared_hash(model)),
+        labels=gang_labels(node.node_name, model.name, addresses.gang_id, part, addresses.size, shared_hash(model),
+                           head),
         log_path=str(log_dir / f"{escape_name(model.name)}-gang-r{part.rank}-{part.role.value}.log"),
         stop_timeout_s=node.config.supervisor.stop_timeout_s,
         memory_max_bytes=model.memory_max_bytes,
@@ -90,6 +95,47 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
         return await node.runner.start(request)
     except RunnerError as exc:
         raise PartFailed(f"{part} of gang {addresses.gang_id}: {exc}") from None
+
+
+def tunnel_dir(node: NodeContext, model: ModelConfig) -> Path:
+    """This host's tunnel directory for ``model``'s gang: its end's credential, the other
+    end's certificate, its counters (agent/gang/tunnel_process.py)."""
+    return node.engine_dir / f"{escape_name(model.name)}-gang-tunnel"
+
+
+async def start_tunnel(node: NodeContext, model: ModelConfig, gang_id: str, rank: int, size: int, peer: str,
+                       args: tuple[str, ...], listen: str) -> RunHandle:
+    """Start a tunnel end (``args``: tunnel_process's, from its ``entry``/``exit`` on) for
+    worker rank ``rank`` through the runner, as the engine's user in the entry's sandbox;
+    returns once it accepts on ``listen`` ("host:port"). ``peer``: the node at the other end.
+    Raises :class:`PartFailed` (the end stopped)."""
+    environ = os.environ if node.environ is None else node.environ
+    log_dir = Path(node.config.supervisor.log_dir or (node.config.node.state_dir / "logs"))
+    directory = str(tunnel_dir(node, model))
+    port = int(listen.rpartition(":")[2])
+    request = LaunchRequest(
+        name=tunnel_unit_stem(model.name, gang_id, rank, args[0]),
+        argv=(sys.executable, "-m", "viiwork.agent.gang.tunnel_process", *args),
+        env={k: environ[k] for k in ("PATH", "LANG", "PYTHONPATH") if k in environ},
+        description=f"viiwork gang {gang_id} of {model.name}: tunnel {args[0]} of rank {rank}",
+        labels=tunnel_labels(node.node_name, model.name, gang_id, rank, size, shared_hash(model), port, peer),
+        log_path=str(log_dir / f"{escape_name(model.name)}-gang-r{rank}-tunnel.log"),
+        stop_timeout_s=node.config.supervisor.stop_timeout_s,
+        memory_max_bytes=TUNNEL_MEMORY_MAX_BYTES,
+        sandbox=model.sandbox,
+        private_dir=directory,
+    )
+    try:
+        handle = await node.runner.start(request)
+    except RunnerError as exc:
+        raise PartFailed(f"the tunnel {args[0]} of rank {rank}: {exc}") from None
+    try:
+        await wait_ready(handle, Ready.PORT, listen)
+    except PartFailed as exc:
+        with contextlib.suppress(Exception):
+            await handle.stop(node.config.supervisor.stop_timeout_s)
+        raise PartFailed(f"the tunnel {args[0]} of rank {rank}: {exc}") from None
+    return handle
 
 
 async def wait_ready(handle: RunHandle, level: Ready, listen: str | None,

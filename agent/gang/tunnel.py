@@ -24,13 +24,15 @@ rpc-server listens on 127.0.0.1 only, and the agents carry its stream:
   (no preamble names a target).
 - :class:`TunnelEntry` (head side, one per worker) listens on 127.0.0.1 only; llama-server's
   ``--rpc 127.0.0.1:<entry port>`` connects there, and each connection is carried over a new
-  mutual-TLS connection to the worker's exit, whose certificate must be the worker's node
-  (the check of :mod:`viiwork.mesh.dialing`, before a byte is sent).
+  mutual-TLS connection to the worker's exit, whose certificate must be, byte for byte, the
+  worker's tunnel certificate of this gang (sent by the worker's agent to the head's over the
+  mesh), before a byte is sent.
 
 Why a listener of its own and not a route on the mesh's aiohttp listener: the RPC stream is
 a long-lived raw byte stream, and aiohttp hands a handler a request, not its socket; a
-WebSocket would frame and copy every message. The exit reuses the mesh's SSL contexts and
-its identity check, so it adds one port per gang part and no new trust.
+WebSocket would frame and copy every message. Each end trusts exactly the other end's
+certificate of the gang, which the two agents swapped over the mesh's mutual TLS
+(agent/gang/tunnel_cert.py): one port per gang part, and no trust beyond the mesh's.
 
 **Framing.** asyncio's TLS transport cannot half-close (``write_eof`` is unsupported: a TLS
 close_notify closes the whole connection there), yet a stream protocol may rely on one side
@@ -365,22 +367,25 @@ class TunnelEntry(_End):
     """Head side, one per worker: a listener on ``127.0.0.1:listen_port`` (0: a free port,
     see :attr:`port`; llama-server's ``--rpc 127.0.0.1:<port>``) whose every connection is
     carried over a new mutual-TLS connection to ``worker_host:worker_port`` (the worker's
-    :class:`TunnelExit`), whose certificate must be the node ``worker``.
+    :class:`TunnelExit`), whose certificate must be ``server_cert`` (DER: the worker
+    ``worker``'s tunnel certificate of this gang).
 
-    ``ssl_context``: the gang's tunnel certificate as client certificate, the mesh CA as
-    trust root (:func:`viiwork.agent.gang.tunnel_cert.entry_context`).
+    ``ssl_context``: :func:`viiwork.agent.gang.tunnel_cert.entry_context`.
     A worker that cannot be reached, or is another node, closes the local connection
     (llama-server then fails to load, and the gang restarts: the agent's concern).
     """
 
     role = "entry"
 
-    def __init__(self, *, gang: str, worker: NodeId, worker_host: str, worker_port: int,
+    def __init__(self, *, gang: str, worker: NodeId, server_cert: bytes, worker_host: str, worker_port: int,
                  ssl_context: ssl.SSLContext, listen_port: int = 0, max_connections: int = MAX_CONNECTIONS,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        if not server_cert:
+            raise ValueError("the tunnel entry needs the worker's tunnel certificate (DER)")
         super().__init__(gang=gang, max_connections=max_connections, handshake_timeout_s=handshake_timeout_s,
                          connect_timeout_s=connect_timeout_s)
-        self.worker, self.worker_host, self.worker_port = worker, worker_host, worker_port
+        self.worker, self.server_cert = worker, server_cert
+        self.worker_host, self.worker_port = worker_host, worker_port
         self.ssl_context = ssl_context
         self.listen_port = listen_port
 
@@ -400,10 +405,10 @@ class TunnelEntry(_End):
             self._refuse(Refusal.PEER_UNREACHABLE, f"{where}: {exc!r}")
             await _close(writer, abort=True)
             return
-        presented = peer_node_id(remote[1].get_extra_info("ssl_object"))
-        if presented != self.worker:
-            self._refuse(Refusal.WRONG_NODE, f"{where} is node {presented or '(no node certificate)'}, "
-                                             f"not the worker {self.worker}")
+        ssl_object = remote[1].get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.getpeercert(binary_form=True) != self.server_cert:
+            self._refuse(Refusal.WRONG_NODE, f"{where} did not present gang {self.gang}'s tunnel certificate "
+                                             f"of worker {self.worker}")
             await _close(remote[1], abort=True)
             await _close(writer, abort=True)
             return

@@ -1,16 +1,18 @@
-"""The gang tunnel's own certificate: what the head's tunnel process presents to a worker's exit.
+"""A gang tunnel's own credentials: what each end of a llama.cpp RPC tunnel presents (docs/mesh.md, "Gangs").
 
-The head's end of a llama.cpp RPC tunnel runs as a process of its own (agent/gang/tunnel_process.py),
-so that it outlives a restart of the head's agent and the head's llama-server keeps its RPC
-devices (docs/mesh.md, "Gangs"). That process runs as the engine's user, in the engines'
-sandbox, and must not hold the node's mesh key (whoever holds it can speak for the node in the
-mesh). So each gang gets a credential of its own: a fresh Ed25519 key and a self-signed
-certificate for it (:func:`make_credential`), written to the tunnel's private directory. The
-head sends the certificate (PEM, public) to each worker in its start request, over the mesh's
-mutual TLS; the worker's exit admits a client presenting exactly that certificate and no
-other (:func:`exit_context`, and the exact match in :class:`~viiwork.agent.gang.tunnel.TunnelExit`).
-Stolen, the key reaches that gang's rpc-servers, which the head's engine reaches anyway, and
-nothing else; a new gang has a new key.
+Both ends of a gang's tunnel run as processes of their own (agent/gang/tunnel_process.py),
+so that they outlive a restart of their agent: the head's engine keeps its RPC devices when
+the head's agent restarts, and when a worker's agent restarts. Those processes run as the
+engine's user, in the engines' sandbox, and must not hold the node's mesh key (whoever holds
+it speaks for the node in the mesh). So each end gets a credential of its own for each gang:
+a fresh Ed25519 key and a self-signed certificate (:func:`make_credential`), written to its
+tunnel directory. The two agents swap the certificates (public) over the mesh's mutual TLS,
+where each knows the other's node: the head sends its own in the start request (to the
+worker its config names), the worker answers with its own (to the head its config names).
+Each end then trusts exactly the other's certificate and no other (:func:`entry_context`,
+:func:`exit_context`, and the exact match in agent/gang/tunnel.py). Stolen, a key reaches
+that gang's rpc-servers, which the head's engine reaches anyway, and nothing else; a new gang
+has new keys.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from viiwork.mesh import tls
 
 CERT_FILE = "tunnel.crt"
 KEY_FILE = "tunnel.key"
-CA_FILE = "mesh-ca.pem"
 #: The longest certificate PEM a start request may carry (an Ed25519 one is about 450 bytes).
 MAX_CERT_PEM_CHARS = 4096
 #: Backdated like node certificates (OpenSSL checks dates with no tolerance: mesh/tls.py).
@@ -38,11 +39,11 @@ _BACKDATE = dt.timedelta(hours=1)
 _LIFETIME = dt.timedelta(days=3650)
 
 
-def make_credential(directory: Path, gang: str, engine_user: str | None, ca_pem: bytes) -> str:
-    """A fresh key and self-signed certificate for ``gang``'s tunnel, and the mesh CA (to check
-    the workers' node certificates), written to ``directory`` (0600 files in a 0700 dir owned by
-    ``engine_user`` when the agent is root: engine_keys.write_private). Returns the certificate's
-    PEM. Raises EngineKeyError when a file cannot be written."""
+def make_credential(directory: Path, gang: str, engine_user: str | None) -> str:
+    """A fresh key and self-signed certificate for this end of ``gang``'s tunnel, written to
+    ``directory`` (0600 files in a 0700 dir owned by ``engine_user`` when the agent is root:
+    engine_keys.write_private). Returns the certificate's PEM. Raises EngineKeyError when a
+    file cannot be written."""
     key = Ed25519PrivateKey.generate()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"viiwork gang tunnel {gang}")])
     now = dt.datetime.now(dt.UTC)
@@ -56,8 +57,14 @@ def make_credential(directory: Path, gang: str, engine_user: str | None, ca_pem:
     cert_pem = cert.public_bytes(serialization.Encoding.PEM)
     write_private(directory, KEY_FILE, key_pem, engine_user, what="gang tunnel key")
     write_private(directory, CERT_FILE, cert_pem, engine_user, what="gang tunnel certificate")
-    write_private(directory, CA_FILE, ca_pem, engine_user, what="mesh CA copy")
     return cert_pem.decode("ascii")
+
+
+def write_peer(directory: Path, peer: str, pem: str, engine_user: str | None) -> Path:
+    """The other end's certificate (checked by :func:`pinned_der` first) written to
+    ``directory/peer-<peer>.crt``; returns its path. Raises EngineKeyError."""
+    return write_private(directory, f"peer-{peer}.crt", pem.encode("ascii"), engine_user,
+                         what="gang tunnel peer certificate")
 
 
 def pinned_der(pem: str) -> bytes:
@@ -80,15 +87,14 @@ def pinned_der(pem: str) -> bytes:
     return cert.public_bytes(serialization.Encoding.DER)
 
 
-def exit_context(cert_path: Path, key_path: Path, ca_pem: bytes, pinned_pem: str) -> ssl.SSLContext:
-    """A worker's exit context: this node's certificate; a client certificate is required and
-    may chain to the mesh CA (a member: refused by the exit as ``wrong_node``) or be the gang's
-    pinned one (admitted by the exact match). Raises ValueError/OSError as ``ssl`` does."""
-    return tls.server_context(cert_path, key_path, ca_pem + b"\n" + pinned_pem.encode("ascii"))
+def exit_context(directory: Path, peer: Path) -> ssl.SSLContext:
+    """A worker's exit: its certificate and key from ``directory``; a client certificate is
+    required and must chain to ``peer`` alone (the head's certificate of this gang). Raises
+    OSError/ValueError as ``ssl`` does."""
+    return tls.server_context(directory / CERT_FILE, directory / KEY_FILE, peer.read_bytes())
 
 
-def entry_context(directory: Path) -> ssl.SSLContext:
-    """The tunnel process's client context: the gang's certificate and key from ``directory``,
-    the worker's certificate checked against the mesh CA copy there (its node id is then
-    compared by the entry). Raises OSError/ValueError."""
-    return tls.client_context(directory / CERT_FILE, directory / KEY_FILE, (directory / CA_FILE).read_bytes())
+def entry_context(directory: Path, peer: Path) -> ssl.SSLContext:
+    """The head's entry: its certificate and key from ``directory``; the exit's certificate
+    must chain to ``peer`` alone (the worker's certificate of this gang). Raises OSError/ValueError."""
+    return tls.client_context(directory / CERT_FILE, directory / KEY_FILE, peer.read_bytes())

@@ -13,10 +13,11 @@ node. A start is refused unless every check of this host's **own** config passes
 Only then are the parts started (agent/gang/parts.py), from this host's entry and the gang's
 addresses: nothing in the request reaches a command line but the gang id, the ranks' hosts
 (checked as host names or addresses) and the size. A llama.cpp RPC worker's rpc-server listens
-on 127.0.0.1 only; a :class:`~viiwork.agent.gang.tunnel.TunnelExit` on the mesh's address
-admits only the gang's tunnel certificate, which the head sent in its start request
-(agent/gang/tunnel_cert.py), and delivers to that port. One gang per model on a host: a start for a
-new gang id stops the old one's parts first; a start for the running gang answers what runs.
+on 127.0.0.1 only; a tunnel exit process on the mesh's address (agent/gang/tunnel_process.py)
+admits only the head's tunnel certificate of the gang, which came in the start request, and
+delivers to that port; the answer carries the exit's own certificate (agent/gang/tunnel_cert.py).
+One gang per model on a host: a start for a new gang id stops the old one's parts first; a
+start for the running gang answers what runs.
 
 Every refusal is counted by reason (``refused``) and logged (WARNING once per reason and
 sender, then DEBUG); nothing a peer sends raises out of this module. When this agent stops,
@@ -37,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
-from viiwork.agent.config.gang import differing_keys, gang_rank, mismatch_message, shared_digests
+from viiwork.agent.config.gang import differing_keys, gang_rank, mismatch_message, shared_digests, shared_hash
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.gang.parts import (
     PartFailed,
@@ -45,10 +46,13 @@ from viiwork.agent.gang.parts import (
     part_spec,
     roles_here,
     start_part,
+    start_tunnel,
+    tunnel_dir,
     wait_ready,
 )
-from viiwork.agent.gang.tunnel import TunnelExit
-from viiwork.agent.gang.tunnel_cert import exit_context, pinned_der
+from viiwork.agent.gang.tunnel import TunnelCounters, TunnelEndView
+from viiwork.agent.gang.tunnel_cert import CERT_FILE, make_credential, write_peer
+from viiwork.agent.gang.tunnel_process import read_counters
 from viiwork.agent.gang.wire import (
     MAX_BODY_BYTES,
     PARTS_PATH,
@@ -62,8 +66,11 @@ from viiwork.agent.gang.wire import (
     parse_stop,
 )
 from viiwork.agent.supervision.backend_task import NodeContext
-from viiwork.agent.supervision.runners.base import RunHandle
-from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole
+from viiwork.agent.supervision.engine_keys import EngineKeyError
+from viiwork.agent.supervision.gang_units import GANG_UNIT_PREFIX, TUNNEL_ROLE, tunnel_of_labels
+from viiwork.agent.supervision.launch import free_port_on
+from viiwork.agent.supervision.runners.base import RunHandle, RunnerError
+from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole, is_gang_id
 from viiwork.engines.gang_plan import plan_gang
 from viiwork.mesh.extensions import GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
@@ -92,7 +99,8 @@ class _Gang:
     head: NodeId
     gpus: list[str]  # this host's entry's ``gpus``: what it lends the gang (empty: CPU)
     handles: list[RunHandle] = field(default_factory=list)
-    exit: TunnelExit | None = None
+    tunnel_port: int | None = None  # its tunnel exit's (llama.cpp RPC), one of ``handles``
+    tunnel_cert: str | None = None  # its tunnel exit's certificate (PEM), for the head
     parts: list[dict[str, Any]] = field(default_factory=list)
     head_gone_since: float | None = None  # monotonic: since when the head is not alive in the mesh
 
@@ -230,7 +238,7 @@ class GangWorker:
                 return self._refuse(Reason.PART_FAILED, sender, f"{start.model!r} rank {rank}: {exc}")
         self.counters["starts"] += 1
         return web.json_response({"gang": gang.gang, "rank": gang.rank, "parts": gang.parts,
-                                  "tunnel_port": gang.exit.port if gang.exit is not None else None})
+                                  "tunnel_port": gang.tunnel_port, "tunnel_cert": gang.tunnel_cert})
 
     async def handle_stop(self, request: web.Request) -> web.Response:
         read = await self._read(request)
@@ -277,34 +285,47 @@ class GangWorker:
             spec = part_spec(self.node, model, start.rank)
             for role in roles_here(model, start.rank):
                 part = GangPart(start.rank, role)
-                handle = await start_part(self.node, model, spec, part, addresses)
+                handle = await start_part(self.node, model, spec, part, addresses, head)
                 gang.handles.append(handle)
                 gang.parts.append({"role": role.value, "pid": handle.pid, "unit": handle.unit})
                 step = next(s for s in plan.steps if part in s.parts)
                 await wait_ready(handle, step.ready_of(part), engine.gang_listen(role, addresses))
             if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
-                if self.mesh.tls_material is None:
-                    raise PartFailed("the mesh is not started")
-                if start.tunnel_cert is None:
-                    raise PartFailed("the head sent no tunnel certificate for a llama.cpp RPC part")
-                context = exit_context(*self.mesh.tls_material, start.tunnel_cert)
-                gang.exit = await TunnelExit(gang=start.gang, head=head, client_cert=pinned_der(start.tunnel_cert),
-                                             rpc_port=model.gang_port, ssl_context=context,
-                                             listen_host=self.mesh.settings.listen.rpartition(":")[0].strip("[]")).start()
-        except (PartFailed, OSError, ValueError) as exc:
+                await self._start_exit(model, start, gang)
+        except (PartFailed, OSError, ValueError, EngineKeyError) as exc:
             await self._stop(model.name)
             raise PartFailed(str(exc)) from None
         log.info("gang %s of %s: rank %d started (%s)", start.gang, model.name, start.rank,
                  ", ".join(f"{p['role']} pid {p['pid']}" for p in gang.parts))
         return gang
 
+    async def _start_exit(self, model: ModelConfig, start: StartRequest, gang: _Gang) -> None:
+        """This part's tunnel exit (agent/gang/parts.py ``start_tunnel``): this end's credential,
+        the head's certificate from the start request as the only one admitted, a free port on
+        the mesh's listen address, delivering to the rpc-server's ``gang_port`` on 127.0.0.1.
+        Raises PartFailed or EngineKeyError."""
+        if start.tunnel_cert is None:
+            raise PartFailed("the head sent no tunnel certificate for a llama.cpp RPC part")
+        assert model.gang_port is not None
+        user = getattr(self.node.runner, "engine_user", None)
+        directory = tunnel_dir(self.node, model)
+        gang.tunnel_cert = make_credential(directory, start.gang, user)
+        peer = write_peer(directory, "head", start.tunnel_cert, user)
+        host = self.mesh.settings.listen.rpartition(":")[0].strip("[]")
+        port = free_port_on(host)
+        handle = await start_tunnel(
+            self.node, model, start.gang, start.rank, start.size, gang.head,
+            ("exit", "--gang", start.gang, "--rank", str(start.rank), "--dir", str(directory), "--peer", str(peer),
+             "--head", gang.head, "--listen", f"{host}:{port}", "--rpc-port", str(model.gang_port)),
+            f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
+        gang.handles.append(handle)
+        gang.parts.append({"role": TUNNEL_ROLE, "pid": handle.pid, "unit": handle.unit})
+        gang.tunnel_port = port
+
     async def _stop(self, name: str) -> None:
         gang = self.gangs.pop(name, None)
         if gang is None:
             return
-        if gang.exit is not None:
-            with contextlib.suppress(Exception):
-                await gang.exit.stop()
         grace = self.node.config.supervisor.stop_timeout_s
         for handle in reversed(gang.handles):
             with contextlib.suppress(Exception):
@@ -312,15 +333,79 @@ class GangWorker:
         self.counters["stops"] += 1
         log.info("gang %s of %s: rank %d stopped", gang.gang, name, gang.rank)
 
-    async def stop(self) -> None:
-        """This agent stops: every part with it."""
+    async def stop(self, restart: bool = False) -> None:
+        """This agent stops: every part with it; for a restart (``restart``: systemd starts the
+        agent again) they keep running for the next agent to adopt (:meth:`adopt`)."""
         async with self._lock:
+            if restart:
+                log.info("restarting: %d gang part(s) keep running for the next agent", len(self.gangs))
+                self.gangs.clear()
+                return
             for name in list(self.gangs):
                 await self._stop(name)
 
-    def exits(self) -> list[TunnelExit]:
-        """The tunnel exits of this host's parts (for ``/metrics``)."""
-        return [g.exit for g in self.gangs.values() if g.exit is not None]
+    async def adopt(self) -> set[str]:
+        """Take over the parts an earlier agent of this node left running (the systemd runner's
+        units outlive it): for each gang entry naming this host at rank r > 0, the units of
+        one gang labelled with this node, that rank, the entry's shared hash and a head, every
+        role this host runs for it (its tunnel exit included) running. Returns the adopted units'
+        names; the supervisor stops every other gang unit (agent/supervision/supervisor.py)."""
+        try:
+            handles = await self.node.runner.adoptable(self.node.node_name, GANG_UNIT_PREFIX)
+        except RunnerError as exc:
+            log.warning("cannot list gang parts left by an earlier agent: %s", exc)
+            return set()
+        groups: dict[tuple[str, str], list[RunHandle]] = {}
+        for handle in handles:
+            labels = handle.labels
+            model = self._entry(labels.get("model", ""))
+            rank = gang_rank(model, str(self.mesh.node_id), self.node.node_name) if model is not None else None
+            if (model is None or not rank or labels.get("gang_rank") != str(rank)
+                    or labels.get("gang_shared_hash") != shared_hash(model) or not is_gang_id(labels.get("gang"))):
+                continue
+            groups.setdefault((model.name, labels["gang"]), []).append(handle)
+        claimed: set[str] = set()
+        for (name, gang_id), group in groups.items():
+            model = self._entry(name)
+            assert model is not None
+            roles = {h.labels.get("gang_role") for h in group if h.running()}
+            need = {r.value for r in roles_here(model, int(group[0].labels["gang_rank"]))}
+            rpc = gang_engine(model).launch_shape is LaunchShape.WORKERS_THEN_HEAD
+            if rpc:
+                need.add(TUNNEL_ROLE)
+            heads = {h.labels.get("gang_head") or h.labels.get("gang_peer") for h in group}
+            size = group[0].labels.get("gang_size", "")
+            if name in self.gangs or not need <= roles or len(heads) != 1 or not size.isdigit():
+                continue
+            head = heads.pop()
+            if head is None or not is_node_id(head):
+                continue
+            gang = _Gang(name, gang_id, int(group[0].labels["gang_rank"]), int(size), NodeId(head),
+                         [str(g) for g in model.gpus])
+            for handle in sorted(group, key=lambda h: h.labels.get("gang_role") == TUNNEL_ROLE):  # as started
+                tunnel = tunnel_of_labels(handle.labels)
+                if tunnel is not None:
+                    gang.tunnel_port = tunnel[2]
+                    with contextlib.suppress(OSError):
+                        gang.tunnel_cert = (tunnel_dir(self.node, model) / CERT_FILE).read_text()
+                gang.parts.append({"role": handle.labels.get("gang_role"), "pid": handle.pid, "unit": handle.unit})
+                gang.handles.append(handle)
+                claimed.add(handle.unit or "")
+            self.gangs[name] = gang
+            log.info("gang %s of %s: rank %d adopted (%s)", gang_id, name, gang.rank,
+                     ", ".join(f"{h.labels.get('gang_role')} pid {h.pid}" for h in group))
+        return claimed
+
+    def exits(self) -> list[TunnelEndView]:
+        """The tunnel exits of this host's parts, as their processes last wrote their counters
+        (for ``/metrics``)."""
+        views = []
+        for gang in self.gangs.values():
+            model = self._entry(gang.model)
+            if gang.tunnel_port is not None and model is not None:
+                counters = read_counters(tunnel_dir(self.node, model), gang.rank) or TunnelCounters()
+                views.append(TunnelEndView(gang.gang, "exit", counters))
+        return views
 
     def memberships(self) -> list[GangMember]:
         """This host's places in gangs for the summary's ``gangs`` extension: one per gang

@@ -29,11 +29,16 @@ def gang_unit_stem(model: str, gang_id: str, part: GangPart) -> str:
     return f"{GANG_UNIT_PREFIX}{escape_unit_component(model)}-{gang_id}-r{part.rank}-{part.role.value}"
 
 
-def gang_labels(owner: str, model: str, gang_id: str, part: GangPart, size: int, shared_hash: str) -> dict[str, str]:
-    """The labels of a part's unit: owner node, model, gang id, rank, role, size and the shared
-    part's hash (agent/config/gang.py), so adoption can tell a part of another entry."""
-    return {"owner": owner, "model": model, "gang": gang_id, "gang_rank": str(part.rank),
-            "gang_role": part.role.value, "gang_size": str(size), "gang_shared_hash": shared_hash}
+def gang_labels(owner: str, model: str, gang_id: str, part: GangPart, size: int, shared_hash: str,
+                head: str = "") -> dict[str, str]:
+    """The labels of a part's unit: owner node, model, gang id, rank, role, size, the shared
+    part's hash (agent/config/gang.py), so adoption can tell a part of another entry, and on a
+    worker the ``gang_head`` node id it serves (a restarted worker's agent adopts by them)."""
+    labels = {"owner": owner, "model": model, "gang": gang_id, "gang_rank": str(part.rank),
+              "gang_role": part.role.value, "gang_size": str(size), "gang_shared_hash": shared_hash}
+    if head:
+        labels["gang_head"] = head
+    return labels
 
 
 def part_of_labels(labels: Mapping[str, str]) -> tuple[str, GangPart] | None:
@@ -45,25 +50,30 @@ def part_of_labels(labels: Mapping[str, str]) -> tuple[str, GangPart] | None:
     return gang_id, GangPart(int(rank), PartRole(role))
 
 
-#: The role label of the head's tunnel process for one worker (agent/gang/tunnel_process.py):
-#: not an engine part (engines/gang.py ``PartRole``), the agents' own carrier of a part's stream.
+#: The role label of a tunnel end's process (agent/gang/tunnel_process.py): not an engine part
+#: (engines/gang.py ``PartRole``), the agents' own carrier of a part's stream.
 TUNNEL_ROLE = "tunnel"
 
 
-def tunnel_unit_stem(model: str, gang_id: str, rank: int) -> str:
-    """``viiwork-gang-<model>-<gang id>-r<rank>-tunnel``: the head's tunnel to rank ``rank``.
-    Raises ValueError for a gang id ``new_gang_id`` did not make."""
+def tunnel_unit_stem(model: str, gang_id: str, rank: int, end: str) -> str:
+    """``viiwork-gang-<model>-<gang id>-r<rank>-tunnel-<end>``: the head's tunnel ``entry`` to
+    rank ``rank``, or that worker's ``exit`` (distinct names: two agents of one machine may
+    share a service manager). Raises ValueError for a gang id ``new_gang_id`` did not make or
+    another end."""
     if not is_gang_id(gang_id):
         raise ValueError(f"not a gang id: {gang_id!r}")
-    return f"{GANG_UNIT_PREFIX}{escape_unit_component(model)}-{gang_id}-r{rank}-{TUNNEL_ROLE}"
+    if end not in ("entry", "exit"):
+        raise ValueError(f"not a tunnel end: {end!r}")
+    return f"{GANG_UNIT_PREFIX}{escape_unit_component(model)}-{gang_id}-r{rank}-{TUNNEL_ROLE}-{end}"
 
 
 def tunnel_labels(owner: str, model: str, gang_id: str, rank: int, size: int, shared_hash: str, port: int,
-                  worker: str) -> dict[str, str]:
-    """A tunnel unit's labels: those of a part (``gang_role`` ``tunnel``) plus its loopback
-    ``port`` and the ``gang_worker`` node id it reaches."""
+                  peer: str) -> dict[str, str]:
+    """A tunnel end's labels: those of a part (``gang_role`` ``tunnel``, ``gang_rank`` the
+    worker's) plus the ``port`` it listens on and the ``gang_peer`` node id at its other end
+    (the head's entry: the worker; a worker's exit: the head)."""
     return {"owner": owner, "model": model, "gang": gang_id, "gang_rank": str(rank), "gang_role": TUNNEL_ROLE,
-            "gang_size": str(size), "gang_shared_hash": shared_hash, "port": str(port), "gang_worker": worker}
+            "gang_size": str(size), "gang_shared_hash": shared_hash, "port": str(port), "gang_peer": peer}
 
 
 def tunnel_of_labels(labels: Mapping[str, str]) -> tuple[str, int, int] | None:

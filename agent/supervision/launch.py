@@ -99,13 +99,21 @@ def backend_socket_path(engine: Engine, key_dir: Path, backend: Backend) -> str:
 
 def free_loopback_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0), not in ``avoid``."""
+    return free_port_on("127.0.0.1", avoid)
+
+
+def free_port_on(host: str, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """A TCP port on ``host`` (an address of this machine; "" or "0.0.0.0": every IPv4 one,
+    "::" every IPv6 one) that was free a moment ago, not in ``avoid``. Raises OSError when
+    ``host`` cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
             port = sock.getsockname()[1]
         if port not in avoid:
-            return port
-    raise RuntimeError("no free loopback port found in 64 tries")
+            return int(port)
+    raise RuntimeError(f"no free port on {host or '0.0.0.0'} found in 64 tries")
 
 
 def backend_spec(model: ModelConfig, backend: Backend, *, port: int, socket_path: str, key_dir: Path,

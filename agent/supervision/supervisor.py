@@ -118,6 +118,9 @@ class Supervisor:
         self._tasks = self.node.tasks
         self._started = False
         self.node_id = node_id
+        # The units of gang parts this node's gang worker adopted (agent/gang/worker.py adopt):
+        # left running by _adopt.
+        self.gang_parts_claimed: set[str] = set()
         # A gang's head builds its parts' launcher once the mesh is up (attach_gangs).
         self.gang_factory: Callable[[ModelRuntime], GangLauncher] | None = None
         for model in self._served(config):
@@ -244,7 +247,8 @@ class Supervisor:
         # A gang unit no adopted head claims: a head's part of a gang over, or a worker's part
         # left by its agent (a worker's agent does not adopt its parts: the head starts a new gang).
         claimed = {id(p) for t in self._tasks for p in t.adopted_parts}
-        stale += [(p, "a gang part no adopted gang head here claims") for p in gang_parts if id(p) not in claimed]
+        stale += [(p, "a gang part no adopted gang head or worker here claims") for p in gang_parts
+                  if id(p) not in claimed and p.unit not in self.gang_parts_claimed]
         for handle, why in stale:
             log.info("stopping engine %s left by an earlier agent: %s", handle.unit or handle.pid, why)
         results = await asyncio.gather(*(h.stop(self.config.supervisor.stop_timeout_s) for h, _ in stale),

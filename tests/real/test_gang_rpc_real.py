@@ -23,7 +23,7 @@ import pytest
 from support.mesh_nodes import enrol, make_ca
 from support.procs import free_port
 from viiwork.agent.gang.tunnel import TunnelEntry, TunnelExit
-from viiwork.agent.gang.tunnel_cert import entry_context, exit_context, make_credential, pinned_der
+from viiwork.agent.gang.tunnel_cert import entry_context, exit_context, make_credential, pinned_der, write_peer
 from viiwork.mesh.identity import load_or_create_identity
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
@@ -95,8 +95,8 @@ def server_argv(llama_server: Path, model: Path, port: int, *extra: str) -> list
 async def test_rpc_through_the_tunnel_answers_as_one_host(tmp_path: Path, llama_server: Path, rpc_server: Path,
                                                           smollm2_path: Path) -> None:
     ca = make_ca(tmp_path / "ca")
-    ca_pem = (ca / "ca.crt").read_bytes()
-    certs = {name: enrol(tmp_path / name, ca, name) for name in ("head", "worker")}
+    for name in ("head", "worker"):
+        enrol(tmp_path / name, ca, name)
     head_id = load_or_create_identity(tmp_path / "head").node_id
     worker_id = load_or_create_identity(tmp_path / "worker").node_id
 
@@ -110,14 +110,19 @@ async def test_rpc_through_the_tunnel_answers_as_one_host(tmp_path: Path, llama_
         with process([str(rpc_server), "-H", "127.0.0.1", "-p", str(rpc_port), "-t", THREADS],
                      tmp_path / "rpc-server.log") as worker:
             await wait_listening(rpc_port, worker, tmp_path / "rpc-server.log")
-            # The gang's tunnel credential, as the head makes it (agent/gang/tunnel_cert.py).
-            pem = make_credential(tmp_path / "engines" / "smol-gang-tunnel", "abcdefghijkl", None, ca_pem)
+            # Each end's credential, the other's certificate pinned, as the agents make them
+            # (agent/gang/tunnel_cert.py).
+            head_dir, worker_dir = tmp_path / "h" / "smol-gang-tunnel", tmp_path / "w" / "smol-gang-tunnel"
+            head_pem = make_credential(head_dir, "abcdefghijkl", None)
+            worker_pem = make_credential(worker_dir, "abcdefghijkl", None)
             tunnel_exit = await TunnelExit(
-                gang="smol-1", head=head_id, client_cert=pinned_der(pem), rpc_port=rpc_port, listen_host="127.0.0.1",
-                ssl_context=exit_context(certs["worker"], tmp_path / "worker" / "node.key", ca_pem, pem)).start()
+                gang="smol-1", head=head_id, client_cert=pinned_der(head_pem), rpc_port=rpc_port,
+                listen_host="127.0.0.1",
+                ssl_context=exit_context(worker_dir, write_peer(worker_dir, "head", head_pem, None))).start()
             entry = await TunnelEntry(
-                gang="smol-1", worker=worker_id, worker_host="127.0.0.1", worker_port=tunnel_exit.port,
-                ssl_context=entry_context(tmp_path / "engines" / "smol-gang-tunnel")).start()
+                gang="smol-1", worker=worker_id, server_cert=pinned_der(worker_pem), worker_host="127.0.0.1",
+                worker_port=tunnel_exit.port,
+                ssl_context=entry_context(head_dir, write_peer(head_dir, "r1", worker_pem, None))).start()
             try:
                 head_port = free_port()
                 with process(server_argv(llama_server, smollm2_path, head_port, "--rpc", f"127.0.0.1:{entry.port}",

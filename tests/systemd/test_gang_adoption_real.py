@@ -5,15 +5,20 @@ Two real agents on loopback, each with the systemd runner on one real ``systemd 
 serves SmolLM2 with a real ``llama-server --rpc`` through its tunnel process, every layer on
 the worker's RPC device. kill -9 of the head's agent leaves its engine and its tunnel running
 as units (the worker's part never notices); the head's agent started again adopts all of
-them: the same gang id, the same PIDs (no reload), and the same first tokens. Then a stop of
-the head's agent stops its units, and the worker's agent stopping stops its part.
+them: the same gang id, the same PIDs (no reload), and the same first tokens. A gang whose
+tunnel died while the head's agent was away is not adopted: a new gang serves. Then a stop of
+the head's agent stops its units, and the worker's part follows its head out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -21,11 +26,13 @@ from typing import Any
 import pytest
 import requests
 
-from support.agent import Agent, run_agent
+from support.agent import Agent, run_agent, write_config
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_show
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine, pytest.mark.timeout(420)]
+
+AGENT_BIN = Path(sys.executable).parent / "viiwork-agent"
 
 BODY = {"model": "smol", "prompt": "The lighthouse keeper opened the bottle and read", "max_tokens": 16,
         "temperature": 0, "seed": 42, "top_k": 1, "ignore_eos": True, "cache_prompt": False}
@@ -81,7 +88,7 @@ def test_head_agent_kill_9_and_restart_adopts_the_whole_gang(systemd_user: UserM
             head.wait_for(healthy, 180, "SmolLM2 served by the gang")
             first = snapshot(head, worker)
             assert first["part"][0] == first["gang"]
-            assert first["tunnel"][0] == f"viiwork-gang-smol-{first['gang']}-r1-tunnel.service"
+            assert first["tunnel"][0] == f"viiwork-gang-smol-{first['gang']}-r1-tunnel-entry.service"
             assert all(unit_show(systemd_user, unit, "MainPID") == str(pid)
                        for unit, pid in (first["engine"], first["tunnel"], first["part"][1:]))
             reference = complete(head.url)
@@ -94,13 +101,94 @@ def test_head_agent_kill_9_and_restart_adopts_the_whole_gang(systemd_user: UserM
         with run_head() as head:
             head.wait_for(lambda d: healthy(d) and d["gangs"]["heads"]["smol"]["adopted"], 90, "the gang adopted")
             assert snapshot(head, worker) == first  # same gang, same processes: nothing restarted
-            assert "gang %s of smol: adopted" % first["gang"] in head.log_text()
+            assert f"gang {first['gang']} of smol: adopted" in head.log_text()
             assert complete(head.url) == reference  # the engine kept its RPC devices through the tunnel
             status = head.status()["gangs"]["heads"]["smol"]
             assert status["starts"] == 0 and status["adopted"] == 1
-        # A stop of the head's agent (not a restart) stops its units; the worker's part is asked to stop.
-        for unit, pid in (first["engine"], first["tunnel"]):
+            # Again, but the tunnel dies while the head's agent is away: that gang cannot serve,
+            # so it is not adopted: its units are stopped and a new gang starts.
+            os.kill(head.proc.pid, signal.SIGKILL)
+            head.proc.wait(10)
+        os.kill(first["tunnel"][1], signal.SIGKILL)
+        with run_head() as head:
+            head.wait_for(lambda d: healthy(d) and d["gangs"]["heads"]["smol"]["gang"] not in (None, first["gang"]),
+                          180, "a new gang")
+            assert "not adopting viiwork-engine-gh-smol-0.service" in head.log_text()
+            assert process_gone(first["engine"][1])
+            second = snapshot(head, worker)
+            assert second["part"][0] == second["gang"] and second["part"][2] != first["part"][2]
+            assert complete(head.url) == reference
+        # A stop of the head's agent (not a restart) stops its units; the worker's part follows.
+        for unit, pid in (second["engine"], second["tunnel"]):
             assert unit_show(systemd_user, unit, "LoadState") == "not-found", unit
             assert process_gone(pid)
         worker.wait_for(lambda d: d["gangs"]["parts"] == [], 30, "the worker's part stopped")
-        assert process_gone(first["part"][2])
+        deadline = time.monotonic() + 15
+        while not (process_gone(second["part"][2]) and process_gone(first["part"][2])):
+            assert time.monotonic() < deadline, "the worker's rpc-server outlived its part"
+            time.sleep(0.1)
+
+
+WORKER_UNIT = "viiwork-test-gang-worker.service"
+
+
+class UnitAgent:
+    """The worker's agent run as a Type=notify unit of the user manager (so that ``systemctl
+    restart`` is a restart it can tell from a stop, and publishes ``restarting``)."""
+
+    def __init__(self, um: UserManager, tmp: Path, entry: dict[str, Any], runner: dict[str, Any]) -> None:
+        self.um, self.port, self.mesh_port = um, free_port(), free_port()
+        mesh = {**mesh_section([]), "listen": f"127.0.0.1:{self.mesh_port}"}
+        config = write_config(tmp, [entry], "gw", {"mesh": mesh, "supervisor": runner}, self.port)
+        self.log = tmp / "gw-unit.log"
+        subprocess.run(
+            ["systemd-run", "--user", "--quiet", f"--unit={WORKER_UNIT}", "-p", "Type=notify",
+             "-p", "TimeoutStopSec=30s", "-p", f"StandardOutput=append:{self.log}",
+             "-p", f"StandardError=append:{self.log}", str(AGENT_BIN), "--config", str(config), "--log-level", "debug"],
+            env=um.env(), check=True, capture_output=True, text=True, timeout=60)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def status(self) -> dict[str, Any]:
+        return dict(requests.get(f"{self.url}/v1/status", timeout=5).json())
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(requests.RequestException, ValueError):
+                doc = self.status()
+                if predicate(doc):
+                    return doc
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; log:\n{self.log.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.um.systemctl("stop", WORKER_UNIT, check=False)
+
+
+def test_worker_agent_restart_keeps_the_gang_serving(systemd_user: UserManager, tmp_path: Path,
+                                                     entry: dict[str, Any]) -> None:
+    """``systemctl restart`` of the worker's agent: it publishes ``restarting`` and leaves its
+    part (rpc-server and tunnel exit units) running; the head waits for it within the restart
+    grace instead of restarting the gang; the new agent adopts the part. Same gang, same PIDs,
+    requests answered throughout."""
+    runner = {"runner": "systemd", "bus": "user", "bus_address": systemd_user.bus_address}
+    worker = UnitAgent(systemd_user, tmp_path, entry, runner)
+    try:
+        with run_agent(tmp_path, [entry], name="gh",
+                       extra={"mesh": mesh_section([f"127.0.0.1:{worker.mesh_port}"]), "supervisor": runner}) as head:
+            head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+            first = snapshot(head, worker)  # type: ignore[arg-type]
+            (exit_unit,) = [p["unit"] for p in worker.status()["gangs"]["parts"][0]["parts"]
+                            if p["role"] == "tunnel"] or [None]
+            reference = complete(head.url)
+            systemd_user.systemctl("restart", WORKER_UNIT)
+            assert "stopping for a restart" in worker.log.read_text()
+            worker.wait_for(lambda d: bool(d["gangs"]["parts"]), 60, "the restarted worker to adopt its part")
+            assert complete(head.url) == reference  # the engine kept its RPC device through the restart
+            assert snapshot(head, worker) == first  # type: ignore[arg-type]
+            status = head.status()["gangs"]["heads"]["smol"]
+            assert status["parts_lost"] == 0 and status["starts"] == 1, status
+            assert f"gang {first['gang']} of smol: rank 1 adopted" in worker.log.read_text()
+            assert exit_unit is None or unit_show(systemd_user, exit_unit, "ActiveState") == "active"
+    finally:
+        worker.stop()

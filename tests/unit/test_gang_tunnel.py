@@ -19,7 +19,7 @@ import pytest
 
 from support.mesh_nodes import enrol, make_ca, wait_for
 from viiwork.agent.gang.tunnel import MAX_RECORD_BYTES, TunnelEntry, TunnelExit, metric_families
-from viiwork.agent.gang.tunnel_cert import entry_context, exit_context, make_credential, pinned_der
+from viiwork.agent.gang.tunnel_cert import entry_context, exit_context, make_credential, pinned_der, write_peer
 from viiwork.mesh import tls
 from viiwork.mesh.identity import NodeId, load_or_create_identity
 
@@ -38,27 +38,29 @@ PINNED: dict[str, bytes] = {}
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Node]:
-    """head-node, worker and stranger: three nodes enrolled in one mesh CA; ``head``: the
-    head's tunnel process, with gang g1's tunnel credential as its client certificate, and the
-    worker's server context admitting that credential (what the worker builds from the start
-    request)."""
+    """head-node, worker-node and stranger: three nodes enrolled in one mesh CA (their mesh
+    contexts); ``head`` and ``worker``: the two ends of gang g1's tunnel, each with its own
+    credential and the other's certificate pinned, as the agents make them
+    (agent/gang/tunnel_cert.py)."""
     root = tmp_path_factory.mktemp("gang-mesh")
     ca = make_ca(root / "ca")
     ca_pem = (ca / "ca.crt").read_bytes()
     out = {}
-    certs = {}
-    for name in ("head-node", "worker", "stranger"):
+    for name in ("head-node", "worker-node", "stranger"):
         state = root / name
-        certs[name] = cert = enrol(state, ca, name)
+        cert = enrol(state, ca, name)
         out[name] = Node(load_or_create_identity(state).node_id,
                          tls.server_context(cert, state / "node.key", ca_pem),
                          tls.client_context(cert, state / "node.key", ca_pem))
-    tunnel_dir = root / "engines" / "big-gang-tunnel"
-    pem = make_credential(tunnel_dir, "g1", None, ca_pem)
-    PINNED["g1"] = pinned_der(pem)
-    worker = out["worker"]
-    worker.server = exit_context(certs["worker"], root / "worker" / "node.key", ca_pem, pem)
-    out["head"] = Node(out["head-node"].node_id, out["head-node"].server, entry_context(tunnel_dir))
+    head_dir, worker_dir = root / "h" / "big-gang-tunnel", root / "w" / "big-gang-tunnel"
+    head_pem = make_credential(head_dir, "g1", None)
+    worker_pem = make_credential(worker_dir, "g1", None)
+    PINNED["head"], PINNED["worker"] = pinned_der(head_pem), pinned_der(worker_pem)
+    head_peer = write_peer(head_dir, "r1", worker_pem, None)
+    worker_peer = write_peer(worker_dir, "head", head_pem, None)
+    out["head"] = Node(out["head-node"].node_id, out["head-node"].server, entry_context(head_dir, head_peer))
+    out["worker"] = Node(out["worker-node"].node_id, exit_context(worker_dir, worker_peer),
+                         out["worker-node"].client)
     return out
 
 
@@ -125,10 +127,11 @@ async def make_tunnel(nodes: dict[str, Node]) -> AsyncIterator[Callable[..., obj
     async def make(behaviour: Callable[..., object] = echo, *, dialer: str = "head", expect: str = "worker",
                    head: str = "head", max_connections: int = 16) -> Tunnel:
         target = await Target(behaviour).start()
-        tunnel_exit = await TunnelExit(gang="g1", head=nodes[head].node_id, client_cert=PINNED["g1"], rpc_port=target.port,
+        tunnel_exit = await TunnelExit(gang="g1", head=nodes[head].node_id, client_cert=PINNED["head"], rpc_port=target.port,
                                        ssl_context=nodes["worker"].server, listen_host="127.0.0.1",
                                        max_connections=max_connections).start()
-        entry = await TunnelEntry(gang="g1", worker=nodes[expect].node_id, worker_host="127.0.0.1",
+        entry = await TunnelEntry(gang="g1", worker=nodes[expect].node_id, server_cert=PINNED[expect],
+                                  worker_host="127.0.0.1",
                                   worker_port=tunnel_exit.port, ssl_context=nodes[dialer].client).start()
         made.append(Tunnel(target, tunnel_exit, entry))
         return made[-1]
@@ -240,17 +243,18 @@ async def test_target_reset_and_client_abort_release_the_connection(make_tunnel)
 @pytest.mark.parametrize("dialer", ["stranger", "head-node"])
 async def test_exit_refuses_a_node_other_than_the_head(make_tunnel, nodes: dict[str, Node], dialer: str) -> None:
     # A member of the mesh, not the gang's head; or the head node's own mesh certificate: only
-    # the gang's tunnel certificate is admitted.
+    # the head's tunnel certificate of the gang is admitted, at the handshake already.
     t = await make_tunnel(dialer=dialer)
     reader, writer = await t.open()
     writer.write(b"GET_DEVICE_MEMORY")
     assert await read_closed(reader) == b""
     writer.close()
-    await wait_for(lambda: t.exit.counters.refused["wrong_node"] == 1, 5, "the wrong node to be counted")
+    await wait_for(lambda: t.exit.counters.refused["handshake_failed"] == 1, 5, "the wrong node to be counted")
     assert t.target.connections == 0, "a byte reached rpc-server from a node that is not the head"
     assert t.exit.counters.connections_total == 0
     # The exit keeps serving its head.
-    entry = await TunnelEntry(gang="g1", worker=t.entry.worker, worker_host="127.0.0.1", worker_port=t.exit.port,
+    entry = await TunnelEntry(gang="g1", worker=t.entry.worker, server_cert=PINNED["worker"], worker_host="127.0.0.1",
+                              worker_port=t.exit.port,
                               ssl_context=nodes["head"].client).start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", entry.port)
@@ -263,8 +267,34 @@ async def test_exit_refuses_a_node_other_than_the_head(make_tunnel, nodes: dict[
     assert t.target.connections == 1
 
 
+async def test_exit_checks_the_exact_certificate_past_the_handshake(nodes: dict[str, Node], tmp_path: Path) -> None:
+    """An exit whose context would let a mesh member's certificate through the handshake (the
+    mesh CA trusted too) still admits only the pinned one: the byte-for-byte check."""
+    ca = make_ca(tmp_path / "ca")
+    cert = enrol(tmp_path / "w", ca, "w")
+    member = enrol(tmp_path / "m", ca, "m")
+    ca_pem = (ca / "ca.crt").read_bytes()
+    wide = tls.server_context(cert, tmp_path / "w" / "node.key", ca_pem)
+    target = await Target(echo).start()
+    tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, client_cert=PINNED["head"],
+                                   rpc_port=target.port, ssl_context=wide, listen_host="127.0.0.1").start()
+    try:
+        client = tls.client_context(member, tmp_path / "m" / "node.key", ca_pem)
+        reader, writer = await asyncio.open_connection("127.0.0.1", tunnel_exit.port, ssl=client, server_hostname="")
+        writer.write(b"hello")
+        assert await read_closed(reader) == b""
+        writer.close()
+        await wait_for(lambda: tunnel_exit.counters.refused["wrong_node"] == 1, 5, "the member to be refused")
+        assert target.connections == 0
+    finally:
+        await tunnel_exit.stop()
+        await target.stop()
+
+
 async def test_entry_refuses_a_worker_that_is_another_node(make_tunnel) -> None:
-    t = await make_tunnel(expect="stranger")  # the exit answering is the worker's, not the stranger's
+    # The entry expects the head's certificate at the exit (as if another node answered at the
+    # worker's address): its context lets the worker's through the handshake, the exact check not.
+    t = await make_tunnel(expect="head")
     reader, writer = await t.open()
     writer.write(b"secret prompt")
     assert await read_closed(reader) == b""
@@ -336,9 +366,10 @@ async def test_exit_delivers_to_loopback_only(nodes: dict[str, Node]) -> None:
     holds the rpc port too: the stream must reach 127.0.0.1:<rpc_port> and nothing else."""
     real = await Target(echo).start("127.0.0.1")
     decoy = await Target(echo).start("127.0.0.2", real.port)
-    tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, client_cert=PINNED["g1"], rpc_port=real.port,
+    tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, client_cert=PINNED["head"], rpc_port=real.port,
                                    ssl_context=nodes["worker"].server, listen_host="127.0.0.2").start()
-    entry = await TunnelEntry(gang="g1", worker=nodes["worker"].node_id, worker_host="127.0.0.2",
+    entry = await TunnelEntry(gang="g1", worker=nodes["worker"].node_id, server_cert=PINNED["worker"],
+                              worker_host="127.0.0.2",
                               worker_port=tunnel_exit.port, ssl_context=nodes["head"].client).start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", entry.port)
