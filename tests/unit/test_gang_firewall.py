@@ -7,13 +7,18 @@ manager running them is tests/systemd/test_gang_firewall_pid1.py.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from conftest import require
 from pydantic import ValidationError
 
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.gang.firewall import FirewallError, part_firewall, render_ruleset, table_name
 from viiwork.agent.gang.parts import PartFailed, part_firewall_of
-from viiwork.agent.supervision.runners.base import LaunchRequest
+from viiwork.agent.supervision.runners.base import LaunchRequest, NftTable, RunnerError
+from viiwork.agent.supervision.runners.nft import NFT_PATH, nft_binary
+from viiwork.agent.supervision.runners.process import ProcessRunner
 from viiwork.agent.supervision.runners.systemd.units import engine_unit_properties
 from viiwork.engines.gang import GangAddresses, GangPart, PartRole, PortRange
 from viiwork.engines.sglang import SglangEngine
@@ -121,3 +126,21 @@ def test_the_systemd_unit_creates_the_table_before_and_deletes_it_after_the_engi
         LaunchRequest(name="n", argv=("/bin/true",), env={}, description="d"), "/bin/true", cache_root="/c",
         slice_name="s", engine_user=None, supplementary_groups=[], output="journal")}
     assert not plain & {"ExecStartPreEx", "ExecStopPostEx"}
+
+
+def test_without_nft_a_part_with_rules_cannot_start_and_the_error_says_what_to_do() -> None:
+    with pytest.raises(RunnerError, match="install Debian's nftables package, or set the model's gang_firewall = false"):
+        nft_binary(path="/nonexistent")
+
+
+async def test_the_process_runner_starts_no_engine_when_its_rules_fail(tmp_path) -> None:
+    # A ruleset nft refuses (here: a chain with no table) fails the start before the engine
+    # exists; nft checks the whole script before it changes anything.
+    marker = tmp_path / "ran"
+    bad = NftTable("inet", "viiwork_gang_test", "add chain inet viiwork_gang_missing_table input\n")
+    request = LaunchRequest(name="fw-bad", argv=("/usr/bin/touch", str(marker)), env={"PATH": "/usr/bin:/bin"},
+                            description="d", firewall=bad)
+    require(shutil.which("nft", path=NFT_PATH) is not None, "nft is not installed (Debian's nftables)")
+    with pytest.raises(RunnerError, match="fw-bad: its nftables rules: nft failed"):
+        await ProcessRunner().start(request)
+    assert not marker.exists()
