@@ -637,8 +637,6 @@ class ModelConfig(_Strict):
                     f"gang_port must be at most {65536 - span}, got {self.gang_port}"))
         elif self.gang_port is not None:
             raise PathError(("gang_port",), "is for a model served by a gang (set hosts)")
-        elif "gang_firewall" in self.model_fields_set:
-            raise PathError(("gang_firewall",), "is for a model served by a gang (set hosts)")
         engine = ENGINES[self.engine]
         if isinstance(engine, GangEngine) and self.options is not None:
             try:

@@ -104,11 +104,12 @@ def test_a_member_that_is_not_an_address_fails_the_part_naming_the_way_out() -> 
         part_firewall_of(_entry(), SglangEngine(), GangPart(1, PartRole.RANK), gang)
 
 
-def test_the_config_refuses_a_block_past_65535_and_the_key_without_hosts() -> None:
+def test_the_config_refuses_a_block_past_65535() -> None:
     with pytest.raises(ValidationError, match="gang_port must be at most 65520"):
         _entry(gang_port=65530)
-    with pytest.raises(ValidationError, match="is for a model served by a gang"):
-        ModelConfig.model_validate({"name": "m", "engine": "sglang", "path": "/m", "gang_firewall": False})
+    assert _entry(gang_port=65520).gang_port == 65520
+    with pytest.raises(ValidationError, match="gang_port must be at most 65280"):
+        _entry(engine="vllm", gang_port=65281)
 
 
 def test_the_systemd_unit_creates_the_table_before_and_deletes_it_after_the_engine() -> None:
