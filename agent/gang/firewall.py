@@ -34,7 +34,7 @@ import ipaddress
 from collections.abc import Sequence
 
 from viiwork.agent.supervision.runners.base import NftTable
-from viiwork.engines.gang import GangAddresses, GangPart, PortRange, is_gang_id
+from viiwork.engines.gang import GangAddresses, GangEngine, GangPart, PortRange, is_gang_id, roles_at
 
 #: The table's family: one table for IPv4 and IPv6.
 FAMILY = "inet"
@@ -106,3 +106,15 @@ def part_firewall(part: GangPart, gang: GangAddresses, ports: Sequence[PortRange
         return None
     name = table_name(gang.gang_id, part)
     return NftTable(FAMILY, name, render_ruleset(name, gang.node_addresses, ports))
+
+
+def confines_ports(engine: GangEngine, size: int, port: int) -> bool:
+    """Whether any part of a gang of ``size`` hosts of ``engine`` at ``port`` binds ports on
+    its host's gang address (so that its host needs nft): the adapter's ``gang_ports`` of
+    every role at every rank, for placeholder addresses."""
+    for rank in range(size):
+        gang = GangAddresses(gang_id="aaaaaaaaaaaa", rank=rank, size=size,
+                             node_addresses=tuple(f"192.0.2.{i + 1}" for i in range(size)), port=port)
+        if any(engine.gang_ports(role, gang) for role in roles_at(engine.launch_shape, rank)):
+            return True
+    return False
