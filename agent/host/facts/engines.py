@@ -71,7 +71,7 @@ def read_gang_firewall(config: Config, path: str | None = None) -> GangFirewallF
     from viiwork.agent.supervision.runners.nft import NFT_PATH
     from viiwork.engines.gang import GangEngine
 
-    models = []
+    models: list[str] = []
     for model in config.models:
         engine = ENGINES.get(model.engine)
         if (model.hosts and model.gang_firewall and model.gang_port is not None and isinstance(engine, GangEngine)
