@@ -196,7 +196,9 @@ class ProcessRunner:
             except RunnerError as exc:
                 if log_file is not None:
                     log_file.close()
-                raise RunnerError(f"{request.name}: its nftables rules: {exc}") from None
+                hint = ("" if os.geteuid() == 0 else " (the process runner loads them as the agent's user, which "
+                        "must be root: use the systemd runner, or set the model's gang_firewall = false)")
+                raise RunnerError(f"{request.name}: its nftables rules: {exc}{hint}") from None
         try:
             proc = await asyncio.create_subprocess_exec(
                 binary, *request.argv[1:],
