@@ -12,7 +12,9 @@ For an adapter that declares a ``launch_shape`` (docs/engines.md, "Gangs"):
   (argv a non-empty tuple of strings, env str to str), the same twice (pure), with no
   wildcard address; the SERVER part answers to the model and its operator args are argv's
   tail; a role the shape does not have at a rank raises ``EngineOptionsError``;
-  ``gang_listen`` answers None or ``host:port``.
+  ``gang_listen`` answers None or ``host:port``; ``gang_ports`` answers ``PortRange`` values
+  inside ``gang_port .. gang_port + gang_port_span - 1``, and a ``host:port`` that
+  ``gang_listen`` names on the gang's address lies in them (a port the agent confines).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from viiwork.engines.contract import BackendSpec, Engine, EngineOptionsError, LaunchCommand
-from viiwork.engines.gang import GangAddresses, GangEngine, LaunchShape, PartRole, roles_at
+from viiwork.engines.gang import GangAddresses, GangEngine, LaunchShape, PartRole, PortRange, roles_at
 
 Report = Callable[[str, str], None]
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
@@ -47,7 +49,7 @@ def check_gang(engine: Engine, specs: Sequence[BackendSpec], report: Report) -> 
         return
     if not isinstance(engine, GangEngine):
         missing = [m for m in ("per_host_options", "workers_load_model", "check_gang", "gang_shared", "gang_command",
-                               "gang_listen") if not hasattr(engine, m)]
+                               "gang_listen", "gang_port_span", "gang_ports") if not hasattr(engine, m)]
         report("gang.shape", f"declares launch_shape but lacks {', '.join(missing)} (GangEngine)")
         return
     fields = set(engine.options_model.model_fields)
@@ -57,6 +59,9 @@ def check_gang(engine: Engine, specs: Sequence[BackendSpec], report: Report) -> 
                              f"({', '.join(sorted(fields))}), got {per_host!r}")
     if not isinstance(engine.workers_load_model, bool):
         report("gang.shape", f"workers_load_model must be a bool, got {engine.workers_load_model!r}")
+    span = engine.gang_port_span
+    if type(span) is not int or not 1 <= span <= 1024:
+        report("gang.shape", f"gang_port_span must be an int 1..1024, got {span!r}")
     _check_options(engine, report)
     spec = next((s for s in specs if s.gpus and s.socket_path is None), None)
     if spec is not None:
@@ -124,3 +129,23 @@ def _check_part(engine: GangEngine, spec: BackendSpec, role: PartRole, gang: Gan
     listen = engine.gang_listen(role, gang)
     if listen is not None and not (isinstance(listen, str) and listen.rpartition(":")[2].isdigit()):
         report("gang.command", f"gang_listen for the {where} must be None or host:port, got {listen!r}")
+        return
+    _check_ports(engine, role, gang, listen, where, report)
+
+
+def _check_ports(engine: GangEngine, role: PartRole, gang: GangAddresses, listen: str | None, where: str,
+                 report: Report) -> None:
+    ports = engine.gang_ports(role, gang)
+    last = gang.port + engine.gang_port_span - 1
+    if not (isinstance(ports, tuple) and all(isinstance(r, PortRange) for r in ports)):
+        report("gang.command", f"gang_ports for the {where} must be a tuple of PortRange, got {ports!r}")
+        return
+    outside = [str(r) for r in ports if r.first < gang.port or r.last > last]
+    if outside:
+        report("gang.command", f"gang_ports for the {where}: {', '.join(outside)} outside the gang's block "
+                               f"{gang.port}-{last} (gang_port_span)")
+    if listen is not None:
+        host, _, port = listen.rpartition(":")
+        if host.strip("[]") == gang.self_address and not any(r.first <= int(port) <= r.last for r in ports):
+            report("gang.command", f"the {where} listens on {listen} on the gang's address, outside its "
+                                   "gang_ports: the agent would leave it open to everyone")

@@ -167,6 +167,28 @@ class GangAddresses:
         return hostport(self.head_address, self.port)
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class PortRange:
+    """TCP ports ``first..last`` (both included, 1..65535) that a gang's part binds on its
+    host's gang address (``GangEngine.gang_ports``). Raises ValueError when out of range or
+    reversed."""
+
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= self.last < 65536:
+            raise ValueError(f"PortRange must be 1 <= first <= last <= 65535, got {self.first}..{self.last}")
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
+def port_block(port: int, span: int) -> tuple[PortRange, ...]:
+    """The gang's whole block ``port..port+span-1`` as one range; () when ``span`` is 0."""
+    return (PortRange(port, port + span - 1),) if span > 0 else ()
+
+
 def _is_address(address: object) -> bool:
     """An IP address (IPv6 without brackets) or a DNS name: no port, no spaces."""
     if not isinstance(address, str) or not address or any(c.isspace() for c in address):
@@ -188,11 +210,15 @@ class GangEngine(Protocol):
         gang's hosts must agree on (viiwork.agent.config.gang, "shared part").
     workers_load_model: whether a non-head part reads the model file itself (SGLang ranks
         and Ray workers do; llama.cpp's rpc-server workers get tensors from the head and do not).
+    gang_port_span: how many ports from ``gang_port`` up the engine's parts may bind on a
+        host (``gang_port..gang_port+span-1`` must be free on every host); 1 for an engine
+        that binds ``gang_port`` only. The config refuses a ``gang_port`` whose block passes 65535.
     """
 
     launch_shape: ClassVar[LaunchShape]
     per_host_options: ClassVar[frozenset[str]]
     workers_load_model: ClassVar[bool]
+    gang_port_span: ClassVar[int]
 
     def check_gang(self, options: BaseModel, hosts: int, gpus: int) -> None:
         """Validate a model entry's parallelism for a gang of ``hosts`` hosts (1: not a gang)
@@ -218,6 +244,14 @@ class GangEngine(Protocol):
         """``host:port`` where part ``role`` of rank ``gang.rank`` accepts TCP connections once
         it is up, checked from its own host (the plan's ``Ready.PORT``); None when it listens
         on nothing the plan waits for."""
+        ...
+
+    def gang_ports(self, role: PartRole, gang: GangAddresses) -> tuple[PortRange, ...]:
+        """The TCP ports part ``role`` of rank ``gang.rank`` binds on its host's gang address
+        (``gang.self_address``) for the other hosts to reach, all inside ``gang.port ..
+        gang.port + gang_port_span - 1``; () when it binds none there (loopback only, or
+        ports the engine cannot pin, which docs/security.md lists). The agent admits only
+        the gang's hosts to these (agent/gang/firewall.py); pure."""
         ...
 
 

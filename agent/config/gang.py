@@ -38,7 +38,8 @@ SHARED_ENTRY_KEYS: tuple[str, ...] = ("name", "engine", "path", "kind", "hosts",
 #: Keys each host sets for itself (its GPUs and its unit's limits). The engine's block is
 #: split by the engine (``GangEngine.per_host_options``).
 PER_HOST_ENTRY_KEYS: tuple[str, ...] = ("gpus", "gpus_per_backend", "backends", "env", "startup_timeout_s",
-                                        "memory_max_bytes", "cpu_weight", "tasks_max", "sandbox", "options")
+                                        "memory_max_bytes", "cpu_weight", "tasks_max", "sandbox", "gang_firewall",
+                                        "options")
 
 #: A digest: the first 32 hex characters (128 bits) of sha256.
 DIGEST_CHARS = 32

@@ -518,6 +518,9 @@ class ModelConfig(_Strict):
     # model together, the head first, and the port of the gang's rendezvous.
     hosts: list[str] = Field(default_factory=list)
     gang_port: int | None = Field(default=None, ge=1024, le=65535)
+    # nftables rules admitting only the gang's hosts to the ports its parts bind (Ray, torch):
+    # agent/gang/firewall.py, docs/security.md. Off: the ports are open to whoever reaches the host.
+    gang_firewall: bool = True
     options: Any = None
 
     @model_validator(mode="before")
@@ -627,6 +630,11 @@ class ModelConfig(_Strict):
             for key in ("gpus_per_backend", "backends"):
                 if key in self.model_fields_set:
                     raise PathError((key,), "not with hosts: a gang's host runs one part over all its gpus")
+            span = getattr(ENGINES[self.engine], "gang_port_span", 1)
+            if self.gang_port + span - 1 > 65535:
+                raise PathError(("gang_port",), (
+                    f"a {self.engine} gang binds gang_port .. gang_port + {span - 1} on every host: "
+                    f"gang_port must be at most {65536 - span}, got {self.gang_port}"))
         elif self.gang_port is not None:
             raise PathError(("gang_port",), "is for a model served by a gang (set hosts)")
         engine = ENGINES[self.engine]

@@ -43,7 +43,15 @@ import aiohttp
 
 from viiwork.agent.config.gang import shared_digests
 from viiwork.agent.config.schema import ModelConfig
-from viiwork.agent.gang.parts import PartFailed, gang_engine, start_part, start_tunnel, tunnel_dir, wait_ready
+from viiwork.agent.gang.parts import (
+    PartFailed,
+    gang_engine,
+    part_firewall_of,
+    start_part,
+    start_tunnel,
+    tunnel_dir,
+    wait_ready,
+)
 from viiwork.agent.gang.tunnel import TunnelCounters, TunnelEndView
 from viiwork.agent.gang.tunnel_cert import make_credential, pinned_der, write_peer
 from viiwork.agent.gang.tunnel_process import read_counters
@@ -53,9 +61,9 @@ from viiwork.agent.supervision.backend_task import NodeContext
 from viiwork.agent.supervision.engine_keys import EngineKeyError
 from viiwork.agent.supervision.gang_units import part_of_labels, tunnel_of_labels
 from viiwork.agent.supervision.launch import free_loopback_port
-from viiwork.agent.supervision.runners.base import ExitInfo, RunHandle
+from viiwork.agent.supervision.runners.base import ExitInfo, NftTable, RunHandle
 from viiwork.engines.contract import BackendSpec, LaunchCommand
-from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, is_gang_id, new_gang_id
+from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole, is_gang_id, new_gang_id
 from viiwork.engines.gang_plan import plan_gang
 from viiwork.mesh.dialing import expect_node
 from viiwork.mesh.extensions import GangMember
@@ -122,6 +130,8 @@ class GangHead:
         self.current: _Gang | None = None
         self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0, "adopted": 0}
         self.last_failure = ""
+        #: The serving engine's own nftables table (agent/gang/firewall.py), set by prepare().
+        self.server_firewall: NftTable | None = None
 
     # -- the workers --------------------------------------------------------------------------
 
@@ -176,6 +186,7 @@ class GangHead:
         """Bring up every part but the serving one; returns the serving engine's command
         (module doc). Raises :class:`GangError`."""
         await self.abort()
+        self.server_firewall = None
         model = self.model()
         try:
             engine = gang_engine(model)
@@ -212,6 +223,7 @@ class GangHead:
             endpoints = tuple(f"127.0.0.1:{t.port}" for t in gang.tunnels)
             addresses = GangAddresses(gang.gang, 0, size, nodes, model.gang_port, worker_endpoints=endpoints)
             command = engine.gang_command(spec, PartRole.SERVER, addresses)
+            self.server_firewall = part_firewall_of(model, engine, GangPart(0, PartRole.SERVER), addresses)
         except (GangError, PartFailed, OSError, ValueError, EngineKeyError) as exc:
             self.counters["failures"] += 1
             self.last_failure = str(exc)

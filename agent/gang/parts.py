@@ -6,7 +6,9 @@ like any backend: a transient unit ``viiwork-gang-<model>-<gang>-r<rank>-<role>`
 (agent/supervision/gang_units.py) in the engines' slice, pinned to this host's ``gpus`` of
 the entry, with the entry's limits and sandbox, labelled with the gang id, rank, role and
 the shared part's hash. The command is the adapter's (``gang_command``: engines/gang.py),
-built from this host's own entry and the gang's addresses only.
+built from this host's own entry and the gang's addresses only. The ports the adapter says the
+part binds (``gang_ports``) come with nftables rules the unit owns, admitting only the gang's
+hosts (agent/gang/firewall.py), unless the entry sets ``gang_firewall = false``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from pathlib import Path
 
 from viiwork.agent.config.gang import shared_hash
 from viiwork.agent.config.schema import ModelConfig
+from viiwork.agent.gang.firewall import FirewallError, part_firewall
 from viiwork.agent.supervision.backend_task import NodeContext
 from viiwork.agent.supervision.backends import Backend, BackendId
 from viiwork.agent.supervision.gang_units import gang_labels, gang_unit_stem, tunnel_labels, tunnel_unit_stem
 from viiwork.agent.supervision.launch import backend_spec, escape_name, free_loopback_port
 from viiwork.agent.supervision.pinning import engine_environment
-from viiwork.agent.supervision.runners.base import LaunchRequest, RunHandle, RunnerError
+from viiwork.agent.supervision.runners.base import LaunchRequest, NftTable, RunHandle, RunnerError
 from viiwork.engines.contract import BackendSpec
 from viiwork.engines.gang import GangAddresses, GangEngine, GangPart, PartRole
 from viiwork.engines.gang_plan import Ready
@@ -69,7 +72,9 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
     """Start ``part`` (this host's, ``addresses.rank``) through the node's runner; ``head``: the
     head's node id, on a worker (a label for adoption). Raises :class:`PartFailed` when the
     runner cannot start it."""
-    command = gang_engine(model).gang_command(spec, part.role, addresses)
+    engine = gang_engine(model)
+    command = engine.gang_command(spec, part.role, addresses)
+    firewall = part_firewall_of(model, engine, part, addresses)
     environ = os.environ if node.environ is None else node.environ
     env = engine_environment(environ, vendor=spec.vendor, gpus=spec.gpus, model_env=model.env,
                              engine_env=command.env)
@@ -88,6 +93,7 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
         tasks_max=model.tasks_max,
         sandbox=model.sandbox,
         private_dir=str(part_dir(node, model)),
+        firewall=firewall,
     )
     with contextlib.suppress(OSError):
         Path(request.private_dir or "").mkdir(parents=True, exist_ok=True)
@@ -136,6 +142,19 @@ async def start_tunnel(node: NodeContext, model: ModelConfig, gang_id: str, rank
             await handle.stop(node.config.supervisor.stop_timeout_s)
         raise PartFailed(f"the tunnel {args[0]} of rank {rank}: {exc}") from None
     return handle
+
+
+def part_firewall_of(model: ModelConfig, engine: GangEngine, part: GangPart, addresses: GangAddresses) -> NftTable | None:
+    """The nftables table ``part`` owns (agent/gang/firewall.py): the adapter's ``gang_ports``
+    confined to the gang's hosts; None with ``gang_firewall = false`` or no ports. Raises
+    :class:`PartFailed` when the rules cannot be made (a gang address that is not an IP)."""
+    if not model.gang_firewall:
+        return None
+    try:
+        return part_firewall(part, addresses, engine.gang_ports(part.role, addresses))
+    except FirewallError as exc:
+        raise PartFailed(f"{part} of gang {addresses.gang_id}: its nftables rules: {exc} "
+                         "(or set gang_firewall = false)") from None
 
 
 async def wait_ready(handle: RunHandle, level: Ready, listen: str | None,

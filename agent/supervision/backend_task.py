@@ -386,6 +386,8 @@ class BackendTask:
                                  key_dir=key_dir, env_file=env_file)
         if gang is not None:  # the gang id, for adoption by the next agent
             request = replace(request, labels={**request.labels, **gang.labels()})
+        if gang is not None and adopted is None and gang.server_firewall is not None:
+            request = replace(request, firewall=gang.server_firewall)  # an SGLang head's ports
         self.spec = spec
         backend.port = port or None
         backend.socket_path = sock or None

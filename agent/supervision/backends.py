@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Any, NewType, Protocol
 
 from viiwork.agent.config.schema import ModelConfig
-from viiwork.agent.supervision.runners.base import RunHandle
+from viiwork.agent.supervision.runners.base import NftTable, RunHandle
 from viiwork.agent.supervision.speeds import ModelSpeed, SpeedEstimate, model_speed
 from viiwork.engines.contract import BackendSpec, Engine, LaunchCommand, Load, served_endpoints
 from viiwork.mesh.extensions import GangMember
@@ -177,7 +177,11 @@ class GangLauncher(Protocol):
     ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts; ``labels``
     are what the engine's unit records of its gang, ``adopt`` takes the gang of an engine left running
     by an earlier agent (raises when it cannot); ``membership`` is this head's entry of the
-    summary's ``gangs`` extension (None without a current gang)."""
+    summary's ``gangs`` extension (None without a current gang). ``server_firewall``: after
+    ``prepare``, the nftables table the serving engine's unit owns (an SGLang head's rendezvous
+    ports: agent/gang/firewall.py), or None."""
+
+    server_firewall: NftTable | None
 
     async def prepare(self, spec: BackendSpec) -> LaunchCommand: ...
 

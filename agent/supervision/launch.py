@@ -25,7 +25,7 @@ log = logging.getLogger("viiwork.agent.supervision.supervisor")
 
 
 # Keys added after a release (issue 21's gangs): left out of the hash while at their default.
-ADDED_ENTRY_KEYS: dict[str, object] = {"hosts": [], "gang_port": None}
+ADDED_ENTRY_KEYS: dict[str, object] = {"hosts": [], "gang_port": None, "gang_firewall": True}
 ADDED_OPTION_KEYS = frozenset({"rpc_binary", "split_mode", "tensor_split", "tensor_parallel", "pipeline_parallel",
                                "ray_binary"})
 

@@ -35,7 +35,7 @@ from viiwork.engines.contract import (
     Probe,
     TokenCounters,
 )
-from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, shared_options
+from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, PortRange, shared_options
 from viiwork.engines.http import fetch
 from viiwork.engines.llamacpp.errors import client_fault
 from viiwork.engines.llamacpp.gguf_metadata import read_pooling
@@ -75,6 +75,8 @@ class LlamaCppEngine:
         {"binary", "rpc_binary", "threads", "device_selection", "metrics"})
     # rpc-server gets the tensors from the head: a worker host needs no model file.
     workers_load_model: ClassVar[bool] = False
+    # rpc-server binds gang_port on loopback only.
+    gang_port_span: ClassVar[int] = 1
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """llama-server's argv for ``spec``.
@@ -165,6 +167,11 @@ class LlamaCppEngine:
         """A worker's rpc-server listens on 127.0.0.1:<gang port>; the head's server on nothing
         the plan waits for (its probe is its readiness)."""
         return f"127.0.0.1:{gang.port}" if role is PartRole.WORKER else None
+
+    def gang_ports(self, role: PartRole, gang: GangAddresses) -> tuple[PortRange, ...]:
+        """None on the gang's address: rpc-server listens on loopback and the agents carry
+        its stream over mutual TLS (agent/gang/tunnel.py)."""
+        return ()
 
     def device_env(self, spec: BackendSpec) -> Mapping[str, str]:
         """Vulkan builds ignore CUDA_VISIBLE_DEVICES: they read GGML_VK_VISIBLE_DEVICES."""

@@ -43,9 +43,11 @@ from viiwork.engines.gang import (
     GangAddresses,
     LaunchShape,
     PartRole,
+    PortRange,
     check_parallelism,
     parallel_shared,
     parallel_sizes,
+    port_block,
 )
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import request_count
@@ -84,6 +86,9 @@ class SglangEngine:
     per_host_options: ClassVar[frozenset[str]] = frozenset({"python"})
     # Every rank loads its shard of the checkpoint.
     workers_load_model: ClassVar[bool] = True
+    # --dist-init-addr's port (torch's TCPStore on rank 0) and the ports SGLang derives from
+    # it with DP attention (PortArgs.init_new: dist-init port + 1 and up, one more per DP rank).
+    gang_port_span: ClassVar[int] = 16
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """SGLang's argv for ``spec``.
@@ -163,6 +168,13 @@ class SglangEngine:
     def gang_listen(self, role: PartRole, gang: GangAddresses) -> str | None:
         """None: ranks start together and meet at the head's --dist-init-addr themselves."""
         return None
+
+    def gang_ports(self, role: PartRole, gang: GangAddresses) -> tuple[PortRange, ...]:
+        """Every rank: ``gang port .. gang port + 15`` (``gang_port_span``): rank 0 binds the
+        rendezvous (torch's TCPStore at --dist-init-addr), and with DP attention SGLang binds
+        its ZMQ sockets at the ports after it. torch's NCCL and Gloo sockets take ephemeral
+        ports, which no flag pins (docs/security.md)."""
+        return port_block(gang.port, self.gang_port_span)
 
     def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
         """SGLang's routes (python/sglang/srt/entrypoints/http_server.py): a generating model

@@ -42,9 +42,11 @@ from viiwork.engines.gang import (
     GangAddresses,
     LaunchShape,
     PartRole,
+    PortRange,
     check_parallelism,
     parallel_shared,
     parallel_sizes,
+    port_block,
 )
 from viiwork.engines.http import fetch, probe_status
 from viiwork.engines.prometheus import parse_gauges, request_count, token_counters
@@ -72,6 +74,25 @@ TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:request_prefill_time_seconds
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM's API server takes its key from --api-key (visible in `ps`) or this variable.
 KEY_ENV = "VLLM_API_KEY"
+
+#: The ports a gang's Ray runtime pins, as (``ray start`` flag, offset from gang_port); the
+#: GCS is gang_port itself (the head's ``--port``). Ray's "Cluster Management CLI" documents
+#: each flag; unpinned, Ray binds them at random (docs/security.md, "Ray and torch distributed").
+RAY_PORTS: tuple[tuple[str, int], ...] = (
+    ("--node-manager-port", 1),
+    ("--object-manager-port", 2),
+    ("--runtime-env-agent-port", 3),
+    ("--dashboard-agent-grpc-port", 4),
+    ("--dashboard-agent-listen-port", 5),
+    ("--metrics-export-port", 6),
+    ("--ray-client-server-port", 7),  # the head's only
+)
+#: vLLM's own ports (its torch rendezvous...) from gang_port + 8: ``VLLM_PORT``, which vLLM
+#: counts up from when a port is taken; 8 of the block are left to it.
+VLLM_PORT_OFFSET = 8
+#: Offsets of Ray's worker ports (``--min-worker-port``, ``--max-worker-port``): one per Ray
+#: worker or driver process on the host, 240 of them.
+RAY_WORKER_PORTS = (16, 255)
 
 
 class VllmEngine:
@@ -101,6 +122,8 @@ class VllmEngine:
     per_host_options: ClassVar[frozenset[str]] = frozenset({"binary", "python", "ray_binary", "cpu_kv_cache_gib"})
     # Ray workers load their shard of the checkpoint themselves.
     workers_load_model: ClassVar[bool] = True
+    # Every port Ray and vLLM bind on a gang's host, pinned inside gang_port..+255 (RAY_PORTS).
+    gang_port_span: ClassVar[int] = 256
 
     def build_command(self, spec: BackendSpec) -> LaunchCommand:
         """vLLM's argv and environment for ``spec``.
@@ -174,8 +197,11 @@ class VllmEngine:
         <n> --disable-usage-stats --block``. ``--block`` keeps Ray in the foreground, so the
         unit lives as long as the node's runtime. SERVER at rank 0: the one-host command with
         ``--tensor-parallel-size T --pipeline-parallel-size P --distributed-executor-backend
-        ray`` (``parallel_sizes``) and ``RAY_ADDRESS=<head>:<gang port>``. Every part gets
-        ``VLLM_HOST_IP=<self>`` (vLLM's and its Ray workers' address for the gang's traffic).
+        ray`` (``parallel_sizes``), ``RAY_ADDRESS=<head>:<gang port>`` and ``VLLM_PORT=<gang
+        port + 8>`` (where vLLM's own ports start). Every part gets ``VLLM_HOST_IP=<self>``
+        (vLLM's and its Ray workers' address for the gang's traffic). Every runtime pins the
+        ports Ray would otherwise pick at random inside the gang's block (:data:`RAY_PORTS`,
+        :data:`RAY_WORKER_PORTS`), so that the agent can admit only the gang's hosts to them.
         Raises EngineOptionsError for another role at that rank."""
         opts = _options(spec)
         host_env = {"VLLM_HOST_IP": gang.self_address, "VLLM_NO_USAGE_STATS": "1"}
@@ -186,6 +212,11 @@ class VllmEngine:
             else:
                 argv += ["--address", gang.head_endpoint]
             argv += ["--node-ip-address", gang.self_address, "--num-gpus", str(len(spec.gpus))]
+            for flag, offset in RAY_PORTS:
+                if gang.rank == 0 or flag != "--ray-client-server-port":
+                    argv += [flag, str(gang.port + offset)]
+            argv += ["--min-worker-port", str(gang.port + RAY_WORKER_PORTS[0]),
+                     "--max-worker-port", str(gang.port + RAY_WORKER_PORTS[1])]
             if gang.rank == 0:
                 argv += ["--include-dashboard", "false"]
             argv += ["--disable-usage-stats", "--block"]
@@ -193,7 +224,8 @@ class VllmEngine:
         if role is PartRole.SERVER and gang.rank == 0:
             sizes = parallel_sizes(opts.tensor_parallel, opts.pipeline_parallel, gang.size, len(spec.gpus))
             served = self._serve_command(spec, parallel=sizes)
-            return LaunchCommand(argv=served.argv, env={**served.env, **host_env, "RAY_ADDRESS": gang.head_endpoint},
+            return LaunchCommand(argv=served.argv, env={**served.env, **host_env, "RAY_ADDRESS": gang.head_endpoint,
+                                                        "VLLM_PORT": str(gang.port + VLLM_PORT_OFFSET)},
                                  key_env=served.key_env)
         raise EngineOptionsError("hosts", f"a vLLM gang has no {role.value} part at rank {gang.rank} "
                                           "(every host runs Ray's runtime, rank 0 also serves)")
@@ -204,6 +236,13 @@ class VllmEngine:
         if role is PartRole.RUNTIME and gang.rank == 0:
             return gang.head_endpoint
         return None
+
+    def gang_ports(self, role: PartRole, gang: GangAddresses) -> tuple[PortRange, ...]:
+        """A RUNTIME, at every rank: the whole block ``gang port .. gang port + 255``
+        (``gang_port_span``): Ray's GCS (the head's), its raylet, object manager, agents and
+        workers, and on the head vLLM's own ports from ``VLLM_PORT``, whose server runs only
+        while the head's runtime does. The SERVER: () (its ports lie in the runtime's block)."""
+        return port_block(gang.port, self.gang_port_span) if role is PartRole.RUNTIME else ()
 
     def endpoints(self, kind: Kind, args: tuple[str, ...]) -> frozenset[Endpoint]:
         """vLLM's routes (vllm/entrypoints/openai/api_server.py, vllm/entrypoints/anthropic/):

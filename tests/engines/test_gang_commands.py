@@ -11,13 +11,18 @@ import pytest
 from pydantic import BaseModel
 
 from viiwork.engines.contract import BackendSpec, EngineOptionsError, Kind
-from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, gang_shape
+from viiwork.engines.gang import GangAddresses, LaunchShape, PartRole, PortRange, gang_shape
 from viiwork.engines.llamacpp import LlamaCppEngine, LlamaCppOptions
 from viiwork.engines.registry import ENGINES
 from viiwork.engines.sglang import SglangEngine, SglangOptions
 from viiwork.engines.vllm import VllmEngine, VllmOptions
 
 GANG = "abcdefgh2345"
+# Ray's own ports pinned inside the gang's block (gang_port 29500 .. 29755).
+RAY_PINNED = ("--node-manager-port", "29501", "--object-manager-port", "29502", "--runtime-env-agent-port", "29503",
+              "--dashboard-agent-grpc-port", "29504", "--dashboard-agent-listen-port", "29505",
+              "--metrics-export-port", "29506")
+RAY_WORKERS = ("--min-worker-port", "29516", "--max-worker-port", "29755")
 SOCKET = "/run/viiwork/engines/big-0/engine.sock"
 KEY = "/run/viiwork/engines/big-0/key"
 
@@ -54,20 +59,29 @@ def test_vllm_gang_commands(tp: int, pp: int, gpus: tuple[str, ...]) -> None:
     n = str(len(gpus))
     head_runtime = engine.gang_command(spec(opts, gpus), PartRole.RUNTIME, gang(0, 2))
     assert head_runtime.argv == ("ray", "start", "--head", "--port", "29500", "--node-ip-address", "10.0.0.1",
-                                 "--num-gpus", n, "--include-dashboard", "false", "--disable-usage-stats", "--block")
+                                 "--num-gpus", n, *RAY_PINNED, "--ray-client-server-port", "29507", *RAY_WORKERS,
+                                 "--include-dashboard", "false", "--disable-usage-stats", "--block")
     assert head_runtime.env == {"VLLM_HOST_IP": "10.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
     worker_runtime = engine.gang_command(spec(opts, gpus), PartRole.RUNTIME, gang(1, 2))
     assert worker_runtime.argv == ("ray", "start", "--address", "10.0.0.1:29500", "--node-ip-address", "10.0.0.2",
-                                   "--num-gpus", n, "--disable-usage-stats", "--block")
+                                   "--num-gpus", n, *RAY_PINNED, *RAY_WORKERS, "--disable-usage-stats", "--block")
     assert worker_runtime.env == {"VLLM_HOST_IP": "10.0.0.2", "VLLM_NO_USAGE_STATS": "1"}
     server = engine.gang_command(spec(opts, gpus, socket=True), PartRole.SERVER, gang(0, 2))
     assert server.argv == ("vllm", "serve", "/models/big", "--served-model-name", "big", "--uds", SOCKET,
                            "--max-num-seqs", "4", "--max-model-len", "4096", "--tensor-parallel-size", str(tp),
                            "--pipeline-parallel-size", str(pp), "--distributed-executor-backend", "ray")
-    assert server.env == {"VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "10.0.0.1", "RAY_ADDRESS": "10.0.0.1:29500"}
+    assert server.env == {"VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "10.0.0.1", "RAY_ADDRESS": "10.0.0.1:29500",
+                          "VLLM_PORT": "29508"}
     assert server.key_env == "VLLM_API_KEY"
     assert engine.gang_listen(PartRole.RUNTIME, gang(0, 2)) == "10.0.0.1:29500"
     assert engine.gang_listen(PartRole.RUNTIME, gang(1, 2)) is None
+    # Every port above lies in the runtime's declared block, which the agent confines.
+    assert engine.gang_ports(PartRole.RUNTIME, gang(0, 2)) == (PortRange(29500, 29755),)
+    assert engine.gang_ports(PartRole.RUNTIME, gang(1, 2)) == (PortRange(29500, 29755),)
+    assert engine.gang_ports(PartRole.SERVER, gang(0, 2)) == ()
+    for command in (head_runtime, worker_runtime):
+        ports = [int(a) for flag, a in zip(command.argv, command.argv[1:], strict=False) if flag.endswith("-port")]
+        assert ports and all(29500 <= p <= 29755 for p in ports)
 
 
 def test_vllm_gang_server_defaults_to_tp_per_host_and_pp_over_hosts() -> None:
@@ -103,6 +117,8 @@ def test_sglang_gang_commands(case: str, tp: int, pp: int, gpus: tuple[str, ...]
                         "--dist-init-addr", "10.0.0.1:29500", "--mem-fraction-static", "0.8")
     assert cmd.env == {}
     assert SglangEngine().gang_listen(role, gang(rank, 2)) is None
+    # The rendezvous and the ports SGLang derives from it, on every rank.
+    assert SglangEngine().gang_ports(role, gang(rank, 2)) == (PortRange(29500, 29515),)
 
 
 @pytest.mark.parametrize(("rank", "role"), [(0, PartRole.RANK), (1, PartRole.SERVER), (1, PartRole.WORKER)])
@@ -130,6 +146,8 @@ def test_llamacpp_rpc_gang_commands(size: int) -> None:
         worker = engine.gang_command(spec(opts, ("0",)), PartRole.WORKER, gang(rank, size))
         assert worker.argv == ("rpc-server", "-H", "127.0.0.1", "-p", "29500")
         assert engine.gang_listen(PartRole.WORKER, gang(rank, size)) == "127.0.0.1:29500"
+        # Loopback only, reached through the agents' tunnel: nothing to confine on the gang's address.
+        assert engine.gang_ports(PartRole.WORKER, gang(rank, size)) == ()
     assert engine.gang_listen(PartRole.SERVER, gang(0, size, endpoints)) is None
 
 

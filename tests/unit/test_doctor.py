@@ -204,6 +204,39 @@ def test_a_gang_worker_that_reads_no_model_file_is_not_checked(tmp_path: Path, e
     assert result.verdict is (Verdict.FAIL if checked else Verdict.SKIPPED), result
 
 
+@pytest.mark.parametrize(("engine", "firewall", "nft", "verdict"), [
+    ("sglang", True, True, Verdict.OK),
+    ("sglang", True, False, Verdict.FAIL),
+    ("vllm", True, False, Verdict.FAIL),
+    ("sglang", False, False, Verdict.SKIPPED),   # gang_firewall = false: no rules, no nft needed
+    ("llamacpp", True, False, Verdict.SKIPPED),  # rpc-server on loopback behind the agents' tunnel
+], ids=["sglang", "sglang-no-nft", "vllm-no-nft", "firewall-off", "llamacpp"])
+def test_gang_entries_whose_parts_need_rules_need_nft(tmp_path: Path, engine: str, firewall: bool, nft: bool,
+                                                     verdict: Verdict) -> None:
+    """gang.firewall: a vLLM or SGLang gang with gang_firewall on needs nft (agent/gang/firewall.py)."""
+    from dataclasses import replace
+
+    from viiwork.agent.host.facts import read_gang_firewall
+
+    entry = {"name": "m", "engine": engine, "path": str(tmp_path), "hosts": ["box", "other"], "gang_port": 29500,
+             "gpus": [] if engine == "llamacpp" else [0], "gang_firewall": firewall}
+    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})
+    bin_dir = tmp_path / "sbin"
+    bin_dir.mkdir()
+    if nft:
+        (bin_dir / "nft").write_text("#!/bin/sh\n")
+        (bin_dir / "nft").chmod(0o755)
+    facts = host(tmp_path, config)
+    facts = replace(facts, gang_firewall=read_gang_firewall(parse_config(config.read_text()), path=str(bin_dir)))
+    (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "gang.firewall"]).results
+    assert result.verdict is verdict, result
+    if verdict is Verdict.FAIL:
+        assert result.summary == "nft is not installed; model(s) m need it"
+        assert "apt install nftables" in result.remedy and "gang_firewall = false" in result.remedy
+    if verdict is Verdict.OK:
+        assert result.summary == f"{bin_dir / 'nft'}, for model(s) m"
+
+
 def test_a_gang_worker_named_by_its_node_id_finds_itself(tmp_path: Path) -> None:
     """The doctor reads the node id from the node key, so a host listed by id is found too."""
     from viiwork.mesh.identity import load_or_create_identity

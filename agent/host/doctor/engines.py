@@ -88,6 +88,30 @@ def check_engine_version(facts: HostFacts) -> list[CheckResult]:
     return results
 
 
+@check("gang.firewall", "Gang firewall")
+def check_gang_firewall(facts: HostFacts) -> CheckResult:
+    """`nft` (Debian's `nftables`) is installed when a gang entry needs nftables rules: a
+    vLLM or SGLang entry with `hosts` and `gang_firewall` on (the default), whose parts bind
+    Ray's or torch's ports; the rules admit only the gang's hosts to them (docs/security.md).
+    The process runner also needs the agent to run as root to load them.
+
+    - **fail**: nft is missing: those gang parts fail to start, so the models never serve.
+    - **skipped**: no gang entry needs rules.
+    """
+    r = result_for("gang.firewall")
+    config_or_skip(facts)
+    fact = facts.need("gang_firewall")
+    if not fact.models:
+        raise Skip("no gang entry needs nftables rules")
+    models = ", ".join(fact.models)
+    if fact.nft is None:
+        return r(Verdict.FAIL, f"nft is not installed; model(s) {models} need it",
+                 f"the gang parts of model(s) {models} cannot start: those models never serve",
+                 "`apt install nftables`, or set gang_firewall = false in those entries (their engines' "
+                 "ports are then open to whatever reaches the host)")
+    return r(Verdict.OK, f"{fact.nft}, for model(s) {models}")
+
+
 @check("model.path", "Model files")
 def check_model_path(facts: HostFacts) -> list[CheckResult]:
     """Local model paths (absolute, or starting with `./` or `~`) exist, are what the

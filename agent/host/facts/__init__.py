@@ -33,10 +33,12 @@ from viiwork.agent.host.facts.engines import (
     VERSION_TIMEOUT_S,
     BinaryFact,
     BinaryState,
+    GangFirewallFact,
     VersionRunner,
     backend_spec_for,
     first_version_line,
     read_binary_facts,
+    read_gang_firewall,
     resolve_binary,
     run_version_command,
     version_at_least,
@@ -66,6 +68,7 @@ __all__ = [
     "DeviceNodes",
     "DiskFact",
     "FactUnavailable",
+    "GangFirewallFact",
     "HostFacts",
     "InterfaceFact",
     "IssuerKeysFact",
@@ -80,6 +83,7 @@ __all__ = [
     "read_binary_facts",
     "read_config_facts",
     "read_device_nodes",
+    "read_gang_firewall",
     "read_disks",
     "read_interface",
     "read_interfaces",
@@ -109,6 +113,7 @@ class HostFacts:
     pci_gpus: tuple[PciGpu, ...] | None = None
     device_nodes: DeviceNodes | None = None
     binaries: tuple[BinaryFact, ...] | None = None
+    gang_firewall: GangFirewallFact | None = None
     model_paths: tuple[ModelPathFact, ...] | None = None
     disks: tuple[DiskFact, ...] | None = None
     mesh: MeshFacts | None = None
@@ -169,6 +174,7 @@ def gather_facts(
     section("device_nodes", lambda: read_device_nodes(dev_root))
     if config is not None:
         section("binaries", lambda: read_binary_facts(config, read_versions=read_versions, runner=version_runner))
+        section("gang_firewall", lambda: read_gang_firewall(config))
         section("model_paths", lambda: read_model_paths(config, read_node_id(config)))
         section("disks", lambda: read_disks(config))
         section("mesh", lambda: read_mesh_facts(config, net_root, now))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,34 @@ class BinaryFact:
     version_source: str | None = None
     minimum_version: str | None = None
     version_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GangFirewallFact:
+    """The nftables rules this host's gang parts need (agent/gang/firewall.py).
+
+    models: the gang entries (``hosts`` set, ``gang_firewall`` on) whose engine binds ports
+    the rules confine (vLLM, SGLang); empty when none. nft: nft's path, or None when it is
+    not installed."""
+
+    models: tuple[str, ...]
+    nft: str | None
+
+
+def read_gang_firewall(config: Config, path: str | None = None) -> GangFirewallFact:
+    """Which gang entries need rules, and where nft is (``path``: where to look, default
+    the runners' own, ``NFT_PATH``)."""
+    from viiwork.agent.gang.firewall import confines_ports
+    from viiwork.agent.supervision.runners.nft import NFT_PATH
+    from viiwork.engines.gang import GangEngine
+
+    models: list[str] = []
+    for model in config.models:
+        engine = ENGINES.get(model.engine)
+        if (model.hosts and model.gang_firewall and model.gang_port is not None and isinstance(engine, GangEngine)
+                and confines_ports(engine, len(model.hosts), model.gang_port)):
+            models.append(model.name)
+    return GangFirewallFact(tuple(models), shutil.which("nft", path=path or NFT_PATH))
 
 
 def backend_spec_for(model: ModelConfig) -> BackendSpec:

@@ -37,6 +37,23 @@ class ExitInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class NftTable:
+    """An nftables table of a unit's own: ``family`` and ``name`` (what ``nft delete table``
+    takes) and ``ruleset``, nft's input that creates it, replacing a table of that name."""
+
+    family: str
+    name: str
+    ruleset: str
+
+    def apply_argv(self, nft: str) -> tuple[str, ...]:
+        """``nft <ruleset>``: nft parses its arguments as one script, atomically."""
+        return (nft, self.ruleset)
+
+    def delete_argv(self, nft: str) -> tuple[str, ...]:
+        return (nft, "delete", "table", self.family, self.name)
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchRequest:
     """What to run for one backend.
 
@@ -50,6 +67,9 @@ class LaunchRequest:
     reads it from the environment: agent/supervision/engine_keys.py) that the runner adds to the engine's
     environment without showing it: systemd's ``EnvironmentFile=`` (read by the manager, as
     root for the system one), the process runner in the child's environment only.
+    firewall: nftables rules the unit owns (a gang part's: agent/gang/firewall.py): created
+    before the engine starts and deleted when it stops, whichever way (the systemd runner's
+    privileged ``ExecStartPre=``/``ExecStopPost=``; the process runner around its child).
     """
 
     name: str
@@ -65,6 +85,7 @@ class LaunchRequest:
     sandbox: str | None = None
     private_dir: str | None = None
     environment_file: str | None = None
+    firewall: NftTable | None = None
 
 
 @runtime_checkable

@@ -10,6 +10,11 @@ Limits of a plain process tree, which the systemd runner does not share: the par
 signal reaches the engine's main process only (children it forks survive an agent killed by
 SIGKILL until the next stop of their group), and it fires when the *thread* that started the
 engine ends, so the runner must be used from the agent's long-lived event-loop thread.
+
+A request's ``firewall`` table is created (``nft``, which needs root: CAP_NET_ADMIN) before
+the child starts and deleted once it has ended, whichever way; a start fails when it cannot
+be created. An agent killed by SIGKILL leaves its tables behind: they admit only the gang's
+hosts to the gang's ports (closed, not open), and the next start of that part replaces them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from viiwork.agent.supervision.engine_keys import EngineKeyError, read_env_file
-from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, RunHandle, RunnerError
+from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, NftTable, RunHandle, RunnerError
+from viiwork.agent.supervision.runners.nft import nft_binary, run_nft
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +88,10 @@ class ProcessHandle:
 
     unit: str | None = None
 
-    def __init__(self, proc: asyncio.subprocess.Process, labels: Mapping[str, str], name: str) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, labels: Mapping[str, str], name: str,
+                 firewall: tuple[NftTable, str] | None = None) -> None:
         self._proc = proc
+        self._firewall = firewall
         self.pid: int | None = proc.pid
         self.labels: Mapping[str, str] = dict(labels)
         self.name = name
@@ -96,6 +104,12 @@ class ProcessHandle:
         self._info = _exit_info(returncode)
         # The group outlives its leader when the engine forked workers: they die with it.
         self._signal_group(signal.SIGKILL)
+        if self._firewall is not None:  # the unit's rules end with it
+            table, nft = self._firewall
+            try:
+                await run_nft(table.delete_argv(nft))
+            except RunnerError as exc:
+                log.warning("engine %s: could not delete its nftables table %s: %s", self.name, table.name, exc)
         log.info("engine %s (pid %s) ended: %s", self.name, self.pid, self._info.describe())
         return self._info
 
@@ -174,6 +188,17 @@ class ProcessRunner:
                     log_file.close()
                 raise RunnerError(f"cannot open engine log {request.log_path}: {exc.strerror or exc}") from exc
         out = log_file if log_file is not None else asyncio.subprocess.DEVNULL
+        firewall = None
+        if request.firewall is not None:
+            try:
+                firewall = (request.firewall, nft_binary())
+                await run_nft(request.firewall.apply_argv(firewall[1]))
+            except RunnerError as exc:
+                if log_file is not None:
+                    log_file.close()
+                hint = ("" if os.geteuid() == 0 else " (the process runner loads them as the agent's user, which "
+                        "must be root: use the systemd runner, or set the model's gang_firewall = false)")
+                raise RunnerError(f"{request.name}: its nftables rules: {exc}{hint}") from None
         try:
             proc = await asyncio.create_subprocess_exec(
                 binary, *request.argv[1:],
@@ -185,12 +210,15 @@ class ProcessRunner:
                 preexec_fn=_parent_death_signal(os.getpid()),
             )
         except OSError as exc:
+            if firewall is not None:
+                with contextlib.suppress(RunnerError):
+                    await run_nft(firewall[0].delete_argv(firewall[1]))
             raise RunnerError(f"cannot start {request.argv[0]}: {exc.strerror or exc}") from exc
         finally:
             if log_file is not None:
                 log_file.close()
         log.info("started engine %s: pid %s, log %s", request.name, proc.pid, request.log_path)
-        return ProcessHandle(proc, request.labels, request.name)
+        return ProcessHandle(proc, request.labels, request.name, firewall)
 
     async def adoptable(self, owner: str, prefix: str = "viiwork-engine-") -> list[RunHandle]:
         """Always []: process backends die with the agent (parent-death signal)."""

@@ -46,6 +46,7 @@ from dbus_fast.errors import DBusError
 
 from viiwork.agent.config.schema import Config
 from viiwork.agent.supervision.runners.base import LaunchRequest, RunnerError
+from viiwork.agent.supervision.runners.nft import nft_binary
 from viiwork.agent.supervision.runners.systemd.bus import (
     DBUS_NAME,
     DBUS_PATH,
@@ -279,11 +280,11 @@ class SystemdRunner:
 
     # --- Runner --------------------------------------------------------------------------
 
-    def unit_properties(self, request: LaunchRequest, argv0: str) -> list[tuple[str, Variant]]:
+    def unit_properties(self, request: LaunchRequest, argv0: str, nft: str | None = None) -> list[tuple[str, Variant]]:
         """The ``a(sv)`` properties of the transient unit for ``request`` (pure; units.engine_unit_properties)."""
         return engine_unit_properties(request, argv0, cache_root=self.cache_root, slice_name=self.slice_name,
                                       engine_user=self.engine_user, supplementary_groups=self.supplementary_groups,
-                                      output=self.output)
+                                      output=self.output, nft=nft)
 
     async def start(self, request: LaunchRequest) -> SystemdHandle:
         """Create and start the unit; returns once systemd has exec'd the engine.
@@ -298,7 +299,8 @@ class SystemdRunner:
             raise RunnerError(f"{request.name}: empty command line")
         argv0 = resolve_binary(request.argv[0], request.env)
         name = unit_name(request.name)
-        props = self.unit_properties(request, argv0)
+        nft = nft_binary() if request.firewall is not None else None
+        props = self.unit_properties(request, argv0, nft)
         handle = SystemdHandle(self, name, request.labels)
         handle.memory_max_bytes = request.memory_max_bytes
         if handle.path in self._handles and self._handles[handle.path].running():

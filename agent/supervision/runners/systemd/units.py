@@ -229,12 +229,17 @@ def exit_info(result: str, code: int, status: int, unit: str = "") -> ExitInfo:
 
 def engine_unit_properties(request: LaunchRequest, argv0: str, *, cache_root: str, slice_name: str,
                            engine_user: str | None, supplementary_groups: list[str],
-                           output: Literal["journal", "file"]) -> list[tuple[str, Variant]]:
+                           output: Literal["journal", "file"], nft: str | None = None) -> list[tuple[str, Variant]]:
     """The ``a(sv)`` properties of the transient unit for ``request`` (pure).
 
     ``argv0``: the engine binary's absolute path (resolve_binary); ``cache_root``: the
     manager's cache root (the unit's ``CacheDirectory`` lies under it); ``engine_user``
-    None: the manager's own user. Raises RunnerError on an unknown sandbox profile and
+    None: the manager's own user. ``nft``: nft's absolute path, for a request with a
+    ``firewall``: the unit creates its table in ``ExecStartPre=`` and deletes it in
+    ``ExecStopPost=``, which runs however the unit stops (also when the start fails), both
+    privileged (``+``: outside ``User=`` and the sandbox) and without ``$`` expansion
+    (systemd.service(5), "Command lines"; the ``Ex`` properties carry those flags).
+    Raises RunnerError on an unknown sandbox profile or a firewall without ``nft``, and
     ValueError on a bad label (labels_environment).
     """
     name = unit_name(request.name)
@@ -263,6 +268,14 @@ def engine_unit_properties(request: LaunchRequest, argv0: str, *, cache_root: st
         # The agent reads engines' health itself; a failed unit must not pull anything.
         ("Restart", "s", "no"),
     ]
+    if request.firewall is not None:
+        if nft is None:
+            raise RunnerError(f"{request.name}: a unit with nftables rules needs nft's path")
+        props.append(("ExecStartPreEx", "a(sasas)",
+                      [[nft, list(request.firewall.apply_argv(nft)), ["privileged", "no-env-expand"]]]))
+        # A table already gone (deleted by hand) is no failure of the unit.
+        props.append(("ExecStopPostEx", "a(sasas)",
+                      [[nft, list(request.firewall.delete_argv(nft)), ["privileged", "ignore-failure"]]]))
     if engine_user:
         props.append(("User", "s", engine_user))
         if supplementary_groups:
