@@ -204,6 +204,7 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         prefixes = PrefixRouting(PrefixSettings.from_config(config.routing), supervisor.models)
         mesh = None
         sync: RevocationSync | None = None
+        stopping: dict[str, StopDecision] = {}  # the stop intent, once asked (_stop_serving)
         mesh_usage: MeshUsage | None = None
         if config.mesh is not None:
             mesh = MeshLink(config, supervisor.models, queues=queues, upstream=upstream,
@@ -213,7 +214,6 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
             gang_worker = GangWorker(supervisor.node, mesh.node)
             gang_worker.add_routes(mesh.node.app)
             # This host's gang parts stop with it, or keep running for a restart (systemd's).
-            stopping: dict[str, StopDecision] = {}
             stack.push_async_callback(lambda: gang_worker.stop(
                 restart=stopping.get("decision") is not None and stopping["decision"].intent is StopIntent.RESTART))
             # viiworkctl usage --mesh: this node's ledger for peers that ask (agent/peering/mesh_usage.py).
@@ -358,7 +358,6 @@ async def run_agent(config: Config, *, source: str = "config", text: str | None 
         await supervisor.start()
         # On the way out: drain and stop the engines, or leave them running when systemd is
         # restarting the agent (the next one adopts them): viiwork.agent.notify.
-        stopping.clear()  # the stop intent, once asked (below)
         stack.push_async_callback(lambda: finish_supervision(supervisor, runner, notifier, stopping.get("decision")))
         stack.push_async_callback(_cancel, asyncio.create_task(gpus.async_run(interval_s=10.0), name="gpus"))
         if ready_banner:

@@ -73,7 +73,9 @@ from viiwork.mesh.summary import PublishedState
 
 log = logging.getLogger(__name__)
 
-#: How long prepare() waits for every worker host to be alive in the mesh.
+#: How long prepare() waits for every worker host to be alive in the mesh (at most: the
+#: entry's startup timeout when shorter). Then the launch fails spending no respawn, and is
+#: tried again: a worker away for long is waited for without `viiworkctl up`.
 PEER_WAIT_S = 30.0
 #: A worker's start answers once its part is up: rpc-server or a runtime within this.
 START_TIMEOUT_S = 90.0
@@ -87,6 +89,17 @@ ADOPT_ASK_S = 10.0
 
 class GangError(Exception):
     """The gang could not be brought up; the message names the host and the cause."""
+
+    #: Nothing was started (a host is away from the mesh): the backend's launch spends no
+    #: respawn and is retried (agent/supervision/backend_task.py).
+    nothing_ran = False
+
+
+class GangHostsAway(GangError):
+    """A host of the gang is not alive in the mesh (or leaving, restarting) after
+    :data:`PEER_WAIT_S`: nothing was started."""
+
+    nothing_ran = True
 
 
 @dataclass
@@ -140,7 +153,9 @@ class GangHead:
         return views[0] if len(views) == 1 else None
 
     async def _workers(self, model: ModelConfig) -> list[_Worker]:
-        deadline = time.monotonic() + PEER_WAIT_S
+        """Every worker host, once alive in the mesh; :class:`GangHostsAway` after
+        :data:`PEER_WAIT_S` (or the entry's startup timeout, when shorter)."""
+        deadline = time.monotonic() + min(PEER_WAIT_S, model.effective_startup_timeout_s)
         while True:
             missing = []
             workers = []
@@ -157,7 +172,7 @@ class GangHead:
             if not missing:
                 return workers
             if time.monotonic() >= deadline:
-                raise GangError(f"gang of {model.name}: not every host is alive in the mesh: {'; '.join(missing)}")
+                raise GangHostsAway(f"gang of {model.name}: not every host is alive in the mesh: {'; '.join(missing)}")
             await asyncio.sleep(0.5)
 
     def _own_address(self) -> str:
@@ -194,7 +209,13 @@ class GangHead:
             raise GangError(str(exc)) from None
         if model.gang_port is None:
             raise GangError(f"gang of {model.name}: no gang_port")
-        workers = await self._workers(model)
+        try:
+            workers = await self._workers(model)
+        except GangHostsAway as exc:
+            self.counters["failures"] += 1
+            self.last_failure = str(exc)
+            log.warning("%s; trying again (no respawn spent)", exc)
+            raise
         gang = _Gang(new_gang_id(), workers)
         self.current = gang
         size = len(model.hosts)

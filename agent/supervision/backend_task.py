@@ -368,10 +368,14 @@ class BackendTask:
         spec = backend_spec(model, backend, port=port, socket_path=sock, key_dir=key_dir,
                             vendor=self._vendor(backend.gpus), host_cpus=node.host_cpus)
         if gang is not None and adopted is None:  # a gang's head: its parts first (agent/gang/head.py)
+            self._set(BackendState.STARTING, phase="starting the gang's parts on its hosts", progress=-1.0, reason="")
             try:
                 command = await gang.prepare(spec)
             except Exception as exc:  # GangError: the launch fails, the ladder backs off
-                return _Failure(reason=str(exc))
+                # Hosts away from the mesh (``nothing_ran``): no engine ran, so no respawn is
+                # spent and the launch is retried like a disk fault's: a gang whose worker is
+                # down for a while comes back when it returns, without `viiworkctl up`.
+                return _Failure(reason=str(exc), disk=bool(getattr(exc, "nothing_ran", False)))
         else:
             command = self.runtime.engine.build_command(spec)
         env_file = None

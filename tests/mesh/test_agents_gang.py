@@ -81,19 +81,22 @@ class Gang:
     head: Agent
     worker: Agent
     log: Path
+    entry: dict[str, Any]
 
 
 @pytest.fixture
 def gang(tmp_path: Path) -> Iterator[Gang]:
     bins = gang_binaries(tmp_path / "bin")
     log = tmp_path / "fake-gang.log"
-    entry = gang_entry(bins, free_port(), log)
+    # A short startup timeout: a launch waits that long for its hosts (agent/gang/head.py).
+    entry = {**gang_entry(bins, free_port(), log), "startup_timeout_s": 3}
     with ExitStack() as stack:
         worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={"mesh": mesh_section([])}))
         address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
-        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={"mesh": mesh_section([address])}))
+        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
+            "mesh": mesh_section([address]), "health": {"interval_s": 0.5, "respawn_backoff_s": 0.2, "max_respawns": 1}}))
         head.wait_for(healthy, 60, "the gang's model healthy on its head")
-        yield Gang(tmp_path, head, worker, log)
+        yield Gang(tmp_path, head, worker, log, entry)
 
 
 async def post_as_stranger(tmp: Path, target: Agent, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -184,6 +187,11 @@ def test_a_lost_part_restarts_the_gang_whole(gang: Gang) -> None:
     assert doc["gangs"]["heads"]["g"]["parts_lost"] >= 1
     # The new gang id is republished by both hosts; the old one is gone from the summaries.
     assert [g["gang"] for g in wait_gangs(gang.head, again["gang"])["gangs"]] == [again["gang"]]
+    # `viiworkctl down` on the head stops the whole gang: the worker's part too.
+    assert main(["down", "g", "--url", gang.head.url]) == 0
+    gang.worker.wait_for(lambda d: d["gangs"]["parts"] == [], 15, "the worker's part stopped by the head's down")
+    with pytest.raises(ProcessLookupError):
+        os.kill(again["parts"][0]["pid"], 0)
 
 
 def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: Gang) -> None:
@@ -197,3 +205,14 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
     # No half-gang comes back while the worker is away.
     with pytest.raises(AssertionError):
         gang.head.wait_for(healthy, 5, "the model healthy without its worker")
+    # Away longer than a launch waits for its hosts, launch after launch: nothing ran, so no
+    # respawn is spent (the budget is 1 here) and the model is not dead; the worker back, the
+    # gang is whole again without `viiworkctl up`.
+    doc = gang.head.wait_for(lambda d: d["gangs"]["heads"]["g"]["failures"] >= 3, 30, "launches tried again")
+    assert "not every host is alive in the mesh" in doc["gangs"]["heads"]["g"]["last_failure"]
+    assert all(b["state"] != "dead" for b in gang.head.model("g")["backends"])
+    head_mesh = gang.head.status()["mesh"]["self"]["mesh"]
+    with run_agent(gang.tmp, [gang.entry], name="gw", extra={"mesh": mesh_section([head_mesh])}) as worker:
+        gang.head.wait_for(healthy, 30, "the gang whole again once its worker is back")
+        (again,) = worker_parts(worker)
+        assert again["running"] and again["gang"] != part["gang"]
