@@ -188,7 +188,7 @@ def test_a_lost_part_restarts_the_gang_whole(gang: Gang) -> None:
     # The new gang id is republished by both hosts; the old one is gone from the summaries.
     assert [g["gang"] for g in wait_gangs(gang.head, again["gang"])["gangs"]] == [again["gang"]]
     # `viiworkctl down` on the head stops the whole gang: the worker's part too.
-    assert main(["down", "g", "--url", gang.head.url]) == 0
+    assert main(["down", "g", "--socket", str(gang.tmp / "gh" / "admin.sock")]) == 0
     gang.worker.wait_for(lambda d: d["gangs"]["parts"] == [], 15, "the worker's part stopped by the head's down")
     with pytest.raises(ProcessLookupError):
         os.kill(again["parts"][0]["pid"], 0)
