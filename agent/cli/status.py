@@ -95,7 +95,7 @@ def gang_lines(section: Any) -> list[str]:
                      f"rank {shown(part.get('rank', '?'))}{size}{lent}, {running}" + (f" ({pids})" if pids else ""))
     refused = section.get("refused")
     if isinstance(refused, dict) and refused:
-        lines.append("gang requests refused: " + ", ".join(f"{shown(k)} {shown(v)}" for k, v in sorted(refused.items())))
+        lines.append("requests refused: " + ", ".join(f"{shown(k)} {shown(v)}" for k, v in sorted(refused.items())))
     return lines
 
 

@@ -35,7 +35,7 @@ from viiwork.engines.contract import EngineOptionsError, Kind
 from viiwork.engines.gang import GangEngine, gang_shape
 from viiwork.engines.registry import ENGINES, engine_names
 from viiwork.mesh.bounds import MAX_INT, MAX_LABEL_CHARS, MAX_MODELS, MAX_NAME_CHARS, model_name_problem
-from viiwork.mesh.identity import NodeId
+from viiwork.mesh.identity import NodeId, is_node_id
 from viiwork.mesh.summary import (
     MAX_ADDRESS_CHARS,
     MAX_SUMMARY_BYTES,
@@ -703,10 +703,47 @@ class Config(_Strict):
                 raise PathError(("models", i, "hosts"), (
                     "a model served by a gang needs [mesh]: the head asks its workers over the mesh "
                     "(docs/mesh.md, \"Gangs\")"))
+            if m.hosts and self.mesh is not None and self.mesh.trust == "open":
+                named = [h for h in m.hosts if h != self.node.name and not is_node_id(h)]
+                if named:
+                    raise PathError(("models", i, "hosts"), (
+                        f"names another host by name ({', '.join(repr(h) for h in named)}) under mesh trust "
+                        "\"open\", where any member can take a name (the first node seen with it is pinned) and "
+                        "so receive the model and its prompts, or command this host's GPUs: name the other "
+                        "hosts by node id (each agent logs its id at start; `viiworkctl mesh` lists them), or "
+                        "use trust = \"ca\", whose certificates bind the names (docs/security.md)"))
+        _check_gang_ports(self)
         if self.mesh is not None:
             _check_summary_fits(self)
         _check_auth(self)
         return self
+
+
+def _check_gang_ports(config: Config) -> None:
+    """A gang's block of ports (``gang_port`` .. + the engine's span) must not hold this host's
+    API or mesh port, nor overlap another gang entry's block: its parts could not bind."""
+    taken: dict[int, str] = {}
+    for name, listen in (("api.listen", config.api.listen),
+                         ("mesh.listen", config.mesh.listen if config.mesh is not None else "")):
+        digits = listen.rpartition(":")[2]
+        if digits.isdigit() and int(digits):
+            taken[int(digits)] = name
+    blocks: list[tuple[int, int, str]] = []
+    for i, m in enumerate(config.models):
+        if not m.hosts or m.gang_port is None:
+            continue
+        span = int(getattr(ENGINES.get(m.engine), "gang_port_span", 1))
+        first, last = m.gang_port, m.gang_port + span - 1
+        for port, holder in taken.items():
+            if first <= port <= last:
+                raise PathError(("models", i, "gang_port"), (
+                    f"the gang's ports {first}..{last} hold {holder}'s port {port}: pick another gang_port"))
+        for other_first, other_last, other in blocks:
+            if first <= other_last and other_first <= last:
+                raise PathError(("models", i, "gang_port"), (
+                    f"the gang's ports {first}..{last} overlap model {other!r}'s {other_first}..{other_last}: "
+                    "pick another gang_port"))
+        blocks.append((first, last, m.name))
 
 
 def _check_auth(config: Config) -> None:

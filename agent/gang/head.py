@@ -47,6 +47,7 @@ from viiwork.agent.gang.parts import (
     PartFailed,
     gang_engine,
     part_firewall_of,
+    part_log,
     start_part,
     start_tunnel,
     tunnel_dir,
@@ -83,6 +84,8 @@ WATCH_INTERVAL_S = 1.0
 WATCH_TIMEOUT_S = 2.0
 #: Watches in a row without an answer from a worker's agent before its part counts as lost.
 WATCH_MISSES = 3
+#: How long the serving engine of a gang that lost a part is given to stop before SIGKILL.
+LOST_STOP_GRACE_S = 1.0
 #: At adoption, how long a worker's agent is asked whether its part of the gang still runs.
 ADOPT_ASK_S = 10.0
 
@@ -167,7 +170,7 @@ class GangHead:
                                    + ("not known in the mesh" if view is None else f"{view.liveness.value}, "
                                       f"{view.state.value}"))
                     continue
-                workers.append(_Worker(rank, host, view.node_id, f"https://{view.mesh}",
+                workers.append(_Worker(rank, view.name or host, view.node_id, f"https://{view.mesh}",
                                        view.mesh.rpartition(":")[0].strip("[]")))
             if not missing:
                 return workers
@@ -232,7 +235,8 @@ class GangHead:
                     if part.rank == 0 and part.role is not PartRole.SERVER:  # the head's own runtime
                         handle = await start_part(self.node, model, spec, part, own)
                         gang.local.append(handle)
-                        await wait_ready(handle, step.ready_of(part), engine.gang_listen(part.role, own))
+                        await wait_ready(handle, step.ready_of(part), engine.gang_listen(part.role, own),
+                                         log=part_log(self.node, model, part))
                     elif part.rank > 0:
                         worker = workers[part.rank - 1]
                         request = StartRequest(model.name, gang.gang, part.rank, size, nodes, digests, cert)
@@ -264,7 +268,8 @@ class GangHead:
     async def _start_tunnel(self, model: ModelConfig, gang: _Gang, worker: _Worker, size: int) -> None:
         """The head's tunnel end to ``worker``'s exit (agent/gang/parts.py ``start_tunnel``),
         listening on a free loopback port. Raises GangError."""
-        assert worker.tunnel_port is not None and worker.tunnel_cert is not None
+        if worker.tunnel_port is None or worker.tunnel_cert is None:
+            raise GangError(f"{worker.host} (rank {worker.rank}) answered no tunnel exit")
         port = free_loopback_port({t.port for t in gang.tunnels})
         directory = self.tunnel_dir(model)
         try:
@@ -530,7 +535,9 @@ class GangHandle:
         waited: set[asyncio.Future[Any]] = {exited, self._lost}
         await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         if self._lost.done() and not exited.done():
-            await self.inner.stop(self.head.node.config.supervisor.stop_timeout_s)
+            # The engine cannot serve without its part (llama-server on a dead RPC device hangs
+            # and ignores SIGTERM): a short grace, so requests stop going to it at once.
+            await self.inner.stop(min(LOST_STOP_GRACE_S, self.head.node.config.supervisor.stop_timeout_s))
             await exited
             info = ExitInfo("gang", detail=f"part lost: {self._lost.result()}")
         else:

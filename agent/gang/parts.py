@@ -78,7 +78,6 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
     environ = os.environ if node.environ is None else node.environ
     env = engine_environment(environ, vendor=spec.vendor, gpus=spec.gpus, model_env=model.env,
                              engine_env=command.env)
-    log_dir = Path(node.config.supervisor.log_dir or (node.config.node.state_dir / "logs"))
     request = LaunchRequest(
         name=gang_unit_stem(model.name, addresses.gang_id, part),
         argv=command.argv,
@@ -86,7 +85,7 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
         description=f"viiwork gang {addresses.gang_id} of {model.name}: rank {part.rank} {part.role.value}",
         labels=gang_labels(node.node_name, model.name, addresses.gang_id, part, addresses.size, shared_hash(model),
                            head),
-        log_path=str(log_dir / f"{escape_name(model.name)}-gang-r{part.rank}-{part.role.value}.log"),
+        log_path=str(part_log(node, model, part)),
         stop_timeout_s=node.config.supervisor.stop_timeout_s,
         memory_max_bytes=model.memory_max_bytes,
         cpu_weight=model.cpu_weight,
@@ -101,6 +100,28 @@ async def start_part(node: NodeContext, model: ModelConfig, spec: BackendSpec, p
         return await node.runner.start(request)
     except RunnerError as exc:
         raise PartFailed(f"{part} of gang {addresses.gang_id}: {exc}") from None
+
+
+def part_log(node: NodeContext, model: ModelConfig, part: GangPart) -> Path:
+    """Where the process runner (and the systemd runner with file output) writes ``part``'s output."""
+    log_dir = Path(node.config.supervisor.log_dir or (node.config.node.state_dir / "logs"))
+    return log_dir / f"{escape_name(model.name)}-gang-r{part.rank}-{part.role.value}.log"
+
+
+def log_tail(path: Path | None, lines: int = 2, limit: int = 400) -> str:
+    """The last ``lines`` non-empty lines of the log at ``path`` (its last 16 KiB read), at
+    most ``limit`` characters, for an error that says why a part exited; "" when unreadable."""
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    tail = " | ".join(kept)
+    return tail[-limit:]
 
 
 def tunnel_dir(node: NodeContext, model: ModelConfig) -> Path:
@@ -136,7 +157,7 @@ async def start_tunnel(node: NodeContext, model: ModelConfig, gang_id: str, rank
     except RunnerError as exc:
         raise PartFailed(f"the tunnel {args[0]} of rank {rank}: {exc}") from None
     try:
-        await wait_ready(handle, Ready.PORT, listen)
+        await wait_ready(handle, Ready.PORT, listen, log=Path(request.log_path or ""))
     except PartFailed as exc:
         with contextlib.suppress(Exception):
             await handle.stop(node.config.supervisor.stop_timeout_s)
@@ -158,17 +179,19 @@ def part_firewall_of(model: ModelConfig, engine: GangEngine, part: GangPart, add
 
 
 async def wait_ready(handle: RunHandle, level: Ready, listen: str | None,
-                     timeout_s: float = PART_READY_TIMEOUT_S) -> None:
+                     timeout_s: float = PART_READY_TIMEOUT_S, log: Path | None = None) -> None:
     """Return once ``handle``'s part reached ``level``: ``PROCESS`` running for
     :data:`PROCESS_SETTLE_S`, ``PORT`` its ``listen`` ("host:port") accepting TCP. Raises
-    :class:`PartFailed` when it exits first or ``timeout_s`` passes. ``PROBE`` is the serving
+    :class:`PartFailed` when it exits first (with the end of its ``log``, where it wrote why)
+    or ``timeout_s`` passes. ``PROBE`` is the serving
     part's, which the backend's own task probes: not waited for here."""
     deadline = time.monotonic() + timeout_s
     settled = time.monotonic() + PROCESS_SETTLE_S
     while True:
         if not handle.running():
             info = await handle.wait()
-            raise PartFailed(f"it exited: {info.describe()}")
+            said = log_tail(log)
+            raise PartFailed(f"it exited: {info.describe()}" + (f"; its log ({log}) ends: {said}" if said else ""))
         now = time.monotonic()
         if level is Ready.PROCESS and now >= settled:
             return

@@ -49,7 +49,9 @@ buffers, so a slow reader slows the writer on the other host instead of filling 
 
 **Bounds and counts.** At most ``max_connections`` connections at once per tunnel (llama.cpp
 keeps one per RPC device; a pending handshake counts), beyond it a connection is closed at
-accept. A handshake has ``handshake_timeout_s``. Every refusal increments one reason in
+accept; of these, at most a quarter from elsewhere than the other end's known address (an
+exit: the head's gang address), so that idle connections, which need no certificate to be
+accepted, cannot lock the head out. A handshake has ``handshake_timeout_s``. Every refusal increments one reason in
 :attr:`TunnelCounters.refused` (:class:`Refusal`), logged at WARNING once per reason, then
 DEBUG: a wrong peer never stops the agent.
 """
@@ -170,6 +172,10 @@ class _End:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._held = 0  # connections accepted and not yet closed (pending handshakes included)
+        self._held_others = 0  # of which from elsewhere than ``peer_host``
+        #: The address the other end's connections come from (an exit: the head's), when known.
+        self.peer_host: str | None = None
+        self.max_others = max(1, max_connections // 4)
         self._warned: set[str] = set()
 
     @property
@@ -205,18 +211,25 @@ class _End:
                 extra={"gang": self.gang, "refusal": reason.value})
 
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._held >= self.max_connections:
-            self._refuse(Refusal.TOO_MANY_CONNECTIONS, f"{self._held} open")
+        # A connection from elsewhere than the expected peer's address holds one of at most
+        # ``max_others`` slots: idle connections from anyone who reaches the port (they need no
+        # certificate to be accepted) cannot take the peer's own.
+        other = self.peer_host is not None and _peer_address(writer).rpartition(":")[0] != self.peer_host
+        if self._held >= self.max_connections or (other and self._held_others >= self.max_others):
+            self._refuse(Refusal.TOO_MANY_CONNECTIONS, f"{self._held} open, {self._held_others} from elsewhere "
+                                                       f"than {self.peer_host}")
             writer.transport.abort()
             return
         self._held += 1
+        self._held_others += other
         task = asyncio.get_running_loop().create_task(self._run(reader, writer))
         self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(lambda t: self._done(t, other))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[None], other: bool) -> None:
         self._tasks.discard(task)
         self._held -= 1
+        self._held_others -= other
 
     async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -319,7 +332,8 @@ class TunnelExit(_End):
 
     def __init__(self, *, gang: str, head: NodeId, client_cert: bytes, rpc_port: int, ssl_context: ssl.SSLContext,
                  listen_host: str, listen_port: int = 0, max_connections: int = MAX_CONNECTIONS,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 head_host: str | None = None) -> None:
         if ssl_context.verify_mode != ssl.CERT_REQUIRED:
             raise ValueError("the tunnel exit needs a context that requires a client certificate "
                              "(viiwork.agent.gang.tunnel_cert.exit_context)")
@@ -328,6 +342,7 @@ class TunnelExit(_End):
         super().__init__(gang=gang, max_connections=max_connections, handshake_timeout_s=handshake_timeout_s,
                          connect_timeout_s=connect_timeout_s)
         self.head, self.client_cert, self.rpc_port = head, client_cert, rpc_port
+        self.peer_host = head_host
         self.ssl_context = ssl_context
         self.listen_host, self.listen_port = listen_host, listen_port
 

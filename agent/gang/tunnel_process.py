@@ -116,6 +116,7 @@ def parser() -> argparse.ArgumentParser:
     exit_.add_argument("--head", required=True, type=_checked(is_node_id, "node id"), help="the head's node id")
     exit_.add_argument("--listen", required=True, type=_endpoint, help="where to listen, HOST:PORT")
     exit_.add_argument("--rpc-port", required=True, type=_port, help="the rpc-server's port on 127.0.0.1")
+    exit_.add_argument("--head-host", help="the address the head connects from (its connections keep their slots)")
     return p
 
 
@@ -128,7 +129,8 @@ def _end(args: argparse.Namespace) -> TunnelEntry | TunnelExit:
                            worker_port=port, ssl_context=entry_context(args.dir, args.peer), listen_port=args.port)
     host, port = args.listen
     return TunnelExit(gang=args.gang, head=NodeId(args.head), client_cert=peer, rpc_port=args.rpc_port,
-                      ssl_context=exit_context(args.dir, args.peer), listen_host=host, listen_port=port)
+                      ssl_context=exit_context(args.dir, args.peer), listen_host=host, listen_port=port,
+                      head_host=args.head_host)
 
 
 async def serve(args: argparse.Namespace) -> int:

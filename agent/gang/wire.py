@@ -81,6 +81,8 @@ def _object(raw: bytes, keys: frozenset[str]) -> dict[str, Any]:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Malformed(f"not JSON: {exc}") from None
+    except RecursionError:  # thousands of nested arrays fit in the body's bound
+        raise Malformed("not JSON: nested too deeply") from None
     if not isinstance(doc, dict):
         raise Malformed("not a JSON object")
     if set(doc) != keys:

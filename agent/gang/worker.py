@@ -38,11 +38,19 @@ from typing import Any
 
 from aiohttp import web
 
-from viiwork.agent.config.gang import differing_keys, gang_rank, mismatch_message, shared_digests, shared_hash
+from viiwork.agent.config.gang import (
+    GangConfigError,
+    differing_keys,
+    gang_rank,
+    mismatch_message,
+    shared_digests,
+    shared_hash,
+)
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.gang.parts import (
     PartFailed,
     gang_engine,
+    part_log,
     part_spec,
     roles_here,
     start_part,
@@ -66,7 +74,6 @@ from viiwork.agent.gang.wire import (
     parse_stop,
 )
 from viiwork.agent.supervision.backend_task import NodeContext
-from viiwork.agent.supervision.engine_keys import EngineKeyError
 from viiwork.agent.supervision.gang_units import GANG_UNIT_PREFIX, TUNNEL_ROLE, tunnel_of_labels
 from viiwork.agent.supervision.launch import free_port_on
 from viiwork.agent.supervision.runners.base import RunHandle, RunnerError
@@ -215,9 +222,14 @@ class GangWorker:
         model = self._entry(start.model)
         if model is None:
             return self._refuse(Reason.NO_GANG_ENTRY, sender, f"this host's config has no gang entry {start.model!r}")
-        rank = gang_rank(model, str(self.mesh.node_id), self.node.node_name)
+        try:
+            rank = gang_rank(model, str(self.mesh.node_id), self.node.node_name)
+        except GangConfigError as exc:  # this host named twice: its own config's fault, said to both sides
+            return self._refuse(Reason.NOT_IN_GANG, sender, str(exc))
         if rank is None:
-            return self._refuse(Reason.NOT_IN_GANG, sender, f"{start.model!r} does not name this host")
+            return self._refuse(Reason.NOT_IN_GANG, sender, (
+                f"{start.model!r} does not name this host ({self.node.node_name}, node {self.mesh.node_id}); "
+                f"its hosts: {', '.join(model.hosts)}"))
         if rank != start.rank or len(model.hosts) != start.size:
             return self._refuse(Reason.RANK_MISMATCH, sender, (
                 f"this host is rank {rank} of {len(model.hosts)} in {start.model!r}, "
@@ -232,10 +244,17 @@ class GangWorker:
             return self._refuse(Reason.CONFIG_MISMATCH, sender,
                                 mismatch_message(model.name, self.node.node_name, keys), keys=list(keys))
         async with self._lock:
+            # Shielded: the listener cancels a handler whose client went away, and a start cut
+            # off half-way must still end whole or stopped (``_start`` cleans up on failure).
+            starting = asyncio.ensure_future(self._start(model, start, head))
             try:
-                gang = await self._start(model, start, head)
+                gang = await asyncio.shield(starting)
             except PartFailed as exc:
                 return self._refuse(Reason.PART_FAILED, sender, f"{start.model!r} rank {rank}: {exc}")
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await starting  # ends whole (the head will find it) or stopped
+                raise
         self.counters["starts"] += 1
         return web.json_response({"gang": gang.gang, "rank": gang.rank, "parts": gang.parts,
                                   "tunnel_port": gang.tunnel_port, "tunnel_cert": gang.tunnel_cert})
@@ -289,12 +308,13 @@ class GangWorker:
                 gang.handles.append(handle)
                 gang.parts.append({"role": role.value, "pid": handle.pid, "unit": handle.unit})
                 step = next(s for s in plan.steps if part in s.parts)
-                await wait_ready(handle, step.ready_of(part), engine.gang_listen(role, addresses))
+                await wait_ready(handle, step.ready_of(part), engine.gang_listen(role, addresses),
+                                 log=part_log(self.node, model, part))
             if engine.launch_shape is LaunchShape.WORKERS_THEN_HEAD:
                 await self._start_exit(model, start, gang)
-        except (PartFailed, OSError, ValueError, EngineKeyError) as exc:
+        except Exception as exc:  # PartFailed, OSError, EngineKeyError, ...: nothing half-started is left
             await self._stop(model.name)
-            raise PartFailed(str(exc)) from None
+            raise PartFailed(str(exc) or type(exc).__name__) from None
         log.info("gang %s of %s: rank %d started (%s)", start.gang, model.name, start.rank,
                  ", ".join(f"{p['role']} pid {p['pid']}" for p in gang.parts))
         return gang
@@ -316,7 +336,8 @@ class GangWorker:
         handle = await start_tunnel(
             self.node, model, start.gang, start.rank, start.size, gang.head,
             ("exit", "--gang", start.gang, "--rank", str(start.rank), "--dir", str(directory), "--peer", str(peer),
-             "--head", gang.head, "--listen", f"{host}:{port}", "--rpc-port", str(model.gang_port)),
+             "--head", gang.head, "--listen", f"{host}:{port}", "--rpc-port", str(model.gang_port),
+             "--head-host", start.addresses[0]),
             f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
         gang.handles.append(handle)
         gang.parts.append({"role": TUNNEL_ROLE, "pid": handle.pid, "unit": handle.unit})

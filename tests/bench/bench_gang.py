@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for support.*
 
 from conftest import find_llama_server, find_rpc_server  # noqa: E402
 
-from support.agent import Agent, run_agent  # noqa: E402
+from support.agent import Agent, node_ids, run_agent  # noqa: E402
 from support.procs import free_port  # noqa: E402
 from viiwork.agent.config.demo import find_demo_model  # noqa: E402
 
@@ -102,9 +102,9 @@ def main() -> None:
             agent.wait_for(healthy, 180, "one host healthy")
             ttft, tps = measure(agent, args.requests, args.max_tokens)
             rows.append(("one host", ttft, tps))
-        gang = {**one, "hosts": ["gh", "gw"], "gang_port": free_port(), "startup_timeout_s": 180,
-                "llamacpp": {**engine, "rpc_binary": str(rpc)}}
         (work / "gang").mkdir()
+        gang = {**one, "hosts": node_ids(work / "gang", "gh", "gw"), "gang_port": free_port(), "startup_timeout_s": 180,
+                "llamacpp": {**engine, "rpc_binary": str(rpc)}}
         with ExitStack() as stack:
             worker = stack.enter_context(run_agent(work / "gang", [gang], name="gw", extra={"mesh": mesh_section([])}))
             address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh")["mesh"]["self"]["mesh"]

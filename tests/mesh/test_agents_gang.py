@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from support.agent import Agent, run_agent
+from support.agent import Agent, node_ids, run_agent
 from support.gang_driver import gang_binaries
 from support.procs import free_port, stop_process
 from viiwork.agent.cli import main
@@ -42,8 +42,8 @@ def mesh_section(seeds: list[str]) -> dict[str, Any]:
             "discovery": ["seeds"], "seeds": seeds}
 
 
-def gang_entry(bins: dict[str, str], port: int, log: Path) -> dict[str, Any]:
-    return {"name": "g", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "hosts": ["gh", "gw"],
+def gang_entry(bins: dict[str, str], port: int, log: Path, hosts: list[str]) -> dict[str, Any]:
+    return {"name": "g", "engine": "llamacpp", "path": "/dev/null", "parallel": 1, "hosts": hosts,
             "gang_port": port, "env": {"FAKE_GANG_LOG": str(log)},
             "llamacpp": {"binary": bins["llama-server"], "rpc_binary": bins["rpc-server"]}}
 
@@ -89,7 +89,7 @@ def gang(tmp_path: Path) -> Iterator[Gang]:
     bins = gang_binaries(tmp_path / "bin")
     log = tmp_path / "fake-gang.log"
     # A short startup timeout: a launch waits that long for its hosts (agent/gang/head.py).
-    entry = {**gang_entry(bins, free_port(), log), "startup_timeout_s": 3}
+    entry = {**gang_entry(bins, free_port(), log, node_ids(tmp_path, "gh", "gw")), "startup_timeout_s": 3}
     with ExitStack() as stack:
         worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={"mesh": mesh_section([])}))
         address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]

@@ -126,8 +126,8 @@ def gang_config(tmp_path: Path, python: Path, firewall: bool) -> Config:
 name = "h2"
 state_dir = "{tmp_path / 'state'}"
 [mesh]
-trust = "open"
-mesh_id = "firewall-test"
+trust = "ca"
+ca_certificate = "{tmp_path / 'ca.crt'}"
 [supervisor]
 runner = "process"
 [[models]]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import requests
 
-from support.agent import Agent, run_agent
+from support.agent import Agent, node_ids, run_agent
 from support.procs import free_port, stop_process
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
@@ -70,7 +70,7 @@ def alone(tmp: Path, llama_server: Path, model: Path) -> str:
 @pytest.fixture
 def gang(tmp_path: Path, llama_server: Path, rpc_server: Path, smollm2_path: Path) -> Iterator[tuple[Agent, Agent]]:
     entry = {"name": "smol", "engine": "llamacpp", "path": str(smollm2_path), "parallel": 1, "ctx_per_slot": 1024,
-             "hosts": ["gh", "gw"], "gang_port": free_port(), "startup_timeout_s": 120,
+             "hosts": node_ids(tmp_path, "gh", "gw"), "gang_port": free_port(), "startup_timeout_s": 120,
              "llamacpp": {"binary": str(llama_server), "rpc_binary": str(rpc_server), "threads": 1}}
     with ExitStack() as stack:
         worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={"mesh": mesh_section([])}))

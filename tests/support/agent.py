@@ -181,6 +181,15 @@ def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
         return
 
 
+def node_ids(workdir: Path, *names: str) -> list[str]:
+    """The node ids of the agents ``names`` that run_agent will start in ``workdir``: each
+    one's key made now in its state dir, where its agent finds it. A gang's ``hosts`` name
+    the other hosts by id under open trust (agent/config/schema.py)."""
+    from viiwork.mesh.identity import load_or_create_identity
+
+    return [str(load_or_create_identity(workdir / name).node_id) for name in names]
+
+
 def write_config(workdir: Path, models: list[dict[str, Any]], name: str,
                  extra: dict[str, dict[str, Any]] | None, port: int) -> Path:
     state = workdir / name

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import requests
 
-from support.agent import Agent, run_agent, write_config
+from support.agent import Agent, node_ids, run_agent, write_config
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_show
 
@@ -68,7 +68,7 @@ def snapshot(head: Agent, worker: Agent) -> dict[str, Any]:
 @pytest.fixture
 def entry(tmp_path: Path, llama_server: Path, rpc_server: Path, smollm2_path: Path) -> dict[str, Any]:
     return {"name": "smol", "engine": "llamacpp", "path": str(smollm2_path), "parallel": 1, "ctx_per_slot": 1024,
-            "hosts": ["gh", "gw"], "gang_port": free_port(), "startup_timeout_s": 120, "sandbox": "none",
+            "hosts": node_ids(tmp_path, "gh", "gw"), "gang_port": free_port(), "startup_timeout_s": 120, "sandbox": "none",
             "llamacpp": {"binary": str(llama_server), "rpc_binary": str(rpc_server), "threads": 1}}
 
 

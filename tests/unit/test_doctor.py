@@ -197,7 +197,7 @@ def test_a_gang_worker_that_reads_no_model_file_is_not_checked(tmp_path: Path, e
     """A missing file fails the check only on a host that reads it (docs/configuration.md, "Gangs")."""
     entry = {"name": "m", "engine": engine, "path": str(tmp_path / "absent.gguf"), "hosts": hosts,
              "gang_port": 50052, "gpus": [0] if engine == "sglang" else []}
-    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})  # a gang needs the mesh
+    config = write_config(tmp_path, [entry], mesh={"trust": "ca", "ca_certificate": str(tmp_path / "ca.crt")})
     facts = host(tmp_path, config)
     assert [p.model for p in facts.model_paths] == (["m"] if checked else [])
     (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "model.path"]).results
@@ -220,7 +220,7 @@ def test_gang_entries_whose_parts_need_rules_need_nft(tmp_path: Path, engine: st
 
     entry = {"name": "m", "engine": engine, "path": str(tmp_path), "hosts": ["box", "other"], "gang_port": 29500,
              "gpus": [] if engine == "llamacpp" else [0], "gang_firewall": firewall}
-    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})
+    config = write_config(tmp_path, [entry], mesh={"trust": "ca", "ca_certificate": str(tmp_path / "ca.crt")})
     bin_dir = tmp_path / "sbin"
     bin_dir.mkdir()
     if nft:
@@ -244,7 +244,7 @@ def test_a_gang_worker_named_by_its_node_id_finds_itself(tmp_path: Path) -> None
     node_id = load_or_create_identity(tmp_path / "state").node_id
     entry = {"name": "m", "engine": "llamacpp", "path": str(tmp_path / "absent.gguf"),
              "hosts": ["other", node_id], "gang_port": 50052}
-    config = write_config(tmp_path, [entry], mesh={"trust": "open", "mesh_id": "lab"})
+    config = write_config(tmp_path, [entry], mesh={"trust": "ca", "ca_certificate": str(tmp_path / "ca.crt")})
     assert read_node_id(parse_config(config.read_text())) == node_id
     assert host(tmp_path, config).model_paths == ()
     (tmp_path / "state" / "node.key").chmod(0o644)  # a key others may read is refused: id unknown

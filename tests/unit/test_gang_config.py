@@ -22,7 +22,9 @@ from viiwork.agent.config.load import ConfigError, parse_config
 from viiwork.agent.config.schema import ModelConfig
 
 NODE_B_ID = "abcdefghijklmnop"  # the shape of a node id
-MESH = '[mesh]\ntrust = "open"\nmesh_id = "gangs"\n'  # a gang needs the mesh
+# A gang needs the mesh; hosts named by name need trust = "ca" (names bound by the CA).
+MESH = '[mesh]\ntrust = "ca"\nca_certificate = "/etc/viiwork/mesh-ca.crt"\n'
+OPEN_MESH = '[mesh]\ntrust = "open"\nmesh_id = "gangs"\n'
 
 
 def entry(engine: str = "llamacpp", block: str = "", **keys: str) -> str:
@@ -209,3 +211,31 @@ def test_a_peers_digests_are_checked(value: object, message: str) -> None:
 def test_a_gang_entry_needs_the_mesh() -> None:
     (issue,) = issues(entry().removeprefix(MESH))
     assert "models[0].hosts" in issue and "needs [mesh]" in issue
+
+
+def test_open_trust_needs_the_other_hosts_by_node_id() -> None:
+    """Under open trust any member can take a name first (the attacker pass's finding): another
+    host named by name is refused; node ids, and this node's own name, are fine."""
+    text = entry().replace(MESH, OPEN_MESH)
+    (issue,) = issues(text)
+    assert issue.startswith("models[0].hosts: names another host by name ('gpu-a', 'gpu-c') under mesh trust \"open\"")
+    assert "node id" in issue and 'trust = "ca"' in issue
+    own = f'[node]\nname = "gpu-a"\n{entry(hosts=f"""["gpu-a", "{NODE_B_ID}"]""").replace(MESH, OPEN_MESH)}'
+    assert model(own).hosts == ["gpu-a", NODE_B_ID]
+
+
+@pytest.mark.parametrize(("extra", "port", "expected"), [
+    ('[api]\nlisten = "127.0.0.1:50052"\n', "50052", "the gang's ports 50052..50052 hold api.listen's port 50052"),
+    ("", "8087", "the gang's ports 8087..8087 hold mesh.listen's port 8087"),
+], ids=["api-port", "mesh-port"])
+def test_gang_port_must_not_hold_the_agents_own_ports(extra: str, port: str, expected: str) -> None:
+    assert any(i.startswith(f"models[0].gang_port: {expected}") for i in issues(extra + entry(gang_port=port)))
+
+
+def test_two_gangs_ports_must_not_overlap() -> None:
+    second = entry().split("[[models]]\n", 1)[1].replace('name = "big"', 'name = "other"')
+    two = entry() + "[[models]]\n" + second
+    assert any(i.startswith("models[1].gang_port: the gang's ports 50052..50052 overlap model 'big'")
+               for i in issues(two))
+    ok = entry() + "[[models]]\n" + second.replace("gang_port = 50052", "gang_port = 50053")
+    assert [m.gang_port for m in parse_config(ok).models] == [50052, 50053]

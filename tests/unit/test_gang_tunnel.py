@@ -400,3 +400,32 @@ async def test_stop_cuts_carried_connections_and_metrics_name_them(make_tunnel) 
     await wait_for(lambda: t.entry.counters.connections_open == 0, 5, "the entry to close")
     carried = {tuple(s.labels.values()): s.value for s in families["viiwork_gang_tunnel_bytes"].samples}
     assert carried[("g1", "entry", "out")] == 3
+
+
+async def test_idle_connections_from_elsewhere_do_not_lock_the_head_out(nodes: dict[str, Node]) -> None:
+    """Sixteen idle TCP connections (no certificate needed to be accepted) from an address that
+    is not the head's take at most a quarter of the exit's slots: the head still gets through
+    (the attacker pass locked it out with 16 before)."""
+    target = await Target(echo).start()
+    tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, client_cert=PINNED["head"],
+                                   rpc_port=target.port, ssl_context=nodes["worker"].server, listen_host="127.0.0.1",
+                                   head_host="127.0.0.1").start()
+    entry = await TunnelEntry(gang="g1", worker=nodes["worker"].node_id, server_cert=PINNED["worker"],
+                              worker_host="127.0.0.1", worker_port=tunnel_exit.port,
+                              ssl_context=nodes["head"].client).start()
+    idle = []
+    try:
+        for _ in range(16):
+            idle.append(await asyncio.open_connection("127.0.0.1", tunnel_exit.port, local_addr=("127.0.0.5", 0)))
+        await wait_for(lambda: tunnel_exit.counters.refused["too_many_connections"] == 12, 5, "the others capped")
+        reader, writer = await asyncio.open_connection("127.0.0.1", entry.port)
+        writer.write(b"head")
+        async with asyncio.timeout(5):
+            assert await reader.readexactly(4) == b"head"
+        writer.close()
+    finally:
+        for _, w in idle:
+            w.transport.abort()
+        await entry.stop()
+        await tunnel_exit.stop()
+        await target.stop()

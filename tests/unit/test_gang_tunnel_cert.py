@@ -76,6 +76,8 @@ def test_a_start_request_carries_a_checked_tunnel_certificate() -> None:
     for bad in (certificate(key, Ed25519PrivateKey.generate()), 42, "x" * 5000):
         with pytest.raises(Malformed, match="tunnel_cert"):
             parse_start(start_body(bad))
+    with pytest.raises(Malformed, match="nested too deeply"):  # a 500 and a traceback before (attacker pass)
+        parse_start(b"[" * 16000)
     without = json.loads(start_body(None))
     del without["tunnel_cert"]
     with pytest.raises(Malformed):

@@ -88,7 +88,7 @@ def test_status_lines_show_heads_parts_and_refusals() -> None:
         "last failure: w1 (rank 1) is dead, serving",
         "idle: head of gang none (not running), parts: -; starts 0, failures 0, parts lost 0",
         "other: part of gang g9, rank 2 of 3, GPUs 0, GPU-1f, not running (rpc pid 41)",
-        "gang requests refused: not_the_head 2",
+        "requests refused: not_the_head 2",
     ]
 
 

@@ -70,8 +70,10 @@ async def test_missing_binary_path_is_a_runner_error(tmp_path):
 
 
 async def test_missing_binary_name_says_path(tmp_path):
-    with pytest.raises(RunnerError, match=r"not on PATH"):
+    with pytest.raises(RunnerError, match=r"not on PATH") as raised:
         await ProcessRunner().start(request(["viiwork-no-such-engine"], tmp_path, env={"PATH": str(tmp_path)}))
+    # The options that set it, a gang's worker binaries too (a newcomer was sent to `binary`).
+    assert "`binary`" in str(raised.value) and "`rpc_binary`" in str(raised.value)
 
 
 async def test_not_executable_is_a_runner_error(tmp_path):

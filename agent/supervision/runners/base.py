@@ -130,5 +130,10 @@ class Runner(Protocol):
         ...
 
 
+#: Where a binary the runner cannot find is set: the engine's table of the model's entry.
+BINARY_OPTIONS = ("the model's [models.<engine>] `binary`; a gang's llama.cpp worker part: `rpc_binary`, "
+                  "a vLLM gang's Ray runtime: `ray_binary`")
+
+
 class RunnerError(Exception):
     """A backend could not be started; the message names the cause and the fix."""

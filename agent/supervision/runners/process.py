@@ -31,7 +31,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from viiwork.agent.supervision.engine_keys import EngineKeyError, read_env_file
-from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, NftTable, RunHandle, RunnerError
+from viiwork.agent.supervision.runners.base import (
+    BINARY_OPTIONS,
+    ExitInfo,
+    LaunchRequest,
+    NftTable,
+    RunHandle,
+    RunnerError,
+)
 from viiwork.agent.supervision.runners.nft import nft_binary, run_nft
 
 log = logging.getLogger(__name__)
@@ -70,15 +77,14 @@ def _resolve_binary(argv0: str, env: Mapping[str, str]) -> str:
     if "/" in argv0:
         path = Path(argv0)
         if not path.exists():
-            raise RunnerError(f"binary not found: {argv0} (check the engine's `binary` option)")
+            raise RunnerError(f"binary not found: {argv0} ({BINARY_OPTIONS})")
         if path.is_dir() or not os.access(path, os.X_OK):
             raise RunnerError(f"binary not executable: {argv0} (check its permissions)")
         return argv0
     found = shutil.which(argv0, path=env.get("PATH", os.defpath))
     if found is None:
         raise RunnerError(
-            f"binary not found: {argv0} is not on PATH (install it, or set the engine's "
-            "`binary` option to its full path)"
+            f"binary not found: {argv0} is not on PATH (install it, or give its full path: {BINARY_OPTIONS})"
         )
     return found
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from dbus_fast import Variant
 
-from viiwork.agent.supervision.runners.base import ExitInfo, LaunchRequest, RunnerError
+from viiwork.agent.supervision.runners.base import BINARY_OPTIONS, ExitInfo, LaunchRequest, RunnerError
 from viiwork.agent.supervision.runners.systemd.bus import SYSTEMD_PATH
 
 #: Every engine unit lives in this slice; ``viiwork-engines-stop.service`` stops it.
@@ -304,15 +304,14 @@ def resolve_binary(argv0: str, env: Mapping[str, str]) -> str:
     if "/" in argv0:
         path = Path(argv0).absolute()
         if not path.exists():
-            raise RunnerError(f"binary not found: {argv0} (check the engine's `binary` option)")
+            raise RunnerError(f"binary not found: {argv0} ({BINARY_OPTIONS})")
         if path.is_dir() or not os.access(path, os.X_OK):
             raise RunnerError(f"binary not executable: {argv0} (check its permissions)")
         return str(path)
     found = shutil.which(argv0, path=env.get("PATH", os.defpath))
     if found is None:
         raise RunnerError(
-            f"binary not found: {argv0} is not on PATH (install it, or set the engine's "
-            "`binary` option to its full path)"
+            f"binary not found: {argv0} is not on PATH (install it, or give its full path: {BINARY_OPTIONS})"
         )
     return str(Path(found).absolute())
 
