@@ -872,3 +872,20 @@ def test_an_agent_refusing_the_doctor_for_its_key_is_degraded_naming_api_key(tmp
     assert (reachable.check, reachable.verdict) == ("agent.reachable", D)
     assert "--api-key" in reachable.remedy and "VIIWORK_API_KEY" in reachable.remedy
     assert all(r.verdict is S for r in report.results[1:])
+
+
+def test_a_gang_worker_serves_no_model_and_that_is_its_config(tmp_path):
+    """A worker of a gang runs parts, not the model: agent.config is ok on it (the newcomer's
+    worker was told it ran an older config); on the head the model must be served."""
+    gang = {"name": "big", "engine": "llamacpp", "path": "./m.gguf", "hosts": ["head-1", "box"], "gang_port": 50052}
+    ca = {"trust": "ca", "ca_certificate": str(tmp_path / "ca.crt")}
+    config = host(tmp_path, write_config(tmp_path, [model(), gang], mesh=ca)).config
+    served = status([{"name": "m", "state": "running", "backends": [backend("healthy")]}])
+    facts = HostFacts(NOW, config, agent=AgentFacts("http://127.0.0.1:1", True, served))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.config"]
+    assert result.verdict is Verdict.OK, result
+    head = {**gang, "hosts": ["box", "worker-1"]}
+    config = host(tmp_path, write_config(tmp_path, [model(), head], mesh=ca)).config
+    facts = HostFacts(NOW, config, agent=AgentFacts("http://127.0.0.1:1", True, served))
+    (result,) = [r for r in run_checks(facts).results if r.check == "agent.config"]
+    assert result.verdict is D and "configured but not served: big" in result.summary

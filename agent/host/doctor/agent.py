@@ -18,6 +18,7 @@ from viiwork.agent.host.doctor.registry import (
     result_for,
 )
 from viiwork.agent.host.facts import HostFacts
+from viiwork.mesh.identity import is_node_id
 
 
 @check("agent.reachable", "The running agent", agent=True)
@@ -114,14 +115,18 @@ def check_agent_config(facts: HostFacts) -> CheckResult:
     if not is_loopback(host):
         raise Skip(f"the agent at {facts.agent.url} is not this host")
     serving = {str(m.get("name")) for m in status.get("models") or [] if isinstance(m, dict)}
-    configured = {m.name for m in config.models}
+    # A gang's entry is served by its head only: a worker (or a host it does not name) runs
+    # parts, not a model. A head named by node id is not told apart here (the doctor may not
+    # know this node's id): such an entry is expected neither way.
+    configured = {m.name for m in config.models
+                  if not m.hosts or m.hosts[0] == config.node.name or (is_node_id(m.hosts[0]) and m.name in serving)}
     if serving == configured:
         return r(Verdict.OK, f"serves the {plural(len(configured), 'model')} of {facts.config.path}")
     parts = []
     if configured - serving:
         parts.append(f"configured but not served: {', '.join(sorted(configured - serving))}")
-    if serving - configured:
-        parts.append(f"served but not configured: {', '.join(sorted(serving - configured))}")
+    if serving - {m.name for m in config.models}:
+        parts.append(f"served but not configured: {', '.join(sorted(serving - {m.name for m in config.models}))}")
     return r(Verdict.DEGRADED, "; ".join(parts), "the agent runs an older config than the file on disk",
              "`viiworkctl reload` (or `systemctl reload viiwork`) after `viiworkctl config check`")
 
