@@ -809,10 +809,13 @@ def _gang_docs(gangs: Gangs | None, names: dict[NodeId, str]) -> list[dict[str, 
 
 
 def _gangs_across(me: dict[str, Any], nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every node's memberships grouped by (model, gang, leader): one entry per gang with its
-    parts by rank (a rank published twice is listed twice: the view shows what is published)."""
+    """Every live node's memberships grouped by (model, gang, leader): one entry per gang with
+    its parts by rank (a rank published twice is listed twice: the view shows what is
+    published); a peer not ``alive``, or ``leaving``, is left out (its parts have stopped)."""
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     for node in (me, *nodes):
+        if node is not me and (node.get("liveness") != "alive" or node.get("state") == "leaving"):
+            continue  # its last summary's memberships are not running any more
         for g in node["gangs"]:
             entry = out.setdefault((g["model"], g["gang"], g["leader"]), {
                 "model": g["model"], "gang": g["gang"], "size": g["size"], "leader": g["leader"],

@@ -205,6 +205,8 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
     # No half-gang comes back while the worker is away.
     with pytest.raises(AssertionError):
         gang.head.wait_for(healthy, 5, "the model healthy without its worker")
+    # ... and the mesh view lists no gang: the worker that left is not shown as its part.
+    assert mesh_view(gang.head)["gangs"] == []
     # Away longer than a launch waits for its hosts, launch after launch: nothing ran, so no
     # respawn is spent (the budget is 1 here) and the model is not dead; the worker back, the
     # gang is whole again without `viiworkctl up`.
