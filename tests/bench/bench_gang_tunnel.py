@@ -9,8 +9,9 @@ round-trip test):
   would do to an rpc-server listening on the network, unauthenticated);
 - ``TCP relay (two hops, no TLS)``: an entry process and an exit process that copy bytes
   with asyncio streams, without TLS: the cost of the two extra hops alone;
-- ``gang tunnel (mTLS)``: :class:`TunnelEntry` in one process and :class:`TunnelExit` in
-  another (as on two hosts' agents), with real mesh node certificates (Ed25519, TLS 1.3).
+- ``gang tunnel (mTLS)``: the tunnel's two ends as production runs them, each a
+  ``python -m viiwork.agent.gang.tunnel_process`` process (the worker's exit, the head's
+  entry) with its own gang credential (Ed25519, TLS 1.3), the other's certificate pinned.
 
 The target, the exit and the entry each run in their own process; the client is this one.
 Measured: MB/s of a ``--bulk-mib`` upload (time from the first byte sent to the count read
@@ -91,36 +92,6 @@ def _relay(ready: mp.Queue, listen_host: str, to_port: int) -> None:  # type: ig
 
         server = await asyncio.start_server(accepted, listen_host, 0)
         ready.put(server.sockets[0].getsockname()[1])
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def _tunnel_exit(ready: mp.Queue, state: str, ca_pem: bytes, head: str, rpc_port: int) -> None:  # type: ignore[type-arg]
-    from viiwork.agent.gang.tunnel import TunnelExit
-    from viiwork.mesh import tls
-    from viiwork.mesh.identity import NodeId
-
-    async def main() -> None:
-        ctx = tls.server_context(Path(state) / "node.crt", Path(state) / "node.key", ca_pem)
-        end = await TunnelExit(gang="bench", head=NodeId(head), rpc_port=rpc_port, ssl_context=ctx,
-                               listen_host="127.0.0.1").start()
-        ready.put(end.port)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def _tunnel_entry(ready: mp.Queue, state: str, ca_pem: bytes, worker: str, exit_port: int) -> None:  # type: ignore[type-arg]
-    from viiwork.agent.gang.tunnel import TunnelEntry
-    from viiwork.mesh import tls
-    from viiwork.mesh.identity import NodeId
-
-    async def main() -> None:
-        ctx = tls.client_context(Path(state) / "node.crt", Path(state) / "node.key", ca_pem)
-        end = await TunnelEntry(gang="bench", worker=NodeId(worker), worker_host="127.0.0.1", worker_port=exit_port,
-                                ssl_context=ctx).start()
-        ready.put(end.port)
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -228,19 +199,40 @@ def llama_run(rpc: str, tokens: int, runs: int, log: Path) -> tuple[float, float
         proc.wait(10)
 
 
-def make_nodes(root: Path) -> tuple[bytes, dict[str, tuple[str, str]]]:
-    """A mesh CA and two enrolled nodes (head, worker): (CA PEM, name -> (state dir, node id))."""
+def tunnel(root: Path, target_port: int, tag: str) -> tuple[list[subprocess.Popen[bytes]], int]:
+    """The gang tunnel as production runs it: a worker's exit and a head's entry, each a
+    ``python -m viiwork.agent.gang.tunnel_process`` process with its own gang credential and
+    the other's certificate pinned (agent/gang/tunnel_cert.py); returns the processes and the
+    entry's loopback port."""
+    from viiwork.agent.gang.tunnel_cert import make_credential, write_peer
+    from viiwork.engines.gang import new_gang_id
     from viiwork.mesh.identity import load_or_create_identity
-    from viiwork.mesh.trust import init_ca, install_certificate, load_ca, make_signing_request, sign_request
 
-    init_ca(root / "ca")
-    key, cert = load_ca(root / "ca")
-    nodes = {}
-    for name in ("head", "worker"):
-        ident = load_or_create_identity(root / name)
-        install_certificate(root / name, sign_request(key, cert, make_signing_request(ident, name)), ident, cert)
-        nodes[name] = (str(root / name), ident.node_id)
-    return (root / "ca" / "ca.crt").read_bytes(), nodes
+    gang = new_gang_id()
+    head_dir, worker_dir = root / tag / "head-tunnel", root / tag / "worker-tunnel"
+    head_pem, worker_pem = make_credential(head_dir, gang, None), make_credential(worker_dir, gang, None)
+    head_id = load_or_create_identity(root / tag / "head").node_id
+    worker_id = load_or_create_identity(root / tag / "worker").node_id
+    exit_port, entry_port = free_port(), free_port()
+    module = [sys.executable, "-m", "viiwork.agent.gang.tunnel_process"]
+    common = ["--gang", gang, "--rank", "1"]
+    procs = [subprocess.Popen([*module, "exit", *common, "--dir", str(worker_dir),
+                               "--peer", str(write_peer(worker_dir, "head", head_pem, None)), "--head", head_id,
+                               "--listen", f"127.0.0.1:{exit_port}", "--rpc-port", str(target_port),
+                               "--head-host", "127.0.0.1"])]
+    procs.append(subprocess.Popen([*module, "entry", *common, "--dir", str(head_dir),
+                                   "--peer", str(write_peer(head_dir, "r1", worker_pem, None)), "--worker", worker_id,
+                                   "--connect", f"127.0.0.1:{exit_port}", "--port", str(entry_port)]))
+    for port in (exit_port, entry_port):
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"the tunnel processes did not start (port {port})")
+            time.sleep(0.1)
+    return procs, entry_port
 
 
 def main() -> None:
@@ -258,14 +250,14 @@ def main() -> None:
     procs: list[mp.Process] = []
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-gang-tunnel-") as tmp:
-        ca_pem, nodes = make_nodes(Path(tmp))
+        ends: list[subprocess.Popen[bytes]] = []
         try:
             target, target_port = start(_target)
             relay_exit, relay_exit_port = start(_relay, "127.0.0.1", target_port)
             relay_entry, relay_entry_port = start(_relay, "127.0.0.1", relay_exit_port)
-            t_exit, exit_port = start(_tunnel_exit, nodes["worker"][0], ca_pem, nodes["head"][1], target_port)
-            t_entry, entry_port = start(_tunnel_entry, nodes["head"][0], ca_pem, nodes["worker"][1], exit_port)
-            procs += [target, relay_exit, relay_entry, t_exit, t_entry]
+            pair, entry_port = tunnel(Path(tmp), target_port, "bulk")
+            ends += pair
+            procs += [target, relay_exit, relay_entry]
             paths = {"plain TCP": target_port, "TCP relay (two hops, no TLS)": relay_entry_port,
                      "gang tunnel (mTLS)": entry_port}
             total = args.bulk_mib * CHUNK
@@ -286,10 +278,8 @@ def main() -> None:
                                             "-p", str(rpc_port), "-t", "1"], stdout=out, stderr=subprocess.STDOUT)
                 try:
                     time.sleep(1.0)
-                    r_exit, r_exit_port = start(_tunnel_exit, nodes["worker"][0], ca_pem, nodes["head"][1], rpc_port)
-                    r_entry, r_entry_port = start(_tunnel_entry, nodes["head"][0], ca_pem, nodes["worker"][1],
-                                                  r_exit_port)
-                    procs += [r_exit, r_entry]
+                    pair, r_entry_port = tunnel(Path(tmp), rpc_port, "llama")
+                    ends += pair
                     for name, port in (("direct to rpc-server", rpc_port), ("through the gang tunnel", r_entry_port)):
                         result = llama_run(f"127.0.0.1:{port}", args.llama_tokens, args.llama_runs,
                                            Path(tmp) / "head.log")
@@ -302,6 +292,9 @@ def main() -> None:
             for p in procs:
                 p.kill()
                 p.join(5)
+            for end in ends:
+                end.kill()
+                end.wait(5)
     plain = rows[0]
     lines = [
         "### Gang tunnel throughput against plain TCP (loopback)",
