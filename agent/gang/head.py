@@ -435,6 +435,19 @@ class GangHead:
             return None
         return any(isinstance(p, dict) and p.get("gang") == gang.gang and p.get("running") is True for p in parts)
 
+    def away(self) -> str | None:
+        """Why the gang cannot serve now nor soon: a worker host that is ``dead`` or has
+        ``left`` the mesh, or publishes ``leaving`` (a graceful stop); None otherwise (a host not
+        known yet, ``suspect`` or ``restarting`` may be back within seconds). While it is not
+        None the model's requests are refused (503) at once instead of waiting in the queue
+        for a gang that cannot start (``ModelRuntime.can_ever_serve``)."""
+        for rank, host in enumerate(self.model().hosts[1:], start=1):
+            view = self._view(host)
+            if view is not None and (view.liveness in (Liveness.DEAD, Liveness.LEFT)
+                                     or view.state is PublishedState.LEAVING):
+                return f"{host} (rank {rank}) is {view.liveness.value}, {view.state.value}"
+        return None
+
     def membership(self) -> GangMember | None:
         """This node's place in its gang for the summary's ``gangs`` extension: rank 0 and
         leader while a gang is current (from its start until it is stopped), else None."""

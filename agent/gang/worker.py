@@ -6,7 +6,9 @@ node. A start is refused unless every check of this host's **own** config passes
 1. the config has a gang entry by that name (``no_gang_entry``) that names this host
    (``not_in_gang``) at the rank the head sent, in a gang of the same size (``rank_mismatch``);
 2. the sender is the head that entry names (its first host: a node id, or a node name unique
-   among the peers this node knows; ``not_the_head``);
+   among the peers this node knows; ``not_the_head``). A head named by name that asks
+   before this host knows the sender at all (this agent just started, and the head met it
+   first) is waited for, up to :data:`HEAD_WAIT_S`, until the sender's summary arrives;
 3. the head's digests of the shared part equal this host's (``config_mismatch``, naming the
    differing keys).
 
@@ -93,6 +95,8 @@ HEAD_WATCH_S = 1.0
 #: A head not alive in the mesh this long has its parts stopped (a restarted head's agent is
 #: back well within it and adopts them; docs/mesh.md, "Gangs").
 HEAD_GONE_S = 60.0
+#: How long a start from a sender this host does not know yet waits for its summary (check 2).
+HEAD_WAIT_S = 10.0
 
 
 @dataclass
@@ -186,6 +190,15 @@ class GangWorker:
         named = [p.node_id for p in self.mesh.peers() if p.name == head]
         return named[0] if len(named) == 1 else None
 
+    async def _head_once_known(self, model: ModelConfig, sender: NodeId) -> NodeId | None:
+        """:meth:`head_of`, waiting up to :data:`HEAD_WAIT_S` while ``sender`` is not among the
+        peers yet (its name unknown here); at once when it is known."""
+        deadline = time.monotonic() + HEAD_WAIT_S
+        while (self.head_of(model) is None and time.monotonic() < deadline
+               and not any(p.node_id == sender for p in self.mesh.peers())):
+            await asyncio.sleep(0.1)
+        return self.head_of(model)
+
     def _refuse(self, reason: Reason, sender: str, detail: str, **extra: Any) -> web.Response:
         self.refused[reason.value] += 1
         level = logging.WARNING if (reason.value, sender) not in self._warned else logging.DEBUG
@@ -235,6 +248,8 @@ class GangWorker:
                 f"this host is rank {rank} of {len(model.hosts)} in {start.model!r}, "
                 f"the head sent rank {start.rank} of {start.size}"))
         head = self.head_of(model)
+        if head is None and not is_node_id(model.hosts[0]):
+            head = await self._head_once_known(model, peer)
         if head is None or head != peer:
             return self._refuse(Reason.NOT_THE_HEAD, sender, (
                 f"{start.model!r} names {model.hosts[0]!r} as its head"

@@ -117,7 +117,8 @@ class LocalModel:
     backend is healthy or still starting (``ModelRuntime.can_ever_serve``);
     ``ctx_per_slot``: tokens per sequence (0 when unknown). ``ejected``: its healthy
     backends that outlier ejection took out of ``backends`` and ``slots`` (``free``: what
-    they would have free), for the fallback when every candidate is ejected."""
+    they would have free), for the fallback when every candidate is ejected. ``away``: why a
+    gang model cannot serve (its worker host gone, ``GangLauncher.away``), for the 503."""
 
     name: str
     kind: str
@@ -128,6 +129,7 @@ class LocalModel:
     engine: str = ""
     ejected: tuple[LocalBackend, ...] = ()
     endpoints: frozenset[str] = CLASSIC  # the endpoint names its backends serve
+    away: str = ""
 
     @classmethod
     def from_runtime(cls, runtime: ModelRuntime) -> LocalModel:
@@ -139,7 +141,8 @@ class LocalModel:
                    slots=cap.slots, can_serve=runtime.can_ever_serve,
                    ctx_per_slot=runtime.ctx_per_slot, engine=runtime.config.engine,
                    ejected=tuple(LocalBackend(b, free) for b, free in cap.ejected) if cap.ejected else (),
-                   endpoints=runtime.endpoints)
+                   endpoints=runtime.endpoints,
+                   away=(runtime.gang.away() or "") if runtime.gang is not None else "")
 
     def restored(self) -> LocalModel:
         """This picture as if no backend were ejected."""
@@ -688,7 +691,8 @@ class Router:
             return Queue(f"no free slot for {model!r}; {len(later)} peer(s) serve it")
         where = []
         if here is not None:
-            where.append("this node has no healthy or starting backend")
+            where.append("this node has no healthy or starting backend"
+                         + (f" (its gang's worker host {here.away})" if here.away else ""))
         gone = [f"{p.name} ({p.liveness.value}, {p.state.value})" for p in serving]
         if gone:
             where.append("peers that serve it: " + ", ".join(sorted(gone)))

@@ -177,7 +177,8 @@ class GangLauncher(Protocol):
     ``watch`` wraps the engine's handle so it ends with the gang, ``abort`` stops the parts; ``labels``
     are what the engine's unit records of its gang, ``adopt`` takes the gang of an engine left running
     by an earlier agent (raises when it cannot); ``membership`` is this head's entry of the
-    summary's ``gangs`` extension (None without a current gang). ``server_firewall``: after
+    summary's ``gangs`` extension (None without a current gang); ``away`` says why the gang
+    cannot serve now nor soon (a worker host gone), else None. ``server_firewall``: after
     ``prepare``, the nftables table the serving engine's unit owns (an SGLang head's rendezvous
     ports: agent/gang/firewall.py), or None."""
 
@@ -196,6 +197,8 @@ class GangLauncher(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     def membership(self) -> GangMember | None: ...
+
+    def away(self) -> str | None: ...
 
 
 @dataclass(eq=False)
@@ -347,8 +350,11 @@ class ModelRuntime:
 
     @property
     def can_ever_serve(self) -> bool:
-        """False when nothing on this node can serve now or later (down, or all dead)."""
+        """False when nothing on this node can serve now or later (down, all dead, or a gang
+        whose worker host is gone: ``GangLauncher.away``)."""
         if self.state is not ModelState.RUNNING:
+            return False
+        if self.gang is not None and self.gang.away() is not None:
             return False
         return any(b.state is not BackendState.DEAD and b.state is not BackendState.STOPPED for b in self.backends)
 

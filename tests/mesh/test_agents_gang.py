@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -37,8 +38,8 @@ from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 MESH_ID = "test-gang"
 
 
-def mesh_section(seeds: list[str]) -> dict[str, Any]:
-    return {"trust": "open", "mesh_id": MESH_ID, "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
+def mesh_section(seeds: list[str], listen: str = "127.0.0.1:0") -> dict[str, Any]:
+    return {"trust": "open", "mesh_id": MESH_ID, "listen": listen, "advertise": "127.0.0.1",
             "discovery": ["seeds"], "seeds": seeds}
 
 
@@ -202,6 +203,17 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
     assert "gw" in doc["gangs"]["heads"]["g"]["last_failure"]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the part stopped with its agent
+    # A request is refused at once, naming the host gone (not queued for a gang that cannot start).
+    asked = time.monotonic()
+    request = urllib.request.Request(f"{gang.head.url}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "g", "prompt": "hi", "max_tokens": 4}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    answer = json.loads(refused.value.read())
+    assert refused.value.code == 503 and time.monotonic() - asked < 5, answer
+    assert "gang's worker host gw (rank 1)" in answer["error"]["message"], answer
+    assert refused.value.headers["Retry-After"] == "5"
     # No half-gang comes back while the worker is away.
     with pytest.raises(AssertionError):
         gang.head.wait_for(healthy, 5, "the model healthy without its worker")
@@ -218,3 +230,4 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
         gang.head.wait_for(healthy, 30, "the gang whole again once its worker is back")
         (again,) = worker_parts(worker)
         assert again["running"] and again["gang"] != part["gang"]
+        assert worker.status()["gangs"]["refused"] == {}

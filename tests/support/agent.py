@@ -13,11 +13,14 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
+from support.netns import Host
 from support.procs import free_port, stop_process
+
+T = TypeVar("T")
 
 
 def toml_value(value: Any) -> str:
@@ -49,11 +52,14 @@ def render_config(sections: dict[str, dict[str, Any]], models: list[dict[str, An
 
 
 class Agent:
-    """A running agent: ``url``, ``status()``, ``wait_for(predicate)``, ``log_text()``."""
+    """A running agent: ``url``, ``status()``, ``wait_for(predicate)``, ``log_text()``; ``host``:
+    where it runs (support/netns.py; None: this machine), ``call(fn)`` runs ``fn`` from there
+    (how a test reaches an agent whose API listens inside a network namespace)."""
 
     def __init__(self, proc: subprocess.Popen, url: str, log: Path, state_dir: Path | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, host: Host | None = None) -> None:
         self.proc = proc
+        self.host = host
         self.api_key = api_key  # a client key with the read scope, for an agent in keys mode
         self.url = url
         self.log = log
@@ -108,10 +114,17 @@ class Agent:
 
 
 
+    def call(self, fn: Callable[[], T], timeout_s: float = 60) -> T:
+        return fn() if self.host is None else self.host.call(fn, timeout_s)
+
     def status(self) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with urllib.request.urlopen(urllib.request.Request(f"{self.url}/v1/status", headers=headers), timeout=5) as r:
-            return json.load(r)
+
+        def fetch() -> dict[str, Any]:
+            with urllib.request.urlopen(urllib.request.Request(f"{self.url}/v1/status", headers=headers),
+                                        timeout=5) as r:
+                return json.load(r)
+        return self.call(fetch, 10)
 
     def model(self, name: str) -> dict[str, Any]:
         return next(m for m in self.status()["models"] if m["name"] == name)
@@ -149,8 +162,11 @@ class Agent:
 @contextmanager
 def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
               extra: dict[str, dict[str, Any]] | None = None, port: int | None = None,
-              api_key: str | None = None) -> Iterator[Agent]:
+              api_key: str | None = None, host: Host | None = None) -> Iterator[Agent]:
     """Write a config for ``models`` and run ``viiwork-agent --config`` on a free port.
+
+    ``host``: run it there (support/netns.py: in a network namespace, the API on that
+    namespace's loopback, reached through ``Agent.call``); None: on this machine.
 
     A port found free can be taken by another process before the agent binds it (engines of
     other agents pick loopback ports too): when the agent exits because its API port was
@@ -164,9 +180,10 @@ def run_agent(workdir: Path, models: list[dict[str, Any]], name: str = "node-a",
         config = write_config(workdir, models, name, extra, port)
         agent_bin = Path(sys.executable).parent / "viiwork-agent"
         with open(log, "ab") as out:
-            proc = subprocess.Popen([str(agent_bin), "--config", str(config), "--log-level", "debug"],
-                                    stdout=out, stderr=subprocess.STDOUT)
-        agent = Agent(proc, f"http://127.0.0.1:{port}", log, workdir / name, api_key)
+            argv = [str(agent_bin), "--config", str(config), "--log-level", "debug"]
+            popen = subprocess.Popen if host is None else host.popen
+            proc = popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        agent = Agent(proc, f"http://127.0.0.1:{port}", log, workdir / name, api_key, host)
         try:
             agent.wait_for(lambda doc: True, 30, "the API to answer")
         except AssertionError:

@@ -7,6 +7,11 @@ every namespace deleted on exit. ``hosts.cut(i)`` / ``hosts.heal(i)`` pull and p
 cable (its veth on the bridge goes down/up: a partition, the host itself keeps running), and
 ``in_netns(ns, fn)`` runs ``fn`` in a thread whose sockets live in namespace ``ns`` (the test
 process itself stays in the machine's namespace).
+
+``hosts.host(i)`` is host i as one object (:class:`NetnsHost`: its address, ``popen``, ``call``,
+``pids``), what ``support.agent.run_agent(host=...)`` takes to run an agent there;
+:class:`LoopbackHost` is the same on this machine's loopback, for a test that must still run
+where namespaces are unavailable.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 CLONE_NEWNET = 0x40000000  # <sched.h>; setns(2)
@@ -70,6 +76,56 @@ class Hosts:
     def run(self, i: int, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.ns(i), *argv], capture_output=True, text=True,
                               timeout=timeout)
+
+    def host(self, i: int) -> NetnsHost:
+        return NetnsHost(self, i)
+
+
+@dataclass(frozen=True)
+class NetnsHost:
+    """Host ``i`` of ``hosts``: ``address`` (10.99.0.i), ``popen`` (a process in its namespace,
+    killed when the hosts go), ``call(fn)`` (``fn`` with its sockets in that namespace) and
+    ``pids()`` (every process in the namespace, ``ip netns pids``)."""
+
+    hosts: Hosts
+    i: int
+
+    @property
+    def address(self) -> str:
+        return self.hosts.address(self.i)
+
+    @property
+    def ns(self) -> str:
+        return self.hosts.ns(self.i)
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        return self.hosts.popen(self.i, argv, **kwargs)
+
+    def call(self, fn: Callable[[], T], timeout_s: float = 60) -> T:
+        return in_netns(self.ns, fn, timeout_s)
+
+    def pids(self) -> set[int] | None:
+        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True, check=True, timeout=30)
+        return {int(p) for p in out.stdout.split()}
+
+
+class LoopbackHost:
+    """A "host" that is this machine's loopback (where namespaces are unavailable): the same
+    interface as :class:`NetnsHost`; ``pids()`` is None (no namespace to list)."""
+
+    address = "127.0.0.1"
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        return subprocess.Popen(argv, **kwargs)
+
+    def call(self, fn: Callable[[], T], timeout_s: float = 60) -> T:
+        return fn()
+
+    def pids(self) -> set[int] | None:
+        return None
+
+
+Host = NetnsHost | LoopbackHost
 
 
 def in_netns(ns: str, fn: Callable[[], T], timeout_s: float) -> T:
