@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,20 @@ def gang(tmp_path: Path) -> Iterator[Gang]:
 
 async def post_as_stranger(tmp: Path, target: Agent, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """POST ``body`` to ``target``'s gang start route as a mesh member that is not the head."""
-    identity = load_or_create_identity(tmp / "stranger")
-    cert = tmp / "stranger" / "node.crt"
-    cert.write_bytes(issue_open_certificate(identity, "stranger", MESH_ID))
+    return await post_start_as(tmp / "stranger", "stranger", target.status()["mesh"]["self"]["mesh"], body)
+
+
+async def post_start_as(state: Path, name: str, address: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` to the gang start route at mesh ``address`` as node ``name`` (its key in
+    ``state``, made there when missing: an agent given that state dir later is that node)."""
+    identity = load_or_create_identity(state)
+    certs = state.parent / f"{name}-client"
+    certs.mkdir(exist_ok=True)
+    (certs / "node.crt").write_bytes(issue_open_certificate(identity, name, MESH_ID))
     ca_pem = open_mesh_ca(MESH_ID)[1].public_bytes(serialization.Encoding.PEM)
-    ctx = client_context(cert, tmp / "stranger" / "node.key", ca_pem)
-    address = target.status()["mesh"]["self"]["mesh"]
+    ctx = client_context(certs / "node.crt", state / "node.key", ca_pem)
     async with aiohttp.ClientSession() as http, http.post(
-            f"https://{address}{START_PATH}", json=body, ssl=ctx, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            f"https://{address}{START_PATH}", json=body, ssl=ctx, timeout=aiohttp.ClientTimeout(total=30)) as r:
         return r.status, json.loads(await r.read())
 
 
@@ -171,6 +178,28 @@ def test_only_the_named_head_starts_a_part(gang: Gang) -> None:
     assert refused == {"not_the_head": 1, "malformed": 1}
     (still,) = worker_parts(gang.worker)
     assert still == part  # nothing changed
+
+
+def test_a_worker_that_does_not_know_its_head_yet_waits_for_it(tmp_path: Path) -> None:
+    """A worker's agent that just started may be asked by its head before the head's summary
+    reached it (the head found it first): the start waits for the head's name instead of
+    being refused ``not_the_head`` (which spent the head's respawn budget)."""
+    entry = gang_entry(gang_binaries(tmp_path / "bin"), free_port(), tmp_path / "fake-gang.log")
+    worker_mesh = f"127.0.0.1:{free_port()}"
+    # Digests that differ: a config_mismatch answer says the head check passed, and starts nothing.
+    body = {"model": "g", "gang": "abcdefghijkl", "rank": 1, "size": 2,
+            "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}}
+    with ExitStack() as stack:
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
+                                               extra={"mesh": mesh_section([], listen=worker_mesh)}))
+        pool = stack.enter_context(ThreadPoolExecutor(1))
+        asked = pool.submit(asyncio.run, post_start_as(tmp_path / "gh", "gh", worker_mesh, body))
+        time.sleep(1)
+        assert not asked.done(), asked.result()  # waiting: this worker knows no node named gh yet
+        stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={"mesh": mesh_section([worker_mesh])}))
+        status, answer = asked.result(30)
+        assert (status, answer["reason"]) == (409, "config_mismatch"), answer
+        assert "not_the_head" not in worker.status()["gangs"]["refused"]
 
 
 def test_a_lost_part_restarts_the_gang_whole(gang: Gang) -> None:
