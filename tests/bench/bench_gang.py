@@ -50,7 +50,6 @@ from support.netns import Host, LoopbackHost, bridged_hosts, netns_available  # 
 from support.procs import free_port, stop_process  # noqa: E402
 from viiwork.agent.config.demo import find_demo_model  # noqa: E402
 
-
 BUDGET = {"health": {"max_respawns": 100}}
 
 
