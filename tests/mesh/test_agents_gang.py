@@ -188,7 +188,7 @@ def test_a_worker_that_does_not_know_its_head_yet_waits_for_it(tmp_path: Path) -
     worker_mesh = f"127.0.0.1:{free_port()}"
     # Digests that differ: a config_mismatch answer says the head check passed, and starts nothing.
     body = {"model": "g", "gang": "abcdefghijkl", "rank": 1, "size": 2,
-            "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}}
+            "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}, "tunnel_cert": None}
     with ExitStack() as stack:
         worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
                                                extra={"mesh": mesh_section([], listen=worker_mesh)}))
