@@ -13,6 +13,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -39,8 +41,8 @@ from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 MESH_ID = "test-gang"
 
 
-def mesh_section(seeds: list[str], listen: str = "127.0.0.1:0") -> dict[str, Any]:
-    return {"trust": "open", "mesh_id": MESH_ID, "listen": listen, "advertise": "127.0.0.1",
+def mesh_section(seeds: list[str]) -> dict[str, Any]:
+    return {"trust": "open", "mesh_id": MESH_ID, "listen": "127.0.0.1:0", "advertise": "127.0.0.1",
             "discovery": ["seeds"], "seeds": seeds}
 
 
@@ -103,20 +105,14 @@ def gang(tmp_path: Path) -> Iterator[Gang]:
 
 async def post_as_stranger(tmp: Path, target: Agent, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """POST ``body`` to ``target``'s gang start route as a mesh member that is not the head."""
-    return await post_start_as(tmp / "stranger", "stranger", target.status()["mesh"]["self"]["mesh"], body)
-
-
-async def post_start_as(state: Path, name: str, address: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """POST ``body`` to the gang start route at mesh ``address`` as node ``name`` (its key in
-    ``state``, made there when missing: an agent given that state dir later is that node)."""
-    identity = load_or_create_identity(state)
-    certs = state.parent / f"{name}-client"
-    certs.mkdir(exist_ok=True)
-    (certs / "node.crt").write_bytes(issue_open_certificate(identity, name, MESH_ID))
+    identity = load_or_create_identity(tmp / "stranger")
+    cert = tmp / "stranger" / "node.crt"
+    cert.write_bytes(issue_open_certificate(identity, "stranger", MESH_ID))
     ca_pem = open_mesh_ca(MESH_ID)[1].public_bytes(serialization.Encoding.PEM)
-    ctx = client_context(certs / "node.crt", state / "node.key", ca_pem)
+    ctx = client_context(cert, tmp / "stranger" / "node.key", ca_pem)
+    address = target.status()["mesh"]["self"]["mesh"]
     async with aiohttp.ClientSession() as http, http.post(
-            f"https://{address}{START_PATH}", json=body, ssl=ctx, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            f"https://{address}{START_PATH}", json=body, ssl=ctx, timeout=aiohttp.ClientTimeout(total=10)) as r:
         return r.status, json.loads(await r.read())
 
 
@@ -181,22 +177,37 @@ def test_only_the_named_head_starts_a_part(gang: Gang) -> None:
 
 
 def test_a_worker_that_does_not_know_its_head_yet_waits_for_it(tmp_path: Path) -> None:
-    """A worker's agent that just started may be asked by its head before the head's summary
-    reached it (the head found it first): the start waits for the head's name instead of
-    being refused ``not_the_head`` (which spent the head's respawn budget)."""
-    entry = gang_entry(gang_binaries(tmp_path / "bin"), free_port(), tmp_path / "fake-gang.log")
+    """Under CA trust an entry may name its hosts by name. A worker's agent that just started
+    may be asked by its head before the head's summary reached it (the head found it first):
+    the start waits for the head's name instead of being refused ``not_the_head``."""
+    ctl = str(Path(sys.executable).parent / "viiworkctl")
+    ca = tmp_path / "ca"
+    subprocess.run([ctl, "mesh", "ca", "init", "--out", str(ca)], check=True, capture_output=True)
+    for name in ("gh", "gw"):
+        subprocess.run([ctl, "mesh", "enroll", "--ca", str(ca), "--state-dir", str(tmp_path / name), "--name", name],
+                       check=True, capture_output=True)
+    entry = gang_entry(gang_binaries(tmp_path / "bin"), free_port(), tmp_path / "fake-gang.log", ["gh", "gw"])
     worker_mesh = f"127.0.0.1:{free_port()}"
+
+    def mesh(seeds: list[str], listen: str = "127.0.0.1:0") -> dict[str, Any]:
+        return {"mesh": {"trust": "ca", "ca_certificate": str(ca / "ca.crt"), "listen": listen,
+                         "advertise": "127.0.0.1", "discovery": ["seeds"], "seeds": seeds}}
     # Digests that differ: a config_mismatch answer says the head check passed, and starts nothing.
     body = {"model": "g", "gang": "abcdefghijkl", "rank": 1, "size": 2,
             "addresses": ["127.0.0.1", "127.0.0.1"], "digests": {"name": "0" * 32}, "tunnel_cert": None}
+    ctx = client_context(tmp_path / "gh" / "node.crt", tmp_path / "gh" / "node.key", (ca / "ca.crt").read_bytes())
+
+    async def start_as_gh() -> tuple[int, dict[str, Any]]:
+        async with aiohttp.ClientSession() as http, http.post(
+                f"https://{worker_mesh}{START_PATH}", json=body, ssl=ctx, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status, json.loads(await r.read())
     with ExitStack() as stack:
-        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
-                                               extra={"mesh": mesh_section([], listen=worker_mesh)}))
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra=mesh([], worker_mesh)))
         pool = stack.enter_context(ThreadPoolExecutor(1))
-        asked = pool.submit(asyncio.run, post_start_as(tmp_path / "gh", "gh", worker_mesh, body))
+        asked = pool.submit(asyncio.run, start_as_gh())
         time.sleep(1)
         assert not asked.done(), asked.result()  # waiting: this worker knows no node named gh yet
-        stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={"mesh": mesh_section([worker_mesh])}))
+        stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra=mesh([worker_mesh])))
         status, answer = asked.result(30)
         assert (status, answer["reason"]) == (409, "config_mismatch"), answer
         assert "not_the_head" not in worker.status()["gangs"]["refused"]
@@ -241,7 +252,7 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
         urllib.request.urlopen(request, timeout=10)
     answer = json.loads(refused.value.read())
     assert refused.value.code == 503 and time.monotonic() - asked < 5, answer
-    assert "gang's worker host gw (rank 1)" in answer["error"]["message"], answer
+    assert f"gang's worker host {gang.entry['hosts'][1]} (rank 1)" in answer["error"]["message"], answer
     assert refused.value.headers["Retry-After"] == "5"
     # No half-gang comes back while the worker is away.
     with pytest.raises(AssertionError):
