@@ -445,7 +445,7 @@ class GangHead:
             view = self._view(host)
             if view is not None and (view.liveness in (Liveness.DEAD, Liveness.LEFT)
                                      or view.state is PublishedState.LEAVING):
-                return f"{host} (rank {rank}) is {view.liveness.value}, {view.state.value}"
+                return f"{view.name or host} (rank {rank}) is {view.liveness.value}, {view.state.value}"
         return None
 
     def membership(self) -> GangMember | None:
