@@ -152,8 +152,12 @@ def start_agent_unit(um: UserManager, workdir: Path, models: list[dict]) -> str:
     config.write_text(render_config(sections, models))
     log = workdir / "agent-unit.log"
     # `systemd-run` waits for the start job, which for Type=notify ends at READY=1.
+    # The unit gets the manager's environment: PYTHONPATH passed on runs the code under test
+    # (a mutant's scratch copy, tests/mutants/run.py), not the checkout's.
+    python_path = [f"--setenv=PYTHONPATH={os.environ['PYTHONPATH']}"] if os.environ.get("PYTHONPATH") else []
     subprocess.run(
-        ["systemd-run", "--user", "--quiet", f"--unit={AGENT_UNIT}", "-p", "Type=notify", "-p", "WatchdogSec=2s",
+        ["systemd-run", "--user", "--quiet", f"--unit={AGENT_UNIT}", *python_path, "-p", "Type=notify",
+         "-p", "WatchdogSec=2s",
          "-p", "Restart=on-failure", "-p", "RestartSec=200ms", "-p", "TimeoutStopSec=30s",
          "-p", f"StandardOutput=append:{log}", "-p", f"StandardError=append:{log}",
          str(AGENT_BIN), "--config", str(config), "--log-level", "debug"],

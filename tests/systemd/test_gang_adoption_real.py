@@ -141,8 +141,11 @@ class UnitAgent:
         mesh = {**mesh_section([]), "listen": f"127.0.0.1:{self.mesh_port}"}
         config = write_config(tmp, [entry], "gw", {"mesh": mesh, "supervisor": runner}, self.port)
         self.log = tmp / "gw-unit.log"
+        # The unit gets the manager's environment, not the test's: pass PYTHONPATH on, so that
+        # the code under test (a mutant's scratch copy: tests/mutants/run.py) is what it runs.
+        python_path = [f"--setenv=PYTHONPATH={os.environ['PYTHONPATH']}"] if os.environ.get("PYTHONPATH") else []
         subprocess.run(
-            ["systemd-run", "--user", "--quiet", f"--unit={WORKER_UNIT}", "-p", "Type=notify",
+            ["systemd-run", "--user", "--quiet", f"--unit={WORKER_UNIT}", "-p", "Type=notify", *python_path,
              "-p", "TimeoutStopSec=30s", "-p", f"StandardOutput=append:{self.log}",
              "-p", f"StandardError=append:{self.log}", str(AGENT_BIN), "--config", str(config), "--log-level", "debug"],
             env=um.env(), check=True, capture_output=True, text=True, timeout=60)
