@@ -44,6 +44,7 @@ import aiohttp
 from viiwork.agent.config.gang import shared_digests
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.gang.parts import (
+    TUNNEL_STALE_S,
     PartFailed,
     gang_engine,
     part_firewall_of,
@@ -51,6 +52,7 @@ from viiwork.agent.gang.parts import (
     start_part,
     start_tunnel,
     tunnel_dir,
+    tunnel_fresh,
     wait_ready,
 )
 from viiwork.agent.gang.tunnel import TunnelCounters, TunnelEndView
@@ -76,8 +78,10 @@ log = logging.getLogger(__name__)
 
 #: How long prepare() waits for every worker host to be alive in the mesh (at most: the
 #: entry's startup timeout when shorter). Then the launch fails spending no respawn, and is
-#: tried again: a worker away for long is waited for without `viiworkctl up`.
-PEER_WAIT_S = 30.0
+#: tried again a few seconds later: a worker away for long is waited for without `viiworkctl
+#: up`. Short, because the launch holds this node's load gate meanwhile (other models'
+#: launches wait for it).
+PEER_WAIT_S = 5.0
 #: A worker's start answers once its part is up: rpc-server or a runtime within this.
 START_TIMEOUT_S = 90.0
 WATCH_INTERVAL_S = 1.0
@@ -216,8 +220,9 @@ class GangHead:
             workers = await self._workers(model)
         except GangHostsAway as exc:
             self.counters["failures"] += 1
+            level = logging.DEBUG if self.last_failure == str(exc) else logging.WARNING  # once per absence
             self.last_failure = str(exc)
-            log.warning("%s; trying again (no respawn spent)", exc)
+            log.log(level, "%s; trying again (no respawn spent)", exc)
             raise
         gang = _Gang(new_gang_id(), workers)
         self.current = gang
@@ -416,6 +421,10 @@ class GangHead:
         for handle in gang.local:
             if not handle.running():
                 return "the head's own part exited"
+        for tunnel in gang.tunnels:
+            if not tunnel_fresh(self.tunnel_dir(self.model()), tunnel.rank, TUNNEL_STALE_S):
+                return (f"the head's tunnel to rank {tunnel.rank} wrote nothing for {TUNNEL_STALE_S:.0f} s "
+                        "(frozen or stuck)")
         return None
 
     async def part_running(self, gang: _Gang, worker: _Worker) -> bool | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from viiwork.agent.config.gang import shared_hash
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.gang.firewall import FirewallError, part_firewall
+from viiwork.agent.gang.tunnel_process import counters_path
 from viiwork.agent.supervision.backend_task import NodeContext
 from viiwork.agent.supervision.backends import Backend, BackendId
 from viiwork.agent.supervision.gang_units import gang_labels, gang_unit_stem, tunnel_labels, tunnel_unit_stem
@@ -38,6 +39,8 @@ from viiwork.engines.registry import ENGINES
 PART_READY_TIMEOUT_S = 60.0
 #: A process counts as running once it has lived this long (it did not die on its arguments).
 PROCESS_SETTLE_S = 0.5
+#: A tunnel end that has not written its counters (every second) for this long is stuck.
+TUNNEL_STALE_S = 10.0
 #: A tunnel end's memory limit (it holds at most 16 connections of 64 KiB records).
 TUNNEL_MEMORY_MAX_BYTES = 256 * 1024 * 1024
 
@@ -152,17 +155,41 @@ async def start_tunnel(node: NodeContext, model: ModelConfig, gang_id: str, rank
         sandbox=model.sandbox,
         private_dir=directory,
     )
+    counters = counters_path(Path(directory), rank)
+    with contextlib.suppress(OSError):
+        counters.unlink()  # an earlier gang's: the new end writes its own once it listens
     try:
         handle = await node.runner.start(request)
     except RunnerError as exc:
         raise PartFailed(f"the tunnel {args[0]} of rank {rank}: {exc}") from None
     try:
-        await wait_ready(handle, Ready.PORT, listen, log=Path(request.log_path or ""))
+        # Up once it wrote its first counters (right after binding): no probe connection,
+        # which an exit would count as a refused handshake.
+        deadline = time.monotonic() + PART_READY_TIMEOUT_S
+        while not tunnel_fresh(Path(directory), rank, TUNNEL_STALE_S):
+            if not handle.running():
+                info = await handle.wait()
+                said = log_tail(Path(request.log_path or ""))
+                raise PartFailed(f"it exited: {info.describe()}" + (f"; its log ends: {said}" if said else ""))
+            if time.monotonic() >= deadline:
+                raise PartFailed(f"not listening on {listen} within {PART_READY_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.1)
     except PartFailed as exc:
         with contextlib.suppress(Exception):
             await handle.stop(node.config.supervisor.stop_timeout_s)
         raise PartFailed(f"the tunnel {args[0]} of rank {rank}: {exc}") from None
     return handle
+
+
+def tunnel_fresh(directory: Path, rank: int, max_age_s: float) -> bool:
+    """Whether the tunnel end of ``rank`` wrote its counters less than ``max_age_s`` ago: it
+    writes them every second (agent/gang/tunnel_process.py), so an older file means a frozen
+    (SIGSTOP, a frozen cgroup) or wedged end, which no process check notices."""
+    try:
+        age = time.time() - counters_path(directory, rank).lstat().st_mtime
+    except OSError:
+        return False
+    return age < max_age_s
 
 
 def part_firewall_of(model: ModelConfig, engine: GangEngine, part: GangPart, addresses: GangAddresses) -> NftTable | None:

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 
-from viiwork.agent.supervision.engine_keys import write_private
+from viiwork.agent.supervision.engine_keys import read_private, write_private
 from viiwork.mesh import tls
 
 CERT_FILE = "tunnel.crt"
@@ -65,6 +65,22 @@ def write_peer(directory: Path, peer: str, pem: str, engine_user: str | None) ->
     ``directory/peer-<peer>.crt``; returns its path. Raises EngineKeyError."""
     return write_private(directory, f"peer-{peer}.crt", pem.encode("ascii"), engine_user,
                          what="gang tunnel peer certificate")
+
+
+def read_tunnel_cert(directory: Path) -> str | None:
+    """This end's certificate as :func:`make_credential` wrote it, read back by a restarted
+    agent (agent/gang/worker.py ``adopt``): None unless ``directory/tunnel.crt`` is a regular
+    file of one link, not followed (the directory is the engine user's), at most
+    :data:`MAX_CERT_PEM_CHARS`, and a self-signed Ed25519 certificate (:func:`pinned_der`):
+    whatever the engine's user put there, nothing else is read or sent on to the head."""
+    raw = read_private(directory / CERT_FILE, MAX_CERT_PEM_CHARS)
+    try:
+        pem = raw.decode("ascii") if raw is not None else None
+        if pem is not None:
+            pinned_der(pem)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return pem
 
 
 def pinned_der(pem: str) -> bytes:

@@ -65,7 +65,7 @@ def read_counters(directory: Path, rank: int) -> TunnelCounters | None:
         with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_COUNTERS_BYTES + 1)
         doc = json.loads(raw) if len(raw) <= MAX_COUNTERS_BYTES else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # the engine's user writes there: anything may be
         return None
     return TunnelCounters.from_dict(doc) if isinstance(doc, dict) else None
 

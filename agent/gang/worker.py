@@ -36,6 +36,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -50,6 +51,7 @@ from viiwork.agent.config.gang import (
 )
 from viiwork.agent.config.schema import ModelConfig
 from viiwork.agent.gang.parts import (
+    TUNNEL_STALE_S,
     PartFailed,
     gang_engine,
     part_log,
@@ -58,10 +60,11 @@ from viiwork.agent.gang.parts import (
     start_part,
     start_tunnel,
     tunnel_dir,
+    tunnel_fresh,
     wait_ready,
 )
 from viiwork.agent.gang.tunnel import TunnelCounters, TunnelEndView
-from viiwork.agent.gang.tunnel_cert import CERT_FILE, make_credential, write_peer
+from viiwork.agent.gang.tunnel_cert import make_credential, read_tunnel_cert, write_peer
 from viiwork.agent.gang.tunnel_process import read_counters
 from viiwork.agent.gang.wire import (
     MAX_BODY_BYTES,
@@ -81,9 +84,9 @@ from viiwork.agent.supervision.launch import free_port_on
 from viiwork.agent.supervision.runners.base import RunHandle, RunnerError
 from viiwork.engines.gang import GangAddresses, GangPart, LaunchShape, PartRole, is_gang_id
 from viiwork.engines.gang_plan import plan_gang
-from viiwork.mesh.extensions import GangMember
+from viiwork.mesh.extensions import GANGS, GangMember
 from viiwork.mesh.identity import NodeId, is_node_id
-from viiwork.mesh.membership import Liveness
+from viiwork.mesh.membership import Liveness, PeerView
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.summary import PublishedState
 from viiwork.mesh.transport import peer_of
@@ -95,6 +98,17 @@ HEAD_WATCH_S = 1.0
 #: A head not alive in the mesh this long has its parts stopped (a restarted head's agent is
 #: back well within it and adopts them; docs/mesh.md, "Gangs").
 HEAD_GONE_S = 60.0
+#: An alive head whose summary does not name the gang this long has its parts stopped (a head
+#: publishes its gang from the start of its launch, within a few gossip rounds).
+HEAD_UNCLAIMED_S = 15.0
+
+
+def leads(view: PeerView, gang: _Gang) -> bool:
+    """Whether ``view``'s summary names it the leader (rank 0) of ``gang`` (its ``gangs`` extension)."""
+    published = view.extensions.get(GANGS)
+    return published is not None and any(
+        m.model == gang.model and m.gang == gang.gang and m.rank == 0 and m.leader == view.node_id
+        for m in published.members)
 #: How long a start from a sender this host does not know yet waits for its summary (check 2).
 HEAD_WAIT_S = 10.0
 
@@ -114,9 +128,14 @@ class _Gang:
     tunnel_cert: str | None = None  # its tunnel exit's certificate (PEM), for the head
     parts: list[dict[str, Any]] = field(default_factory=list)
     head_gone_since: float | None = None  # monotonic: since when the head is not alive in the mesh
+    unclaimed_since: float | None = None  # monotonic: since when the alive head does not publish this gang
+    tunnel_dir: Path | None = None  # its tunnel exit's directory (counters written every second)
 
     def running(self) -> bool:
-        return bool(self.handles) and all(h.running() for h in self.handles)
+        """Every process runs, and its tunnel exit (if any) wrote its counters lately (a frozen
+        exit runs but carries nothing: agent/gang/parts.py ``tunnel_fresh``)."""
+        return (bool(self.handles) and all(h.running() for h in self.handles)
+                and (self.tunnel_dir is None or tunnel_fresh(self.tunnel_dir, self.rank, TUNNEL_STALE_S)))
 
 
 class GangWorker:
@@ -132,6 +151,7 @@ class GangWorker:
         self.counters: Counter[str] = Counter()
         self._warned: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()
+        self._head_hosts: dict[str, str] = {}  # model -> the address its head's last start came from
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(START_PATH, self.handle_start)
@@ -150,9 +170,11 @@ class GangWorker:
     async def check_heads(self, now: float) -> None:
         """Stop the parts of a gang whose head left: it publishes ``leaving`` (a graceful stop:
         its agent has stopped its engine), or it has not been ``alive`` in the mesh for
-        :data:`HEAD_GONE_S` (crashed or cut off, and not back to adopt the gang). A head that
-        publishes ``restarting``, or comes back alive within that time, keeps its parts: its
-        agent adopts them (agent/gang/head.py)."""
+        :data:`HEAD_GONE_S` (crashed or cut off, and not back to adopt the gang), or, alive, its
+        summary has not named this gang for :data:`HEAD_UNCLAIMED_S` (its agent came back
+        with another config, or without the entry, and did not adopt it). A head that
+        publishes ``restarting``, or comes back and adopts the gang, keeps its parts
+        (agent/gang/head.py)."""
         views = {v.node_id: v for v in self.mesh.peers()}
         for name, gang in list(self.gangs.items()):
             view = views.get(gang.head)
@@ -165,6 +187,13 @@ class GangWorker:
                     why = f"its head has not been alive in the mesh for {HEAD_GONE_S:.0f} s"
             else:
                 gang.head_gone_since = None
+                if view.state is not PublishedState.RESTARTING and not leads(view, gang):
+                    gang.unclaimed_since = gang.unclaimed_since if gang.unclaimed_since is not None else now
+                    if now - gang.unclaimed_since >= HEAD_UNCLAIMED_S:
+                        why = (f"its head, alive, has not led this gang for {HEAD_UNCLAIMED_S:.0f} s (it started "
+                               "another, or runs another config)")
+                else:
+                    gang.unclaimed_since = None
             if why is None:
                 continue
             async with self._lock:
@@ -258,6 +287,14 @@ class GangWorker:
         if keys:
             return self._refuse(Reason.CONFIG_MISMATCH, sender,
                                 mismatch_message(model.name, self.node.node_name, keys), keys=list(keys))
+        try:  # checked before anything running is touched
+            assert model.gang_port is not None  # the schema requires it with hosts
+            GangAddresses(start.gang, start.rank, start.size, start.addresses, model.gang_port)
+        except ValueError as exc:
+            return self._refuse(Reason.MALFORMED, sender, f"addresses: {exc}")
+        # Where the head's connections come from, as this host sees them: its exit keeps their
+        # slots (agent/gang/tunnel.py); the head's advertised host may be a name.
+        self._head_hosts[model.name] = str(request.remote or "")
         async with self._lock:
             # Shielded: the listener cancels a handler whose client went away, and a start cut
             # off half-way must still end whole or stopped (``_start`` cleans up on failure).
@@ -352,11 +389,12 @@ class GangWorker:
             self.node, model, start.gang, start.rank, start.size, gang.head,
             ("exit", "--gang", start.gang, "--rank", str(start.rank), "--dir", str(directory), "--peer", str(peer),
              "--head", gang.head, "--listen", f"{host}:{port}", "--rpc-port", str(model.gang_port),
-             "--head-host", start.addresses[0]),
+             "--head-host", self._head_hosts.get(model.name) or start.addresses[0]),
             f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")
         gang.handles.append(handle)
         gang.parts.append({"role": TUNNEL_ROLE, "pid": handle.pid, "unit": handle.unit})
         gang.tunnel_port = port
+        gang.tunnel_dir = directory
 
     async def _stop(self, name: str) -> None:
         gang = self.gangs.pop(name, None)
@@ -422,8 +460,8 @@ class GangWorker:
                 tunnel = tunnel_of_labels(handle.labels)
                 if tunnel is not None:
                     gang.tunnel_port = tunnel[2]
-                    with contextlib.suppress(OSError):
-                        gang.tunnel_cert = (tunnel_dir(self.node, model) / CERT_FILE).read_text()
+                    gang.tunnel_dir = tunnel_dir(self.node, model)
+                    gang.tunnel_cert = read_tunnel_cert(gang.tunnel_dir)
                 gang.parts.append({"role": handle.labels.get("gang_role"), "pid": handle.pid, "unit": handle.unit})
                 gang.handles.append(handle)
                 claimed.add(handle.unit or "")

@@ -206,16 +206,28 @@ def read_key(directory: Path) -> str | None:
     """The key an earlier launch wrote to ``directory/key``; None when missing, unreadable or
     not a regular file of one link (``directory`` may belong to the engine user: a symlink, a
     FIFO or a hard link it put there is neither followed, waited on nor read)."""
+    raw = read_private(directory / KEY_FILE, 4096)
     try:
-        fd = os.open(directory / KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        text = raw.decode("ascii").strip() if raw is not None else ""
+    except UnicodeDecodeError:
+        return None
+    return text or None
+
+
+def read_private(path: Path, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of ``path``, a file in a directory the engine user may own;
+    None when missing, unreadable, larger than ``limit``, or not a regular file of one link
+    (a symlink, a FIFO or a hard link put there is neither followed, waited on nor read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
                 return None
-            text = f.read(4096).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
+            raw = f.read(limit + 1)
+    except OSError:
         return None
-    return text or None
+    return raw if len(raw) <= limit else None
 
 
 def auth_headers(key: str | None) -> dict[str, str]:

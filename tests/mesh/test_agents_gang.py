@@ -10,6 +10,7 @@ process runner. The real llama.cpp RPC run is tests/real/.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -271,3 +272,52 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
         (again,) = worker_parts(worker)
         assert again["running"] and again["gang"] != part["gang"]
         assert worker.status()["gangs"]["refused"] == {}
+
+
+def test_a_frozen_tunnel_end_takes_the_gang_down_and_it_comes_back_whole(gang: Gang) -> None:
+    """SIGSTOP of the worker's tunnel exit: its process runs, so no process check sees it, but
+    it stops writing its counters; the worker says its part is not running, the head restarts
+    the gang whole (the second attacker pass saw a healthy model that never answered)."""
+    (part,) = worker_parts(gang.worker)
+    (exit_pid,) = [p["pid"] for p in part["parts"] if p["role"] == "tunnel"]
+    os.kill(exit_pid, signal.SIGSTOP)
+    try:
+        doc = gang.head.wait_for(lambda d: not healthy(d), 30, "the model unhealthy once its tunnel froze")
+        assert "not running" in doc["gangs"]["heads"]["g"]["last_failure"]
+
+        def new_gang(d: dict[str, Any]) -> bool:
+            parts = worker_parts(gang.worker)
+            return healthy(d) and len(parts) == 1 and parts[0]["gang"] != part["gang"] and parts[0]["running"]
+        gang.head.wait_for(new_gang, 60, "a new gang, whole and healthy")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(exit_pid, signal.SIGCONT)
+
+
+def test_a_head_back_with_another_config_does_not_leave_the_old_part_running(gang: Gang) -> None:
+    """kill -9 of the head's agent (its parts die with it: process runner), then the head
+    back with a changed entry: its starts are refused (config_mismatch), it never leads the old
+    gang again, and the worker stops that gang's part (second attacker pass: it ran on)."""
+    (part,) = worker_parts(gang.worker)
+    os.kill(gang.head.proc.pid, signal.SIGKILL)
+    gang.head.proc.wait(10)
+    changed = {**gang.entry, "parallel": 2}
+    head_mesh = {"mesh": mesh_section([gang.worker.status()["mesh"]["self"]["mesh"]])}
+    with run_agent(gang.tmp, [changed], name="gh", extra=head_mesh) as head:
+        head.wait_for(lambda d: "config_mismatch" in str(d["gangs"]["heads"]["g"]["last_failure"])
+                      or "different gang entry" in str(d["gangs"]["heads"]["g"]["last_failure"]), 30,
+                      "the changed head refused")
+        gang.worker.wait_for(lambda d: d["gangs"]["parts"] == [], 40, "the old gang's part stopped")
+        assert "has not led this gang" in gang.worker.log_text()
+        deadline = time.monotonic() + 15
+        while process_alive(part["parts"][0]["pid"]):
+            assert time.monotonic() < deadline, "the old part's rpc-server outlived its stop"
+            time.sleep(0.1)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

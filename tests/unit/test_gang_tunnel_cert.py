@@ -20,7 +20,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
 from viiwork.agent.gang.tunnel import TunnelCounters
-from viiwork.agent.gang.tunnel_cert import CERT_FILE, KEY_FILE, make_credential, pinned_der, write_peer
+from viiwork.agent.gang.tunnel_cert import (
+    CERT_FILE,
+    KEY_FILE,
+    make_credential,
+    pinned_der,
+    read_tunnel_cert,
+    write_peer,
+)
 from viiwork.agent.gang.tunnel_process import counters_path, read_counters
 from viiwork.agent.gang.wire import Malformed, StartRequest, parse_start
 
@@ -117,3 +124,31 @@ def test_tunnel_process_refuses_bad_arguments_and_a_missing_credential(tmp_path:
     for argv in (entry, exit_):  # no credential in the directory
         done = run_process(*argv)
         assert done.returncode == 1 and "cannot read the tunnel credentials" in done.stderr, done.stderr
+
+
+def test_a_restarted_agent_reads_back_only_its_own_certificate(tmp_path: Path) -> None:
+    """The tunnel directory is the engine user's: whatever it plants as tunnel.crt (a link to
+    the node's key, a FIFO, a huge file, a key itself), nothing but a self-signed certificate
+    is read back and sent to the head (second attacker pass: a link leaked node.key)."""
+    directory = tmp_path / "engines" / "big-gang-tunnel"
+    pem = make_credential(directory, "abcdefghijkl", None)
+    assert read_tunnel_cert(directory) == pem
+    secret = tmp_path / "node.key"
+    secret.write_text((directory / KEY_FILE).read_text())
+    cert = directory / CERT_FILE
+    for plant in ("link", "fifo", "big", "key"):
+        cert.unlink()
+        if plant == "link":
+            os.symlink(secret, cert)
+        elif plant == "fifo":
+            os.mkfifo(cert)
+        elif plant == "big":
+            cert.write_text(pem + "x" * 5000)
+        else:
+            cert.write_text(secret.read_text())
+        assert read_tunnel_cert(directory) is None, plant
+
+
+def test_a_counters_file_of_nested_arrays_reads_as_none(tmp_path: Path) -> None:
+    counters_path(tmp_path, 1).write_text("[" * 15000)
+    assert read_counters(tmp_path, 1) is None  # /metrics answered 500 before
