@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from support.agent import Agent, node_ids, run_agent
 from support.gang_driver import gang_binaries
 from support.procs import free_port, stop_process
+from support.systemd import process_gone
 from viiwork.agent.cli import main
 from viiwork.agent.gang.wire import START_PATH
 from viiwork.mesh.identity import load_or_create_identity
@@ -310,14 +311,6 @@ def test_a_head_back_with_another_config_does_not_leave_the_old_part_running(gan
         gang.worker.wait_for(lambda d: d["gangs"]["parts"] == [], 40, "the old gang's part stopped")
         assert "has not led this gang" in gang.worker.log_text()
         deadline = time.monotonic() + 15
-        while process_alive(part["parts"][0]["pid"]):
+        while not process_gone(part["parts"][0]["pid"]):
             assert time.monotonic() < deadline, "the old part's rpc-server outlived its stop"
             time.sleep(0.1)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

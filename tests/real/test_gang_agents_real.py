@@ -40,6 +40,7 @@ import requests
 from support.agent import Agent, node_ids, run_agent
 from support.netns import Host, LoopbackHost, bridged_hosts, netns_available
 from support.procs import free_port, stop_process
+from support.systemd import process_gone
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
@@ -96,14 +97,6 @@ def hosts() -> Iterator[list[Host]]:
         yield [bridged.host(1), bridged.host(2)]
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_smollm2_split_over_two_hosts_answers_as_one_host_and_comes_back_whole(
         hosts: list[Host], tmp_path: Path, llama_server: Path, rpc_server: Path, smollm2_path: Path) -> None:
     head_host, worker_host = hosts
@@ -147,17 +140,17 @@ def test_smollm2_split_over_two_hosts_answers_as_one_host_and_comes_back_whole(
         # 3. The worker's agent stops gracefully: the model goes down cleanly, no half-gang serves.
         (backend,) = head.model("smol")["backends"]
         engine_pid, rpc_pid = backend["pid"], again["parts"][0]["pid"]
-        assert engine_pid and not gone(engine_pid) and not gone(rpc_pid)
+        assert engine_pid and not process_gone(engine_pid) and not process_gone(rpc_pid)
         stopped_at = time.monotonic()
         stop_process(worker.proc, 30)  # SIGTERM
         assert worker.proc.returncode == 0, worker.log_text()[-3000:]
         doc = head.wait_for(lambda d: not healthy(d), 15, "the model down once its worker host left")
         down_s = time.monotonic() - stopped_at
-        assert gone(rpc_pid), "the worker's rpc-server outlived its agent"
+        assert process_gone(rpc_pid), "the worker's rpc-server outlived its agent"
         assert worker_host.pids() in (None, set()), "a process was left on the worker's host"
         failure = doc["gangs"]["heads"]["smol"]["last_failure"]
         assert "gw (rank 1)" in failure, failure
-        head.wait_for(lambda d: gone(engine_pid), 30, "the head's llama-server stopped")
+        head.wait_for(lambda d: process_gone(engine_pid), 30, "the head's llama-server stopped")
         r = post(head, 30)
         assert r.status_code == 503, (r.status_code, r.text)
         assert "worker host gw (rank 1)" in r.json()["error"]["message"], r.text
