@@ -75,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.set_defaults(func=run_ca_init)
     ca.set_defaults(func=lambda args: (ca.print_help(), 2)[1])
 
+    node_id = sub.add_parser("id", help="print this node's id (creating its key if needed)",
+                             description="Print this node's id: the one a gang's `hosts` names it by under trust "
+                                         "\"open\" (docs/configuration.md, \"Gangs\"). Creates the node key in the "
+                                         "state dir if the agent has not run yet, as the agent would.")
+    _node_args(node_id)
+    node_id.set_defaults(func=run_id)
+
     request = sub.add_parser("request", help="print this node's certificate signing request",
                              description="Create the node key if needed and print (or write) a signing request "
                                          "for it, to be signed on the CA host with `viiworkctl mesh sign`.")
@@ -178,6 +185,17 @@ def run_ca_init(args: argparse.Namespace) -> int:
     print(f"created mesh CA in {args.out} (mesh id {files.mesh_id})\n"
           f"  {files.key_path}: the CA key; keep it here, off the GPU boxes (mode 0600)\n"
           f"  {files.cert_path}: copy to every node and set mesh.ca_certificate to its path")
+    return 0
+
+
+def run_id(args: argparse.Namespace) -> int:
+    try:
+        cfg = None if args.state_dir else _config(args)
+        key = cfg.mesh.node_key if cfg is not None and cfg.mesh is not None else None
+        identity = load_or_create_identity(_state_dir(args, cfg), key)
+    except (TrustError, IdentityError, OSError) as exc:
+        return _fail(f"{exc} (with a config that does not load yet, give --state-dir: the agent's node.state_dir)")
+    print(identity.node_id)
     return 0
 
 

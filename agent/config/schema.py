@@ -704,14 +704,16 @@ class Config(_Strict):
                     "a model served by a gang needs [mesh]: the head asks its workers over the mesh "
                     "(docs/mesh.md, \"Gangs\")"))
             if m.hosts and self.mesh is not None and self.mesh.trust == "open":
-                named = [h for h in m.hosts if h != self.node.name and not is_node_id(h)]
+                named = [h for h in m.hosts if not is_node_id(h)]
                 if named:
                     raise PathError(("models", i, "hosts"), (
-                        f"names another host by name ({', '.join(repr(h) for h in named)}) under mesh trust "
-                        "\"open\", where any member can take a name (the first node seen with it is pinned) and "
-                        "so receive the model and its prompts, or command this host's GPUs: name the other "
-                        "hosts by node id (each agent logs its id at start; `viiworkctl mesh` lists them), or "
-                        "use trust = \"ca\", whose certificates bind the names (docs/security.md)"))
+                        f"{', '.join(repr(h) for h in named)} "
+                        + ("is not a node id" if len(named) == 1 else "are not node ids")
+                        + " (16 characters of a-z and 2-7) under mesh trust \"open\", where any member can take a "
+                        "name (the first node seen with it is pinned) and so receive the model and its prompts, "
+                        "or command a host's GPUs: name every host by node id, the same list on every host "
+                        "(`viiworkctl mesh id` prints a node's), or use trust = \"ca\", whose certificates bind "
+                        "the names (docs/configuration.md, \"Gangs\")"))
         _check_gang_ports(self)
         if self.mesh is not None:
             _check_summary_fits(self)

@@ -127,3 +127,20 @@ def test_config_supplies_state_dir_and_name(tmp_path, capsys):
 
     _, info = read_signing_request((tmp_path / "r.pem").read_bytes())
     assert info.name == "from-config" and (tmp_path / "st" / "node.key").exists()
+
+
+def test_mesh_id_prints_the_id_the_agent_will_have(tmp_path, capsys):
+    """A gang under open trust names its hosts by node id: `mesh id` gives a node's before its
+    agent ever ran (the key made as the agent would make it), the same again after."""
+    from viiwork.mesh.identity import load_or_create_identity
+
+    assert main(["mesh", "id", "--state-dir", str(tmp_path / "s")]) == 0
+    first = capsys.readouterr().out.strip()
+    assert first == load_or_create_identity(tmp_path / "s").node_id
+    config = tmp_path / "v.toml"
+    config.write_text(f'[node]\nname = "n"\nstate_dir = "{tmp_path / "s"}"\n')
+    assert main(["mesh", "id", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.strip() == first
+    config.write_text("[node\n")
+    assert main(["mesh", "id", "--config", str(config)]) == 1
+    assert "--state-dir" in capsys.readouterr().err

@@ -218,10 +218,14 @@ def test_open_trust_needs_the_other_hosts_by_node_id() -> None:
     host named by name is refused; node ids, and this node's own name, are fine."""
     text = entry().replace(MESH, OPEN_MESH)
     (issue,) = issues(text)
-    assert issue.startswith("models[0].hosts: names another host by name ('gpu-a', 'gpu-c') under mesh trust \"open\"")
-    assert "node id" in issue and 'trust = "ca"' in issue
+    assert issue.startswith("models[0].hosts: 'gpu-a', 'gpu-c' are not node ids (16 characters of a-z and 2-7) "
+                            "under mesh trust \"open\"")
+    assert "`viiworkctl mesh id`" in issue and 'trust = "ca"' in issue
+    # Not even this host's own name: the entry must read the same on every host (its shared part).
     own = f'[node]\nname = "gpu-a"\n{entry(hosts=f"""["gpu-a", "{NODE_B_ID}"]""").replace(MESH, OPEN_MESH)}'
-    assert model(own).hosts == ["gpu-a", NODE_B_ID]
+    assert issues(own)[0].startswith("models[0].hosts: 'gpu-a' is not a node id (16 characters of a-z and 2-7)")
+    ids = entry(hosts=f'["{"a" * 16}", "{NODE_B_ID}"]').replace(MESH, OPEN_MESH)
+    assert model(ids).hosts == ["a" * 16, NODE_B_ID]
 
 
 @pytest.mark.parametrize(("extra", "port", "expected"), [
