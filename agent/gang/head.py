@@ -102,6 +102,15 @@ class GangError(Exception):
     nothing_ran = False
 
 
+class GangWorkerFailed(GangError):
+    """A worker's agent refused the start, or could not start its part, or could not be
+    reached: nothing of the head's engine ran (the cause is on the worker's host: its config,
+    its binaries, its ports), so no respawn is spent and the launch is tried again until the
+    worker is fixed, without `viiworkctl up` on the head."""
+
+    nothing_ran = True
+
+
 class GangHostsAway(GangError):
     """A host of the gang is not alive in the mesh (or leaving, restarting) after
     :data:`PEER_WAIT_S`: nothing was started."""
@@ -196,11 +205,12 @@ class GangHead:
                 raw = await read_bounded(resp.content, 64 * 1024)
                 answer = _json(raw)
                 if resp.status != 200:
-                    raise GangError(f"{worker.host} (rank {worker.rank}) refused: "
-                                    f"{answer.get('reason', resp.status)}: {answer.get('detail', '')}")
+                    raise GangWorkerFailed(f"{worker.host} (rank {worker.rank}) refused: "
+                                           f"{answer.get('reason', resp.status)}: {answer.get('detail', '')}")
                 return answer
         except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as exc:
-            raise GangError(f"{worker.host} (rank {worker.rank}) cannot be reached: {exc or type(exc).__name__}") from None
+            raise GangWorkerFailed(f"{worker.host} (rank {worker.rank}) cannot be reached: "
+                                   f"{exc or type(exc).__name__}") from None
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -256,9 +266,14 @@ class GangHead:
             self.server_firewall = part_firewall_of(model, engine, GangPart(0, PartRole.SERVER), addresses)
         except (GangError, PartFailed, OSError, ValueError, EngineKeyError) as exc:
             self.counters["failures"] += 1
-            self.last_failure = str(exc)
             await self.abort()
-            raise GangError(f"gang {gang.gang} of {model.name}: {exc}") from None
+            failed = GangError(f"gang {gang.gang} of {model.name}: {exc}")
+            failed.nothing_ran = getattr(exc, "nothing_ran", False)
+            if failed.nothing_ran:  # the ladder says nothing of these: said here, once per cause
+                level = logging.DEBUG if self.last_failure == str(exc) else logging.WARNING
+                log.log(level, "%s; trying again (no respawn spent)", failed)
+            self.last_failure = str(exc)
+            raise failed from None
         log.info("gang %s of %s: %d workers up (%s), launching the head", gang.gang, model.name, len(workers),
                  ", ".join(f"{w.host} rank {w.rank}" for w in workers))
         return command

@@ -310,6 +310,10 @@ def test_a_head_back_with_another_config_does_not_leave_the_old_part_running(gan
                       "the changed head refused")
         gang.worker.wait_for(lambda d: d["gangs"]["parts"] == [], 40, "the old gang's part stopped")
         assert "has not led this gang" in gang.worker.log_text()
+        # The refusals spend none of the head's respawns (the budget is 1 here): the head keeps
+        # trying, so the gang comes back once the configs agree again, with no `viiworkctl up`.
+        doc = head.wait_for(lambda d: d["gangs"]["heads"]["g"]["failures"] >= 3, 30, "launches tried again")
+        assert all(b["state"] != "dead" for b in next(m for m in doc["models"] if m["name"] == "g")["backends"])
         deadline = time.monotonic() + 15
         while not process_gone(part["parts"][0]["pid"]):
             assert time.monotonic() < deadline, "the old part's rpc-server outlived its stop"
