@@ -889,3 +889,26 @@ def test_a_gang_worker_serves_no_model_and_that_is_its_config(tmp_path):
     facts = HostFacts(NOW, config, agent=AgentFacts("http://127.0.0.1:1", True, served))
     (result,) = [r for r in run_checks(facts).results if r.check == "agent.config"]
     assert result.verdict is D and "configured but not served: big" in result.summary
+
+
+def test_a_gang_worker_checks_the_binary_it_runs(tmp_path):
+    """A llama.cpp gang's worker runs rpc-server, not llama-server: engine.binary checks
+    `rpc_binary` there (the newcomer's worker was told llama-server was fine and never that
+    rpc-server was missing); the head checks llama-server; a host the entry does not name, none."""
+    ca = {"trust": "ca", "ca_certificate": str(tmp_path / "ca.crt")}
+    gang = {"name": "big", "engine": "llamacpp", "path": str(tmp_path / "m.gguf"), "gang_port": 50052,
+            "llamacpp": {"rpc_binary": str(tmp_path / "no-rpc-server")}}
+    sections = {"node": {"name": "box", "state_dir": str(tmp_path / "state")}, "mesh": ca}
+    worker = parse_config(render_config(sections, [{**gang, "hosts": ["head-1", "box"]}]))
+    (fact,) = read_binary_facts(worker, read_versions=False)
+    assert (fact.binary, fact.state, fact.option_path) == (str(tmp_path / "no-rpc-server"), BinaryState.MISSING,
+                                                           "models[0].llamacpp.rpc_binary")
+    config = host(tmp_path, write_config(tmp_path, [{**gang, "hosts": ["head-1", "box"]}], mesh=ca)).config
+    facts = HostFacts(NOW, config, binaries=(fact,))
+    (result,) = run_checks(facts, [c for c in REGISTRY if c.id == "engine.binary"]).results
+    assert result.verdict is F and "models[0].llamacpp.rpc_binary" in result.remedy
+    head = parse_config(render_config(sections, [{**gang, "hosts": ["box", "worker-1"]}]))
+    (fact,) = read_binary_facts(head, read_versions=False)
+    assert fact.option_path == "models[0].llamacpp.binary" and fact.binary != str(tmp_path / "no-rpc-server")
+    elsewhere = parse_config(render_config(sections, [{**gang, "hosts": ["head-1", "worker-1"]}]))
+    assert read_binary_facts(elsewhere, read_versions=False) == ()

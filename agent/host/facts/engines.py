@@ -80,6 +80,49 @@ def read_gang_firewall(config: Config, path: str | None = None) -> GangFirewallF
     return GangFirewallFact(tuple(models), shutil.which("nft", path=path or NFT_PATH))
 
 
+def own_node_id(config: Config) -> str | None:
+    """This node's id when its key exists (the doctor never makes one); None otherwise."""
+    from viiwork.mesh.identity import IdentityError, load_or_create_identity
+
+    key = (config.mesh.node_key if config.mesh is not None else None) or Path(config.node.state_dir) / "node.key"
+    if not Path(key).is_file():
+        return None
+    try:
+        return str(load_or_create_identity(Path(config.node.state_dir), Path(key)).node_id)
+    except (IdentityError, OSError):
+        return None
+
+
+def binaries_here(engine: Any, model: ModelConfig, node_name: str, node_id: str | None) -> list[tuple[str, str]]:
+    """(option, binary) of what this host runs for ``model``: its serving command's, or for a
+    gang (``hosts``) what its rank runs: the head the serving command, a worker its parts'
+    (llama.cpp's ``rpc_binary``, vLLM's ``ray_binary``; engines/gang.py), a host the entry
+    does not name nothing (a head named by id while this node's id is unknown: checked as the
+    head). Raises what the engine raises for a command it cannot build."""
+    from viiwork.agent.config.gang import GangConfigError, gang_rank
+    from viiwork.engines.gang import GangAddresses, GangEngine, PartRole, roles_at
+    from viiwork.mesh.identity import is_node_id
+
+    spec = backend_spec_for(model)
+    serving = [("binary", str(engine.build_command(spec).argv[0]))]
+    if not model.hosts or not isinstance(engine, GangEngine):
+        return serving
+    try:
+        rank = gang_rank(model, node_id, node_name)
+    except GangConfigError:
+        return []
+    if rank is None:
+        return serving if node_id is None and is_node_id(model.hosts[0]) else []
+    if rank == 0:
+        return serving
+    size = len(model.hosts)
+    addresses = GangAddresses("abcdefghijkl", rank, size, tuple("127.0.0.1" for _ in range(size)),
+                              model.gang_port or 1024)
+    options = {PartRole.WORKER: "rpc_binary", PartRole.RUNTIME: "ray_binary"}
+    return [(options.get(role, "binary"), engine.gang_command(spec, role, addresses).argv[0])
+            for role in roles_at(engine.launch_shape, rank)]
+
+
 def backend_spec_for(model: ModelConfig) -> BackendSpec:
     """The spec of the model's first backend with a placeholder port: enough to ask an
     engine which command it would run (nothing is started)."""
@@ -170,28 +213,28 @@ def read_binary_facts(config: Config, *, read_versions: bool = True, runner: Ver
 
     ``engines``: the adapters by name (the registry; a test passes one with a capability added).
     """
-    groups: dict[tuple[str, str], list[tuple[int, ModelConfig]]] = {}
+    groups: dict[tuple[str, str, str], list[tuple[int, ModelConfig]]] = {}
     unknown: list[BinaryFact] = []
+    node_id = own_node_id(config)
     for i, model in enumerate(config.models):
         engine = engines[model.engine]
         try:
-            binary = engine.build_command(backend_spec_for(model)).argv[0]
+            for option, binary in binaries_here(engine, model, config.node.name, node_id):
+                groups.setdefault((model.engine, binary, option), []).append((i, model))
         except Exception as exc:  # an engine that cannot build a command for this model
             unknown.append(BinaryFact(model.engine, engine.display_name, "?", (model.name,), BinaryState.UNKNOWN,
                                       f"the engine cannot build a command: {type(exc).__name__}: {exc}"))
-            continue
-        groups.setdefault((model.engine, binary), []).append((i, model))
     facts: list[BinaryFact] = []
-    for (engine_name, binary), members in groups.items():
+    for (engine_name, binary, option), members in groups.items():
         engine = engines[engine_name]
         first_index, first = members[0]
         state, resolved, detail = resolve_binary(binary, path_env)
         option_path = None
         fields = getattr(type(first.options), "model_fields", {})
-        if "binary" in fields:
-            option_path = f"models[{first_index}].{engine_name}.binary"
+        if option in fields:
+            option_path = f"models[{first_index}].{engine_name}.{option}"
         version = source = minimum = error = None
-        if state is BinaryState.OK and read_versions:
+        if state is BinaryState.OK and read_versions and option == "binary":  # a gang part's: no version asked
             if isinstance(engine, Version):
                 minimum = engine.minimum_version
                 output, error = runner(engine.version_command(first.options))
