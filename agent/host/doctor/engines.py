@@ -19,7 +19,9 @@ def _configured_binaries(facts: HostFacts) -> list[tuple[str, BinaryFact]]:
 @check("engine.binary", "Engine binaries")
 def check_engine_binary(facts: HostFacts) -> list[CheckResult]:
     """Each engine binary the config uses exists and is executable. A bare name is searched
-    on the PATH of the user running the doctor.
+    on the PATH of the user running the doctor. For a gang's entry, what this host runs: the
+    head its serving engine, a worker its part (llama.cpp's `rpc_binary`, vLLM's `ray_binary`),
+    a host the entry does not name nothing.
 
     - **fail**: missing, not executable, or the engine cannot say which binary it runs; the
       models using it cannot start (every backend fails at launch and ends `dead`).
