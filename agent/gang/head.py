@@ -158,6 +158,8 @@ class GangHead:
         self.mesh = mesh
         self.current: _Gang | None = None
         self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0, "adopted": 0}
+        #: The last launch found a host away (GangHostsAway): one not known then is ``away``.
+        self.hosts_missing = False
         self.last_failure = ""
         #: The serving engine's own nftables table (agent/gang/firewall.py), set by prepare().
         self.server_firewall: NftTable | None = None
@@ -229,11 +231,13 @@ class GangHead:
         try:
             workers = await self._workers(model)
         except GangHostsAway as exc:
+            self.hosts_missing = True
             self.counters["failures"] += 1
             level = logging.DEBUG if self.last_failure == str(exc) else logging.WARNING  # once per absence
             self.last_failure = str(exc)
             log.log(level, "%s; trying again (no respawn spent)", exc)
             raise
+        self.hosts_missing = False
         gang = _Gang(new_gang_id(), workers)
         self.current = gang
         size = len(model.hosts)
@@ -461,8 +465,10 @@ class GangHead:
 
     def away(self) -> str | None:
         """Why the gang cannot serve now nor soon: a worker host that is ``dead`` or has
-        ``left`` the mesh, or publishes ``leaving`` (a graceful stop); None otherwise (a host not
-        known yet, ``suspect`` or ``restarting`` may be back within seconds). While it is not
+        ``left`` the mesh, or publishes ``leaving`` (a graceful stop), or is not known in the mesh
+        after a launch waited for it in vain (a typo in ``hosts``, a host never started); None
+        otherwise (a host not known yet at start, ``suspect`` or ``restarting`` may be back
+        within seconds). While it is not
         None the model's requests are refused (503) at once instead of waiting in the queue
         for a gang that cannot start (``ModelRuntime.can_ever_serve``)."""
         for rank, host in enumerate(self.model().hosts[1:], start=1):
@@ -470,6 +476,8 @@ class GangHead:
             if view is not None and (view.liveness in (Liveness.DEAD, Liveness.LEFT)
                                      or view.state is PublishedState.LEAVING):
                 return f"{view.name or host} (rank {rank}) is {view.liveness.value}, {view.state.value}"
+            if view is None and self.hosts_missing:  # a launch already waited for it in vain
+                return f"{host} (rank {rank}) is not known in the mesh"
         return None
 
     def membership(self) -> GangMember | None:

@@ -318,3 +318,23 @@ def test_a_head_back_with_another_config_does_not_leave_the_old_part_running(gan
         while not process_gone(part["parts"][0]["pid"]):
             assert time.monotonic() < deadline, "the old part's rpc-server outlived its stop"
             time.sleep(0.1)
+
+
+def test_a_host_never_seen_is_named_in_a_503_not_a_late_429(tmp_path: Path) -> None:
+    """A typo in `hosts` (a well-formed id no node has): once a launch waited for it in vain,
+    a request is refused at once, naming it (newcomer pass 2: a 429 after 20 s in the queue)."""
+    bins = gang_binaries(tmp_path / "bin")
+    (head_id,) = node_ids(tmp_path, "gh")
+    entry = {**gang_entry(bins, free_port(), tmp_path / "fake.log", [head_id, "zzzzzzzzzzzzzzzz"]),
+             "startup_timeout_s": 2}
+    with run_agent(tmp_path, [entry], name="gh", extra={"mesh": mesh_section([])}) as head:
+        head.wait_for(lambda d: d["gangs"]["heads"]["g"]["failures"] >= 1, 30, "a launch that waited in vain")
+        request = urllib.request.Request(f"{head.url}/v1/completions", method="POST",
+                                         data=json.dumps({"model": "g", "prompt": "hi", "max_tokens": 4}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        asked = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        answer = json.loads(refused.value.read())
+        assert refused.value.code == 503 and time.monotonic() - asked < 5, answer
+        assert "zzzzzzzzzzzzzzzz (rank 1) is not known in the mesh" in answer["error"]["message"], answer
