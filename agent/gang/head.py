@@ -181,9 +181,8 @@ class GangHead:
                 view = self._view(host)
                 if (view is None or view.liveness is not Liveness.ALIVE or not view.mesh or lost(view)
                         or view.state is PublishedState.RESTARTING):
-                    missing.append(f"{host} (rank {rank}): "
-                                   + ("not known in the mesh" if view is None else f"{view.liveness.value}, "
-                                      f"{view.state.value}"))
+                    missing.append(f"{host} (rank {rank}) "
+                                   + ("is not known in the mesh" if view is None else standing(view)))
                     continue
                 workers.append(_Worker(rank, view.name or host, view.node_id, f"https://{view.mesh}",
                                        view.mesh.rpartition(":")[0].strip("[]")))
@@ -436,7 +435,7 @@ class GangHead:
                         f"({self.restart_grace_s():.0f} s)")
             if view is None or view.liveness is not Liveness.ALIVE or lost(view):
                 return (f"{worker.host} (rank {worker.rank}) is "
-                        + ("gone from the mesh" if view is None else f"{view.liveness.value}, {view.state.value}"))
+                        + ("gone from the mesh" if view is None else standing(view)))
         for handle in gang.local:
             if not handle.running():
                 return "the head's own part exited"
@@ -475,7 +474,7 @@ class GangHead:
             view = self._view(host)
             if view is not None and (view.liveness in (Liveness.DEAD, Liveness.LEFT)
                                      or view.state is PublishedState.LEAVING):
-                return f"{view.name or host} (rank {rank}) is {view.liveness.value}, {view.state.value}"
+                return f"{view.name or host} (rank {rank}) {standing(view)}"
             if view is None and self.hosts_missing:  # a launch already waited for it in vain
                 return f"{host} (rank {rank}) is not known in the mesh"
         return None
@@ -511,6 +510,18 @@ class GangHead:
                 "tunnels": [{"rank": rank, "pid": t.handle.pid, "unit": t.handle.unit, **c.as_dict()}
                             for (rank, c), t in zip(self.tunnel_counters(), gang.tunnels, strict=True)] if gang else [],
                 "last_failure": self.last_failure, **self.counters}
+
+
+def standing(view: PeerView) -> str:
+    """How a peer stands, in words for a reason: "has left the mesh", "is dead (no answer)",
+    "is leaving", "is suspect, restarting"..."""
+    if view.liveness is Liveness.LEFT:
+        return "has left the mesh"
+    if view.liveness is Liveness.DEAD:
+        return "is dead (no answer)"
+    if view.state is PublishedState.LEAVING:
+        return "is leaving"
+    return f"is {view.liveness.value}, {view.state.value}"
 
 
 def lost(view: PeerView) -> bool:
