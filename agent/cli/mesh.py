@@ -1,5 +1,8 @@
 """viiworkctl mesh: the mesh as an agent sees it, and the CA enrolment tools.
 
+One module (about 430 lines) because the table and every sub-command of `viiworkctl mesh`
+share its argument helpers (the node's config, state dir and name) and its output helpers.
+
     viiworkctl mesh [--json] [--url URL]            peers: name, address, liveness, state, age, models; gangs
     viiworkctl mesh ca init --out DIR [--days N]     a new mesh CA (ca.key 0600, ca.crt)
     viiworkctl mesh request [--out FILE]             this node's signing request (creates its key if new)

@@ -1,5 +1,10 @@
 """The head's side of a gang: bring the parts up in the plan's order, launch the serving engine, watch the whole.
 
+One module (about 620 lines) because the launch, the adoption after a restart and the watch
+(:class:`GangHandle`) all read and change the one current gang of a head (its workers,
+tunnels and local parts) and its counters: split, each part would reach into the others'
+state through private fields.
+
 The gang's model is one backend on its head (docs/mesh.md, "Gangs"). Its backend task
 (agent/supervision/backend_task.py) launches it like any other, with two hooks:
 

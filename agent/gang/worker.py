@@ -1,5 +1,9 @@
 """A worker host's side of a gang: start, list and stop its parts when the head asks (docs/mesh.md, "Gangs").
 
+One module (about 500 lines) because the routes, the starting and stopping of parts, the
+adoption after a restart and the watch of the heads all guard one map of this host's gangs
+under one lock: split, the lock and the map would be shared across modules.
+
 The routes (agent/gang/wire.py) are on the mesh listener, so the sender is a verified mesh
 node. A start is refused unless every check of this host's **own** config passes:
 
