@@ -7,6 +7,7 @@ refused and counted, and the exit delivering to 127.0.0.1 only."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import ssl
@@ -361,11 +362,25 @@ async def test_connections_beyond_the_cap_are_closed_at_accept(make_tunnel) -> N
     w1.close()
 
 
+async def same_port_on_two_addresses(first: str, second: str) -> tuple[Target, Target]:
+    """Echo targets on ``first`` and ``second`` with one port number. The port the kernel gave
+    ``first`` may be held on ``second`` (or on the wildcard) by another process of a parallel
+    run (CI failed once so), so a taken port is given back and another tried."""
+    for _ in range(20):
+        one = await Target(echo).start(first)
+        try:
+            return one, await Target(echo).start(second, one.port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            await one.stop()
+    raise AssertionError(f"no port free on both {first} and {second} in 20 tries")
+
+
 async def test_exit_delivers_to_loopback_only(nodes: dict[str, Node]) -> None:
     """The exit listens on another address (127.0.0.2, its 'mesh address' here) where a decoy
     holds the rpc port too: the stream must reach 127.0.0.1:<rpc_port> and nothing else."""
-    real = await Target(echo).start("127.0.0.1")
-    decoy = await Target(echo).start("127.0.0.2", real.port)
+    real, decoy = await same_port_on_two_addresses("127.0.0.1", "127.0.0.2")
     tunnel_exit = await TunnelExit(gang="g1", head=nodes["head"].node_id, client_cert=PINNED["head"], rpc_port=real.port,
                                    ssl_context=nodes["worker"].server, listen_host="127.0.0.2").start()
     entry = await TunnelEntry(gang="g1", worker=nodes["worker"].node_id, server_cert=PINNED["worker"],
