@@ -958,21 +958,26 @@ class Membership:
     def peers(self) -> list[PeerView]:
         """Every node in the table (not this node), with liveness and age by this node's clock."""
         now = self.clock()
-        out = []
-        for nid, rec in self.records.items():
-            p = rec.summary.payload
-            models, seq = p.models, p.seq
-            load = self.loads.get(nid)
-            if load is not None and load.order > rec.order and load.base == rec.order:
-                models, seq = apply_load(models, load), load.seq  # the newer of summary and record
-            out.append(PeerView(
-                node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._view_liveness(rec, now),
-                state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
-                generation=p.generation, boot=p.boot, seq=seq, models=models, rtt_ms=rec.rtt_ms,
-                certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus, conflict=rec.conflict,
-                extensions=p.extensions,
-            ))
-        return out
+        return [self._view(nid, rec, now) for nid, rec in self.records.items()]
+
+    def peer(self, node_id: NodeId) -> PeerView | None:
+        """One node of the table as :meth:`peers` shows it (None: not in the table)."""
+        rec = self.records.get(node_id)
+        return None if rec is None else self._view(node_id, rec, self.clock())
+
+    def _view(self, nid: NodeId, rec: _Record, now: float) -> PeerView:
+        p = rec.summary.payload
+        models, seq = p.models, p.seq
+        load = self.loads.get(nid)
+        if load is not None and load.order > rec.order and load.base == rec.order:
+            models, seq = apply_load(models, load), load.seq  # the newer of summary and record
+        return PeerView(
+            node_id=nid, name=p.name, api=p.api, mesh=p.mesh, liveness=self._view_liveness(rec, now),
+            state=p.state, age_ms=int(max(0.0, now - rec.heard_at)), protocol=p.protocol, version=p.version,
+            generation=p.generation, boot=p.boot, seq=seq, models=models, rtt_ms=rec.rtt_ms,
+            certificate_not_after=getattr(rec.cert, "not_after", None), gpus=p.gpus, conflict=rec.conflict,
+            extensions=p.extensions,
+        )
 
     def _view_liveness(self, rec: _Record, now: float) -> Liveness:
         liveness = self._liveness_of(rec, now)

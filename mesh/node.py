@@ -307,7 +307,7 @@ class MeshNode:
         if s.detector == "probe":
             self._probe_wire = ProbeTransport(membership, self.client_ssl_context, self._probe_exchange,
                                               timeout_s=s.exchange_timeout_s, connect_timeout_s=s.connect_timeout_s)
-            self.app.router.add_post(PROBE_PATH, self._probe_wire.handle)
+            self.app.router.add_get(PROBE_PATH, self._probe_wire.handle)
 
         listen_host, listen_port = _hostport(s.listen, "mesh.listen")
         # handler_cancellation: a peer that closes its connection cancels the handler, so a

@@ -2,36 +2,48 @@
 
 The sans-IO core (:mod:`viiwork.mesh.probing`) decides what to send and when; this module
 carries its messages over the **mutual-TLS listener** (docs/mesh.md, "Probe mode on the
-wire"), the same one gossip and forwarded requests use, with the same peer checks:
+wire"), the same one gossip and forwarded requests use, with the same peer checks, as
+frames of a **WebSocket channel** per peer:
 
-- **One endpoint**, ``POST /mesh/v1/probe``: the body is one message
-  (:mod:`viiwork.mesh.probe_codec`: ``ping``, ``ack``, ``ping-req``, ``nack``, ``gossip``,
-  ``pull``, or the digest exchange's ``push``); the sender is the node of the verified client
-  certificate (:func:`~viiwork.mesh.transport.peer_of`), so probe messages need no signature
-  of their own (a claim inside one still carries its signer's). The answer (200) is the
-  messages the core addresses back to the sender while handling it, one per line
-  (``application/x-ndjson``, possibly none): an ``ack`` to a ``ping``, a ``push`` to a
-  ``pull``, a ``pull`` for news it lacks. A ping's round trip is therefore one HTTP request
-  on a kept-alive connection. Anything the core sends elsewhere, or later (a relay's ``ack``
-  to the node that asked for the ping-req), is a request of its own to that node's
-  published mesh address.
-- **Dropped and counted**, never raised: a body that does not decode (by reason, as any
-  mesh message), a sender over its rate (``rate_limited``; :data:`PROBE_RATE_PER_S` per
-  peer, twice that as burst), a body beyond the listener's bound (413, ``oversized``).
-- **The client** is one aiohttp session (pooled HTTPS presenting this node's certificate,
-  :data:`PROBES_PER_HOST` connections per peer, kept alive :data:`POOL_KEEPALIVE_S`), each
-  request bounded by ``timeout_s``; the TLS peer must be the node the address belongs to
-  (:mod:`viiwork.mesh.dialing`). At most ``max_in_flight`` requests at once: beyond that a
-  message is not sent (``probe_skipped_busy``; the core's timers treat it as lost). A peer
-  that answers 404 speaks no probe mode (an older agent, or one in heartbeat mode):
-  ``probe_unsupported``, and the core heartbeats for it (:meth:`ProbeNode.heartbeat_only`).
+- **One endpoint**, ``GET /mesh/v1/probe`` upgraded to a WebSocket: each binary frame is one
+  message (:mod:`viiwork.mesh.probe_codec`: ``ping``, ``ack``, ``ping-req``, ``nack``,
+  ``gossip``, ``pull``, ``loads`` or the digest exchange's ``push``); the sender is the node of
+  the verified client certificate (:func:`~viiwork.mesh.transport.peer_of`), so probe
+  messages need no signature of their own (a claim inside one still carries its signer's).
+  What the core addresses back to the sender while handling a frame (an ``ack`` to a
+  ``ping``, a ``pull`` for news it lacks, the ``loads`` a pull asked for) goes back as frames
+  on the same channel; anything it sends elsewhere goes on this node's channel to that node's
+  published mesh address. Why frames and not a request per message: on the 2-core
+  development VM an HTTPS request with its answer cost ~0.7 ms of CPU on the two ends against
+  ~0.15 ms for a frame (docs/benchmarks-mesh.md, "Channels"), and a node of a churning mesh
+  sends tens of messages a second.
+- **Dropped and counted**, never raised: a frame that does not decode (by reason, as any
+  mesh message), a text frame (``malformed``), a peer over its rate (``rate_limited``;
+  :data:`PROBE_RATE_PER_S` frames per peer and second, twice that as burst, on both ends of a
+  channel), a frame beyond :data:`~viiwork.mesh.probe_codec.MAX_PROBE_MESSAGE_BYTES`
+  (``oversized``: the channel is closed, 1009).
+- **Channels are bounded**: this node opens at most :data:`MAX_CHANNELS` (the least recently
+  used one is closed for a new one), queues at most :data:`CHANNEL_QUEUE` frames on each
+  (beyond that a message is not sent: ``probe_skipped_busy``; the core's timers treat it as
+  lost, and a frozen peer's channel fills so), closes one idle for :data:`CHANNEL_IDLE_S`,
+  and the listener closes a channel that brought nothing for
+  :data:`~viiwork.mesh.transport.KEEPALIVE_TIMEOUT_S`. Opening one (TCP, mutual TLS, the
+  upgrade) is bounded by ``connect_timeout_s`` and ``timeout_s``; the TLS peer must be the
+  node the address belongs to (:mod:`viiwork.mesh.dialing`). Frames queued while a channel
+  opens go once it is open; a channel that fails to open or breaks drops what it held
+  (``probe_failed``, ``probe_timeout``) and the next message opens a new one.
+- **A peer that answers the upgrade with 404** speaks no probe mode (an older agent, or one
+  in heartbeat mode): ``probe_unsupported``, and the core heartbeats for it
+  (:meth:`ProbeNode.heartbeat_only`).
 - **Anti-entropy** digests from the core run as the existing digest-first exchange
   (``/mesh/v1/exchange``, :class:`~viiwork.mesh.transport.GossipClient`) through the
   ``exchange`` callback, so seeds and heartbeat-mode peers answer them.
 
-Counters (in the membership's ``transport`` counters): probe_sent, probe_ok, probe_failed,
-probe_timeout, probe_refused, probe_unsupported, probe_skipped_busy, probe_unaddressed (a
-late reply to a sender this node has no address for), probe_reply_oversized.
+Counters (in the membership's ``transport`` counters): probe_sent (frames written),
+probe_ok (frames received on a channel this node opened), probe_failed, probe_timeout,
+probe_refused (an upgrade answered with another status), probe_unsupported,
+probe_skipped_busy, probe_unaddressed (a reply to a sender this node has no address for,
+made outside that sender's channel), channels_opened, channels_closed.
 """
 
 from __future__ import annotations
@@ -39,11 +51,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import aiohttp
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from viiwork.mesh.counters import DropReason
 from viiwork.mesh.dialing import PeerMismatch, expect_node, peer_session_parts
@@ -54,20 +67,26 @@ from viiwork.mesh.messages import Digest
 from viiwork.mesh.probe_codec import MAX_PROBE_MESSAGE_BYTES, encode_any
 from viiwork.mesh.probing import Outgoing, ProbeNode
 from viiwork.mesh.ratelimit import PeerRateLimiter
-from viiwork.mesh.transport import POOL_KEEPALIVE_S, PeerResponse, peer_of, response_peer
+from viiwork.mesh.tls import peer_node_id
+from viiwork.mesh.transport import KEEPALIVE_TIMEOUT_S, POOL_KEEPALIVE_S, PeerResponse, peer_of
 
 log = logging.getLogger(__name__)
 
 PROBE_PATH = "/mesh/v1/probe"
-# A node gets, per peer and second: a ping from it about every n probe intervals, its relays'
-# pings, a few gossip messages (3 members every 200 ms while news is queued) and pulls; 100/s
-# is an order of magnitude above that at any fleet size, and stops a member that floods.
+# Frames a node takes per peer and second: a ping from it about every n probe intervals, its
+# relays' pings, a few gossip messages (3 members every 200 ms while news is queued), pulls
+# and the records they bring; 100/s is an order of magnitude above that at any fleet size,
+# and stops a member that floods.
 PROBE_RATE_PER_S = 100.0
-PROBES_PER_HOST = 4
-MAX_PROBES_IN_FLIGHT = 64
-# An answer holds at most a few messages to the sender: an ack, a pull and a push of the
-# summaries it asked for (each push bounded by the gossip message bound).
-MAX_REPLY_BYTES = 4 * MAX_PROBE_MESSAGE_BYTES
+# Channels this node opens: a node talks to a few members a second (its probe target, gossip
+# targets, relays), so 128 leave every member of a mesh of that size its channel and, above
+# it, recycle the least recently used one (the listener takes 1024 connections in all).
+MAX_CHANNELS = 128
+# Frames waiting on one channel: a few rounds of gossip and answers. More means the peer does
+# not read (frozen) or the channel is still opening; a probe's timers then call it lost.
+CHANNEL_QUEUE = 64
+# A channel idle this long is closed by its opener, before the listener's KEEPALIVE_TIMEOUT_S.
+CHANNEL_IDLE_S = POOL_KEEPALIVE_S
 
 
 class ProbeTransport:
@@ -76,50 +95,57 @@ class ProbeTransport:
     the core once this node's publisher exists, then :meth:`start` the client.
 
     ``exchange(target)``: runs a digest exchange with ``target`` (the node's gossip client);
-    ``timeout_s`` / ``connect_timeout_s``: one request's whole deadline and TCP connect."""
+    ``timeout_s`` / ``connect_timeout_s``: opening a channel, whole and its TCP connect."""
 
     def __init__(self, membership: Membership, ssl_context: ssl.SSLContext, exchange: Callable[[GossipTarget], None],
-                 timeout_s: float = 1.0, connect_timeout_s: float = 0.5,
-                 max_in_flight: int = MAX_PROBES_IN_FLIGHT, rate_per_s: float = PROBE_RATE_PER_S) -> None:
+                 timeout_s: float = 1.0, connect_timeout_s: float = 0.5, max_channels: int = MAX_CHANNELS,
+                 rate_per_s: float = PROBE_RATE_PER_S, idle_s: float = CHANNEL_IDLE_S) -> None:
         self.m = membership
         self.ssl_context = ssl_context
         self.exchange = exchange
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.max_in_flight = max_in_flight
+        self.max_channels = max_channels
+        self.idle_s = idle_s
         self.node: ProbeNode | None = None
         self.counters = membership.counters.transport
         self._limiter = PeerRateLimiter(rate_per_s, 2 * rate_per_s, max_buckets=2 * membership.settings.max_peers)
         self._session: aiohttp.ClientSession | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._channels: OrderedDict[str, _Channel] = OrderedDict()  # by address, least recently used first
+        self._served: set[web.WebSocketResponse] = set()
         self._wake = asyncio.Event()
+        self._closing = False
 
     def attach(self, node: ProbeNode) -> None:
         """The core whose messages this carries (until then the endpoint answers 503)."""
         self.node = node
 
     async def start(self) -> None:
-        parts = peer_session_parts(self.ssl_context, counters=self.counters, limit=256,
-                                   limit_per_host=PROBES_PER_HOST, keepalive_timeout=POOL_KEEPALIVE_S,
+        parts = peer_session_parts(self.ssl_context, counters=self.counters, limit=0,
                                    lookup_timeout_s=min(NAME_LOOKUP_TIMEOUT_S, self.timeout_s / 2))
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
         self._session = aiohttp.ClientSession(**parts, timeout=timeout, raise_for_status=False,
                                               response_class=PeerResponse)
 
     async def close(self) -> None:
-        """Cancel the requests in flight and close the session."""
-        tasks = list(self._tasks)
+        """Close every channel, both ways, and the session."""
+        self._closing = True
+        tasks = [ch.task for ch in self._channels.values() if ch.task is not None]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._channels.clear()
+        for ws in list(self._served):
+            await ws.close(code=WSCloseCode.GOING_AWAY)
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
+    def channels(self) -> int:
+        """Channels this node holds open or opening."""
+        return len(self._channels)
 
     async def wait(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s``, or until a message arrived (the core may then have new
@@ -136,33 +162,62 @@ class ProbeTransport:
 
     # --- receiving --------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request) -> web.Response:
-        """``POST /mesh/v1/probe`` (module doc)."""
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """``GET /mesh/v1/probe`` (module doc): the channel a peer opened to this node."""
         node, sender = self.node, peer_of(request)
-        if node is None or sender is None:
+        if node is None or sender is None or self._closing:
             return web.Response(status=503)
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.m.counters.drop(DropReason.OVERSIZED)
-            return web.Response(status=413)
-        except web.RequestPayloadError:
+        ws = web.WebSocketResponse(max_msg_size=MAX_PROBE_MESSAGE_BYTES, autoping=True)
+        if not ws.can_prepare(request).ok:
             self.m.counters.drop(DropReason.MALFORMED)
-            return web.Response(status=400)
+            return web.Response(status=400, text="a WebSocket upgrade")
+        await ws.prepare(request)
+        self._served.add(ws)
+        try:
+            while not ws.closed:
+                try:
+                    msg = await ws.receive(timeout=KEEPALIVE_TIMEOUT_S)
+                except TimeoutError:  # a channel idle this long: its opener closes one sooner
+                    break
+                if msg.type in _CLOSING:
+                    self._closed_by_peer(ws)
+                    break
+                address = self._address_of(sender)
+                back = self._frame(sender, address, msg)
+                for data in back:
+                    await ws.send_bytes(data)
+        finally:
+            self._served.discard(ws)
+            await ws.close()
+        return ws
+
+    def _frame(self, sender: NodeId, address: str, msg: aiohttp.WSMessage) -> list[bytes]:
+        """One frame from ``sender`` to the core: the answers for ``sender`` (the rest sent)."""
+        node = self.node
+        if node is None:
+            return []
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            self.m.counters.messages_in["probe"] += 1
+            self.m.counters.drop(DropReason.MALFORMED)
+            return []
         if not self._limiter.allow(sender, self.m.clock()):
             self.m.counters.messages_in["probe"] += 1
             self.m.counters.drop(DropReason.RATE_LIMITED)
-            return web.Response(status=429)
-        address = self._address_of(sender)
-        out = node.receive_bytes(sender, address, body)
-        answer = [data for to, data in out if to == address]
+            return []
+        wakeup = node.next_wakeup()
+        out = node.receive_bytes(sender, address, msg.data)
         self._send_bytes((to, data) for to, data in out if to != address)
-        self._wake.set()
-        return web.Response(body=b"\n".join(answer), content_type="application/x-ndjson")
+        if node.next_wakeup() < wakeup:  # the loop sleeps until the old wake-up: bring it forward
+            self._wake.set()
+        return [data for to, data in out if to == address]
+
+    def _closed_by_peer(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> None:
+        if ws.close_code == WSCloseCode.MESSAGE_TOO_BIG:
+            self.m.counters.drop(DropReason.OVERSIZED)
 
     def _address_of(self, node_id: NodeId) -> str:
         """The mesh address ``node_id`` publishes ("" when unknown: answers to it then go
-        only in the response)."""
+        only on its own channel)."""
         rec = self.m.records.get(node_id)
         return "" if rec is None else rec.summary.payload.mesh
 
@@ -170,7 +225,7 @@ class ProbeTransport:
 
     def send(self, out: Iterable[Outgoing]) -> None:
         """Send what the core returned (:meth:`ProbeNode.poll`, :meth:`ProbeNode.leave`):
-        digests as exchanges, everything else as probe requests."""
+        digests as exchanges, everything else as frames."""
         node = self.node
         encoded: list[tuple[str, bytes]] = []
         for address, msg in out:
@@ -181,88 +236,139 @@ class ProbeTransport:
                 continue
             data = encode_any(msg)
             self.m.counters.bytes_out += len(data)
+            self.m.counters.messages_out[type(msg).__name__.lower()] += 1
             encoded.append((address, data))
         self._send_bytes(encoded)
 
     def _send_bytes(self, out: Iterable[tuple[str, bytes]]) -> None:
+        if self._closing:
+            return
         owners: dict[str, NodeId] | None = None
         for address, data in out:
             if not address:
                 self.counters["probe_unaddressed"] += 1
                 continue
-            if len(self._tasks) >= self.max_in_flight:
+            channel = self._channels.get(address)
+            if channel is None:
+                if owners is None:
+                    owners = {rec.summary.payload.mesh: nid for nid, rec in self.m.records.items()}
+                channel = self._open(address, owners.get(address))
+            else:
+                self._channels.move_to_end(address)
+            if len(channel.queue) >= CHANNEL_QUEUE:
                 self.counters["probe_skipped_busy"] += 1
                 continue
-            if owners is None:
-                owners = {rec.summary.payload.mesh: nid for nid, rec in self.m.records.items()}
-            task = asyncio.get_running_loop().create_task(self._post(address, owners.get(address), data))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            channel.queue.append(data)
+            channel.ready.set()
 
-    async def _post(self, address: str, node_id: NodeId | None, data: bytes) -> None:
-        """One message to ``address`` (whose TLS peer must be ``node_id`` when known); the
-        answer's messages go to the core, and what it returns is sent in turn."""
+    def _open(self, address: str, node_id: NodeId | None) -> _Channel:
+        while len(self._channels) >= self.max_channels:  # the least recently used one goes
+            _, old = self._channels.popitem(last=False)
+            if old.task is not None:
+                old.task.cancel()
+        channel = _Channel(address, node_id)
+        self._channels[address] = channel
+        channel.task = asyncio.get_running_loop().create_task(self._run(channel))
+        return channel
+
+    async def _run(self, channel: _Channel) -> None:
+        """Open ``channel``, write its queue as frames until it is idle for ``idle_s`` or
+        breaks, read the peer's answers meanwhile; then forget it."""
+        ws: aiohttp.ClientWebSocketResponse | None = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            ws = await self._connect(channel)
+            if ws is None:
+                return
+            self.counters["channels_opened"] += 1
+            peer = _tls_peer(ws)
+            reader = asyncio.get_running_loop().create_task(self._read(channel, ws, peer))
+            reader.add_done_callback(lambda _: channel.ready.set())  # a closed channel wakes its writer
+            while not ws.closed and not reader.done():
+                while channel.queue and not ws.closed:
+                    await ws.send_bytes(channel.queue.popleft())
+                    self.counters["probe_sent"] += 1
+                if channel.queue or ws.closed or reader.done():
+                    break
+                channel.ready.clear()
+                try:
+                    async with asyncio.timeout(self.idle_s):
+                        await channel.ready.wait()
+                except TimeoutError:  # idle
+                    break
+        except (aiohttp.ClientError, OSError, ssl.SSLError, RuntimeError) as exc:
+            # RuntimeError: the session closed under a channel while the node stopped
+            self.counters["probe_failed"] += 1
+            log.debug("probe channel to %s: %s: %s", channel.address, type(exc).__name__, exc)
+        finally:
+            if reader is not None:
+                reader.cancel()
+            if ws is not None:
+                await asyncio.shield(ws.close())
+                self.counters["channels_closed"] += 1
+            if self._channels.get(channel.address) is channel:
+                del self._channels[channel.address]
+
+    async def _connect(self, channel: _Channel) -> aiohttp.ClientWebSocketResponse | None:
+        """The channel's WebSocket, or None (counted) when it cannot be opened."""
         session = self._session
         if session is None or session.closed:  # stopping: the session went first
-            return
-        headers = {"Content-Type": "application/json"}
-        if node_id is not None:
-            headers.update(expect_node(node_id))
-        self.counters["probe_sent"] += 1
+            return None
+        headers = {} if channel.node_id is None else expect_node(channel.node_id)
         try:
-            started = time.monotonic()
-            async with session.post(f"https://{address}{PROBE_PATH}", data=data, headers=headers) as resp:
-                peer = response_peer(resp)
-                status = resp.status
-                body = await _read_bounded(resp.content, MAX_REPLY_BYTES)
-            rtt_ms = (time.monotonic() - started) * 1000.0
+            return await session.ws_connect(f"https://{channel.address}{PROBE_PATH}", headers=headers,
+                                            max_msg_size=MAX_PROBE_MESSAGE_BYTES, autoping=True)
         except TimeoutError:
             self.counters["probe_timeout"] += 1
-            return
         except PeerMismatch:  # counted (peer_mismatch) and logged by the connector
-            return
+            pass
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status != 404:
+                self.counters["probe_refused"] += 1
+            else:  # no probe endpoint there: a heartbeat-mode node (rolling upgrade)
+                self.counters["probe_unsupported"] += 1
+                if self.node is not None and channel.node_id is not None:
+                    self.node.heartbeat_only(channel.node_id)
         except (aiohttp.ClientError, OSError, ssl.SSLError) as exc:
             self.counters["probe_failed"] += 1
-            log.debug("probe to %s: %s: %s", address, type(exc).__name__, exc)
-            return
+            log.debug("probe channel to %s: %s: %s", channel.address, type(exc).__name__, exc)
         except RuntimeError:  # "Session is closed": the node stopped while this one was queued
-            return
-        if status == 404:  # no probe endpoint there: a heartbeat-mode node (rolling upgrade)
-            self.counters["probe_unsupported"] += 1
-            speaker = peer or node_id
-            if self.node is not None and speaker is not None:
-                self.node.heartbeat_only(speaker)
-            return
-        if status != 200:
-            self.counters["probe_refused"] += 1
-            return
-        if body is None:
-            self.counters["probe_reply_oversized"] += 1
-            self.m.counters.drop(DropReason.OVERSIZED)
-            return
-        node = self.node
-        if peer is None or node is None:
-            return
-        self.counters["probe_ok"] += 1
-        self.m.note_rtt(peer, rtt_ms)
-        replies: list[tuple[str, bytes]] = []
-        for line in body.split(b"\n"):
-            if line:
-                replies += node.receive_bytes(peer, address, line)
-        self._send_bytes(replies)
-        self._wake.set()
+            pass
+        return None
+
+    async def _read(self, channel: _Channel, ws: aiohttp.ClientWebSocketResponse, peer: NodeId | None) -> None:
+        """The peer's frames on a channel this node opened (answers) to the core."""
+        while True:
+            msg = await ws.receive()
+            if msg.type in _CLOSING:
+                self._closed_by_peer(ws)
+                return
+            if peer is None:
+                continue
+            self.counters["probe_ok"] += 1
+            for data in self._frame(peer, channel.address, msg):
+                self._send_bytes([(channel.address, data)])
 
 
-async def _read_bounded(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The whole body, or None once it passes ``limit`` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in stream.iter_chunked(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+@dataclass(eq=False)
+class _Channel:
+    """This node's channel to ``address`` (whose TLS peer must be ``node_id`` when known)."""
+
+    address: str
+    node_id: NodeId | None
+    queue: deque[bytes] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
 
 
-__all__ = ["MAX_PROBES_IN_FLIGHT", "PROBE_PATH", "PROBE_RATE_PER_S", "ProbeTransport"]
+_CLOSING = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR)
+
+
+def _tls_peer(ws: aiohttp.ClientWebSocketResponse) -> NodeId | None:
+    try:
+        return peer_node_id(ws.get_extra_info("ssl_object"))
+    except (ValueError, ssl.SSLError):  # an undecodable certificate names no node
+        return None
+
+
+__all__ = ["CHANNEL_IDLE_S", "CHANNEL_QUEUE", "MAX_CHANNELS", "PROBE_PATH", "PROBE_RATE_PER_S", "ProbeTransport"]

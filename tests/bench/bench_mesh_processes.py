@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -108,22 +109,26 @@ def main(argv: list[str] | None = None) -> int:
         up_at = time.monotonic()
         sweeps: list[float] = []
 
-        def briefs(which: list[int]) -> dict[int, dict[str, list]]:
+        def briefs(which: list[int], node_id: str | None = None) -> dict[int, dict[str, list]]:
             started = time.monotonic()
-            out = {i: get(urls[i] + "/v1/brief") for i in which}
+            query = "" if node_id is None else f"?id={node_id}"  # one peer: cheap for the node polled
+            out = {i: get(urls[i] + "/v1/brief" + query) for i in which}
             sweeps.append(time.monotonic() - started)
             return out
 
         everyone = list(range(args.nodes))
         said = up_at
         while True:
-            alive = sorted(sum(1 for v in b.values() if v[0] == "alive") for b in briefs(everyone).values())
+            seen = briefs(everyone)
+            alive = sorted(sum(1 for v in b.values() if v[0] == "alive") for b in seen.values())
             if alive[0] >= args.nodes - 1:
                 break
             if time.monotonic() - said > 10:  # progress, on a slow machine
                 said = time.monotonic()
+                states = Counter(v[0] for b in seen.values() for v in b.values() if v[0] != "alive")
+                states["unknown"] = sum(args.nodes - 1 - len(b) for b in seen.values())
                 print(f"join: {time.monotonic() - up_at:.0f} s, peers alive per node min {alive[0]} median "
-                      f"{alive[len(alive) // 2]} of {args.nodes - 1}", file=sys.stderr)
+                      f"{alive[len(alive) // 2]} of {args.nodes - 1}; pairs not alive: {dict(states)}", file=sys.stderr)
             if time.monotonic() - up_at > 300:
                 raise SystemExit("did not converge in 300 s")
             time.sleep(0.05)
@@ -140,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             pending = {i for i in range(args.nodes) if i != origin}
             while pending and time.monotonic() - t0 < 20:
-                for i, brief in briefs(sorted(pending)).items():
-                    if brief[node_id][1] == busy:
+                for i, brief in briefs(sorted(pending), node_id).items():
+                    if brief.get(node_id, [None, None])[1] == busy:
                         change_ms.append((time.monotonic() - t0) * 1000)
                         pending.discard(i)
                 time.sleep(0.02)
@@ -161,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         verif = [(a["verifications"]["signature"] - b["verifications"]["signature"]) / args.steady_s
                  for a, b in zip(after, before, strict=True)]
         verify_us = ed25519_verify_us()
+        def sent_requests(c: dict) -> int:  # HTTP requests: probe messages and digest exchanges
+            return c["transport"].get("probe_sent", 0) + c["messages_out"].get("digest", 0)
+
+        requests = [(sent_requests(a) - sent_requests(b)) / args.steady_s for a, b in zip(after, before, strict=True)]
+        kinds = sorted({k for a in after for k in a["messages_out"]})
+        by_kind = {k: round(statistics.mean((a["messages_out"].get(k, 0) - b["messages_out"].get(k, 0)) / args.steady_s
+                                            for a, b in zip(after, before, strict=True)), 2) for k in kinds}
+        print(f"messages sent per node per second, by kind: {by_kind}", file=sys.stderr)
 
         # Crash detection.
         victim = args.nodes - 1
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         dead: dict[int, float] = {}
         while len(dead) < args.nodes - 1 and time.monotonic() - t_kill < max(args.dead_ms / 1000, 15) + 30:
             for i in range(args.nodes - 1):
-                liveness = get(urls[i] + "/v1/brief")[victim_id][0]
+                liveness = get(urls[i] + f"/v1/brief?id={victim_id}")[victim_id][0]
                 now_ms = (time.monotonic() - t_kill) * 1000
                 if liveness != "alive":
                     not_alive.setdefault(i, now_ms)
@@ -186,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             "change_p50_ms": round(pct(change_ms, 0.5)), "change_p99_ms": round(pct(change_ms, 0.99)),
             "cpu_per_node_%": round(100 * statistics.mean(cpu), 2),
             "bytes_sent_per_node_s": round(statistics.mean(sent)),
+            "requests_per_node_s": round(statistics.mean(requests), 1),
             "sig_verif_per_node_s": round(statistics.mean(verif), 1),
             "ed25519_verify_us": round(verify_us, 1),
             "verify_cpu_%": round(100 * statistics.mean(verif) * verify_us / 1e6, 3),

@@ -217,3 +217,37 @@ def test_a_partition_heals_within_seconds_not_at_the_next_republication():
     assert sim.now - healed < 15_000 < ProbeSettings().republish_ms
     assert sum(n.probe.counters["dead_probes"] for n in sim.nodes) > dead_probes
     assert sum(n.probe.counters["refutations"] for n in sim.nodes) >= 1
+
+
+def test_a_copy_of_a_refuted_claim_that_comes_back_is_refuted_again():
+    """Found by the 50-process run (docs/benchmarks-mesh.md, "Fifty real processes"): a member
+    that already refuted a claim got a copy of it again from an observer that, holding the
+    refutation, took the old claim at the version it holds (ProbeNode._claim_incarnation)
+    and suspected it anew. The member had seen that claim, ignored the copy, and the observer
+    declared it dead and held it so for a minute (until its next republication). A copy of a
+    claim about this node, seen or not, is refuted while it comes (at most once per probe
+    interval)."""
+    sim = probe_mesh(5, seed=21)
+    observer, member, claimer = sim.nodes[0], sim.nodes[1], sim.nodes[2]
+    order = member.publisher.last.payload.order
+    data = claim_signing_input(SIM_MESH_ID, member.node_id, order, claimer.node_id)
+    claim = Claim(member.node_id, order, claimer.node_id, claimer.signer.sign(data))
+
+    def carry(to, frm) -> None:
+        to.probe.receive(frm.node_id, frm.address, Gossip(to.membership.protocol, SIM_MESH_ID, (claim,)))
+
+    carry(member, claimer)
+    refuted_at = sim.now
+    assert member.probe.counters["refutations"] == 1
+    refuted = member.publisher.last.payload.order
+    assert refuted > order
+    assert sim.run_until_true(lambda: observer.membership.records[member.node_id].order == refuted, 2000, 20)
+    carry(observer, claimer)  # the old claim reaches the observer after the refutation did
+    assert observer.probe.detector.state(member.node_id) == "suspect"
+    sim.run_until(refuted_at + D.probe_interval_ms)  # (a copy gossiped back meanwhile is refuted too)
+    carry(member, observer)  # and comes back to the member (a gossip, or a dead probe's ping)
+    carry(member, observer)  # twice at once: one publication within the interval
+    assert member.probe.counters["refutations"] == 2
+    assert member.publisher.last.payload.order > refuted
+    assert sim.run_until_true(lambda: observer.probe.detector.state(member.node_id) == "alive", 2000, 20), \
+        "the observer still holds the member suspect"

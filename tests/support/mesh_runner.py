@@ -13,7 +13,8 @@ moves the load one slot up or down R times a second on average (exponential gaps
 starting and ending, issue 16's realistic load) until a ``POST /v1/busy`` (that goes on
 churning from its load with ``"churn": true``); ``GET /v1/brief``
 is ``{node_id: [liveness, busy of its first model]}`` for every peer (cheap to poll at 50
-nodes, unlike ``/v1/mesh``).
+nodes, unlike ``/v1/mesh``; ``?id=NODE_ID``: that peer only). ``VIIWORK_RUNNER_PROFILE=DIR``
+writes the process's CPU profile (cProfile) to ``DIR/NAME.prof`` when it stops.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 from aiohttp import web
 
+from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import GossipSettings
 from viiwork.mesh.node import MeshNode, MeshSettings
 from viiwork.mesh.summary import ModelCapacity, PublishedState
@@ -63,7 +66,13 @@ async def main(args: argparse.Namespace) -> int:
 
     async def brief(request: web.Request) -> web.Response:
         m = node_ref["node"].membership
-        peers = [] if m is None else m.peers()
+        wanted = request.query.get("id")  # one peer: what the benchmark polls while it times a change
+        if m is None:
+            peers = []
+        elif wanted is None:
+            peers = m.peers()
+        else:
+            peers = [p for p in [m.peer(NodeId(wanted))] if p is not None]
         return web.json_response({p.node_id: [p.liveness.value, p.models[0].busy if p.models else None]
                                   for p in peers})
 
@@ -152,4 +161,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     ns = parse()
     logging.basicConfig(level=ns.log_level, format="%(name)s %(levelname)s %(message)s")
-    sys.exit(asyncio.run(main(ns)))
+    profile_dir = os.environ.get("VIIWORK_RUNNER_PROFILE")  # a directory: cProfile each node into it
+    if not profile_dir:
+        sys.exit(asyncio.run(main(ns)))
+    import cProfile
+
+    profiler = cProfile.Profile(time.process_time)  # CPU time, not time asleep in epoll
+    rc = profiler.runcall(asyncio.run, main(ns))
+    profiler.dump_stats(str(Path(profile_dir) / f"{ns.name}.prof"))
+    sys.exit(rc)
