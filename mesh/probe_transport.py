@@ -143,9 +143,9 @@ class ProbeTransport:
             self._session = None
 
     @property
-    def channels(self) -> int:
-        """Channels this node holds open or opening."""
-        return len(self._channels)
+    def channels(self) -> list[str]:
+        """The addresses of the channels this node holds open or opening, least recently used first."""
+        return list(self._channels)
 
     async def wait(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s``, or until a message arrived (the core may then have new
@@ -180,7 +180,7 @@ class ProbeTransport:
                 except TimeoutError:  # a channel idle this long: its opener closes one sooner
                     break
                 if msg.type in _CLOSING:
-                    self._closed_by_peer(ws)
+                    self._closed_by_peer(msg)
                     break
                 address = self._address_of(sender)
                 back = self._frame(sender, address, msg)
@@ -211,8 +211,9 @@ class ProbeTransport:
             self._wake.set()
         return [data for to, data in out if to == address]
 
-    def _closed_by_peer(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> None:
-        if ws.close_code == WSCloseCode.MESSAGE_TOO_BIG:
+    def _closed_by_peer(self, msg: aiohttp.WSMessage) -> None:
+        """A channel's end: a frame over the bound (aiohttp closed it with 1009) is counted."""
+        if msg.type == aiohttp.WSMsgType.ERROR and getattr(msg.data, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:
             self.m.counters.drop(DropReason.OVERSIZED)
 
     def _address_of(self, node_id: NodeId) -> str:
@@ -341,7 +342,7 @@ class ProbeTransport:
         while True:
             msg = await ws.receive()
             if msg.type in _CLOSING:
-                self._closed_by_peer(ws)
+                self._closed_by_peer(msg)
                 return
             if peer is None:
                 continue

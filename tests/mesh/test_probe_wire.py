@@ -1,7 +1,8 @@
 """Probe mode between real mesh nodes (issue 16): three processes on 127.0.0.1 running
 tests/support/mesh_runner.py with ``--detector probe``, joined by seeds.
 
-The probes ride the mutual-TLS listener (``POST /mesh/v1/probe``, mesh/probe_transport.py).
+The probes ride the mutual-TLS listener as WebSocket frames (``GET /mesh/v1/probe``,
+mesh/probe_transport.py).
 One mesh for the module, the tests in order: membership forms and summaries spread, a new
 capacity reaches the peers, messages a member forges or floods are dropped and counted, a
 SIGSTOPped node is suspected, declared dead and comes back by refuting on SIGCONT, a
@@ -28,7 +29,7 @@ import pytest
 from viiwork.mesh import tls
 from viiwork.mesh.identity import load_or_create_identity
 from viiwork.mesh.messages import Claim, Ping, PingReq
-from viiwork.mesh.probe_codec import encode_probe_message
+from viiwork.mesh.probe_codec import MAX_PROBE_MESSAGE_BYTES, encode_probe_message
 from viiwork.mesh.probe_transport import PROBE_PATH
 from viiwork.mesh.summary import PROTOCOL_VERSION
 from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
@@ -147,23 +148,40 @@ def test_a_new_capacity_reaches_the_peers(mesh):
     assert all(x.get("/v1/counters")["probe"]["loads_accepted"] >= 3 for x in (a, c))
 
 
-async def _client_post(node_dir: Path, address: str, bodies: list[bytes], at_once: bool = False) -> list[tuple[int, bytes]]:
-    """POST each body to ``address``'s probe endpoint as a member of the open mesh that is
-    no node of the table (a test-made identity and certificate); ``at_once``: all in parallel."""
+def _forger_context(node_dir: Path) -> ssl.SSLContext:
+    """A member of the open mesh that is no node of the table (a test-made identity and certificate)."""
     identity = load_or_create_identity(node_dir)
     cert = node_dir / "node.crt"
     cert.write_bytes(issue_open_certificate(identity, "forger", MESH_ID))
     from cryptography.hazmat.primitives import serialization
     ca_pem = open_mesh_ca(MESH_ID)[1].public_bytes(serialization.Encoding.PEM)
-    ctx: ssl.SSLContext = tls.client_context(cert, identity.key_path, ca_pem)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=16)) as session:
-        async def post(body: bytes) -> tuple[int, bytes]:
-            async with session.post(f"https://{address}{PROBE_PATH}", data=body) as resp:
-                return resp.status, await resp.read()
+    return tls.client_context(cert, identity.key_path, ca_pem)
 
-        if at_once:
-            return list(await asyncio.gather(*(post(body) for body in bodies)))
-        return [await post(body) for body in bodies]
+
+async def _client_frames(node_dir: Path, address: str, frames: list[bytes | str],
+                         quiet_s: float = 1.0) -> tuple[list[bytes], int | None]:
+    """Open a channel to ``address``'s probe endpoint as the forger, send ``frames`` (str: a
+    text frame) at once, and read the answers until none came for ``quiet_s`` or the node
+    closed the channel: (answer frames, the close code or None)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_forger_context(node_dir))) as session:
+        async with session.ws_connect(f"https://{address}{PROBE_PATH}") as ws:
+            for frame in frames:
+                await (ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
+            answers: list[bytes] = []
+            while True:
+                try:
+                    msg = await ws.receive(timeout=quiet_s)
+                except TimeoutError:
+                    return answers, None
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    return answers, ws.close_code
+                answers.append(msg.data)
+
+
+async def _plain_get(node_dir: Path, address: str) -> int:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_forger_context(node_dir))) as session:
+        async with session.get(f"https://{address}{PROBE_PATH}") as resp:
+            return resp.status
 
 
 def test_forged_and_flooding_probe_messages_are_dropped_and_counted(mesh, tmp_path):
@@ -177,29 +195,39 @@ def test_forged_and_flooding_probe_messages_are_dropped_and_counted(mesh, tmp_pa
     unknown = Claim(c.node_id, c_order, "aaaaaaaaaaaaaaaa", b"\x02" * 64)  # type: ignore[arg-type]
     ping = encode_probe_message(Ping(PROTOCOL_VERSION, MESH_ID, 7, (forged, unknown)))
     relay = encode_probe_message(PingReq(PROTOCOL_VERSION, MESH_ID, 8, c.node_id, c.mesh, ()))
-    answers = asyncio.run(_client_post(tmp_path / "forger", a.mesh, [b"{not json", ping, relay]))
-    assert [status for status, _ in answers] == [200, 200, 200]
-    assert answers[0][1] == b""  # dropped: nothing to answer
-    ack = json.loads(answers[1][1].split(b"\n")[0])
-    assert ack["type"] == "ack" and ack["id"] == 7  # the ping itself is answered in the response
+    forger = tmp_path / "forger"
+    answers, closed = asyncio.run(_client_frames(forger, a.mesh, [b"{not json", "a text frame", ping, relay]))
+    assert closed is None  # bad frames are dropped, the channel stays
+    acks = [json.loads(frame) for frame in answers]
+    assert [(m["type"], m["id"]) for m in acks] == [("ack", 7)]  # the ping is answered on the channel
 
     def counted() -> bool:
         now = a.get("/v1/counters")
-        return (now["drops"]["malformed"] > before["drops"]["malformed"]
+        return (now["drops"]["malformed"] >= before["drops"]["malformed"] + 2  # the bad JSON and the text frame
                 and now["probe"].get("relay_acks", 0) > before["probe"].get("relay_acks", 0)
                 and now["probe"].get("claims_forged", 0) > before["probe"].get("claims_forged", 0)
                 and now["probe"].get("claims_unknown_signer", 0) > before["probe"].get("claims_unknown_signer", 0)
                 # the ping-req: a pinged c over the wire, c acked (relay_acks), and the ack for
-                # the requester (no member: no address) is counted, not sent
+                # the requester (no member: no address, and not on its channel) is counted, not sent
                 and now["transport"].get("probe_unaddressed", 0) > before["transport"].get("probe_unaddressed", 0))
 
-    wait_until(counted, 5, "the undecodable body, the forged claim, the unknown signer and the relay counted")
+    wait_until(counted, 5, "the undecodable frame, the text frame, the forged claim, the unknown signer and the relay counted")
     assert a.liveness_of(c) == "alive"  # the forged claim suspected nobody
 
+    # A frame over the bound closes the channel (1009) and is counted; a GET that asks for no
+    # upgrade is refused.
+    huge = encode_probe_message(Ping(PROTOCOL_VERSION, MESH_ID, 9, ())) + b" " * MAX_PROBE_MESSAGE_BYTES
+    answers, closed = asyncio.run(_client_frames(forger, a.mesh, [huge]))
+    # (the client reads 1009, or 1006 when the node's close came before the close frame)
+    assert answers == [] and closed in (aiohttp.WSCloseCode.MESSAGE_TOO_BIG, aiohttp.WSCloseCode.ABNORMAL_CLOSURE)
+    assert a.get("/v1/counters")["drops"]["oversized"] > before["drops"]["oversized"]
+    assert asyncio.run(_plain_get(forger, a.mesh)) == 400
+
     flood = [encode_probe_message(Ping(PROTOCOL_VERSION, MESH_ID, i, ())) for i in range(600)]
-    statuses = [status for status, _ in asyncio.run(_client_post(tmp_path / "forger", a.mesh, flood, at_once=True))]
-    assert 429 in statuses and statuses.count(200) >= 100
-    assert a.get("/v1/counters")["drops"]["rate_limited"] > before["drops"]["rate_limited"]
+    answers, closed = asyncio.run(_client_frames(forger, a.mesh, flood))  # type: ignore[arg-type]
+    # PROBE_RATE_PER_S (100) per second, twice that as burst: about 200 of 600 answered at once
+    assert 100 <= len(answers) < 400 and closed is None, len(answers)
+    assert a.get("/v1/counters")["drops"]["rate_limited"] >= before["drops"]["rate_limited"] + 200
     assert everyone_alive(mesh)
 
 

@@ -1,0 +1,115 @@
+"""Probe mode's channels (mesh/probe_transport.py): one WebSocket per peer on the mutual-TLS
+listener, bounded in number, in queued frames and in idle time.
+
+In-process ``MeshNode``s on 127.0.0.1 (open trust); the peers that never answer are TCP
+listeners that accept and never speak TLS (a remote party that froze or is not a node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from support.mesh_nodes import loopback_settings, wait_for
+from viiwork.mesh.messages import Ping
+from viiwork.mesh.node import MeshNode
+from viiwork.mesh.probe_transport import CHANNEL_QUEUE, ProbeTransport
+from viiwork.mesh.summary import PROTOCOL_VERSION
+
+MESH = "lab"
+
+
+def wire(node: MeshNode) -> ProbeTransport:
+    transport = node._probe_wire
+    assert transport is not None
+    return transport
+
+
+def ping(i: int) -> Ping:
+    return Ping(PROTOCOL_VERSION, MESH, i, ())
+
+
+@pytest.fixture
+async def holes() -> AsyncIterator[list[str]]:
+    """Three addresses that accept TCP and never answer."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    servers = [await asyncio.start_server(swallow, "127.0.0.1", 0) for _ in range(3)]
+    try:
+        yield [f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+    finally:
+        for w in held:
+            w.close()
+        for s in servers:
+            s.close()
+            await s.wait_closed()
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[MeshNode, MeshNode]]:
+    b = MeshNode(loopback_settings(tmp_path / "b", "b", trust="open", mesh_id=MESH))
+    await b.start()
+    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH,
+                                   seeds=(f"127.0.0.1:{b.listen_port}",)))
+    await a.start()
+    try:
+        await wait_for(lambda: {p.name for p in a.peers() if p.liveness.value == "alive"} == {"b"}
+                       and {p.name for p in b.peers() if p.liveness.value == "alive"} == {"a"}, 10, "a and b to meet")
+        yield a, b
+    finally:
+        await a.stop(leave=False)
+        await b.stop(leave=False)
+
+
+async def test_a_peers_messages_share_one_channel_and_an_idle_channel_is_closed(pair, tmp_path):
+    a, b = pair
+    counters = a.membership.counters.transport  # type: ignore[union-attr]
+    before = counters["probe_sent"]
+    await wait_for(lambda: counters["probe_sent"] >= before + 6, 10, "a few rounds of probes")  # 2 a second
+    assert wire(a).channels == [f"127.0.0.1:{b.listen_port}"]
+    assert counters["channels_opened"] == 1, dict(counters)  # every frame on the one channel
+    assert counters["probe_ok"] >= 3  # b's acks came back on it
+    # A node this one sends one message and nothing after: its channel closes once idle.
+    c = MeshNode(loopback_settings(tmp_path / "c", "c", trust="open", mesh_id=MESH))
+    await c.start()
+    try:
+        wire(a).idle_s = 0.5
+        c_address = f"127.0.0.1:{c.listen_port}"
+        wire(a).send([(c_address, ping(10_001))])
+        await wait_for(lambda: counters["channels_opened"] == 2, 5, "a channel to c")
+        await wait_for(lambda: c_address not in wire(a).channels, 5, "the idle channel to c to close")
+        assert counters["channels_closed"] >= 1
+    finally:
+        await c.stop(leave=False)
+
+
+async def test_frames_for_a_peer_that_never_answers_are_bounded_and_dropped(pair, holes):
+    a, _ = pair
+    counters = a.membership.counters.transport  # type: ignore[union-attr]
+    hole = holes[0]
+    wire(a).send([(hole, ping(i)) for i in range(CHANNEL_QUEUE + 6)])
+    assert counters["probe_skipped_busy"] == 6  # the queue holds CHANNEL_QUEUE while the channel opens
+    assert hole in wire(a).channels
+    # The handshake never ends: after the open's deadline (1 s) the channel and its frames are gone.
+    await wait_for(lambda: hole not in wire(a).channels, 5, "the channel that never opened to go")
+    assert counters["probe_timeout"] + counters["probe_failed"] >= 1
+    assert counters["channels_opened"] == 1  # only b's
+
+
+async def test_channels_are_capped_and_the_least_recently_used_goes_first(pair, holes):
+    a, b = pair
+    transport = wire(a)
+    transport.max_channels = 2
+    b_address = f"127.0.0.1:{b.listen_port}"
+    transport.send([(holes[0], ping(1))])
+    transport.send([(b_address, ping(2))])  # b's channel is now the most recently used
+    transport.send([(holes[1], ping(3))])
+    assert transport.channels == [b_address, holes[1]]
+    transport.send([(holes[2], ping(4))])
+    assert transport.channels == [holes[1], holes[2]]
