@@ -12,9 +12,11 @@ slots whose load moves one slot up or down ``--churn-per-s`` (2) times a second 
   node shows it, pooled over 5 changes (polled over HTTP, ``GET /v1/brief``: the figures
   carry up to one sweep of polling delay, printed as ``sweep_ms``);
 - per node, steady state over ``--steady-s``: CPU (user+sys of the whole process: Python,
-  TLS, HTTP, JSON and crypto), bytes sent (the JSON the mesh counts, not TLS/HTTP), signature
-  verifications per second, and the share of CPU those verifications cost (Ed25519 verify
-  timed here);
+  TLS, WebSocket framing, JSON and crypto), bytes sent (the JSON the mesh counts, not TLS and
+  framing), messages sent (probe-mode frames and digest exchanges; by kind on stderr),
+  signature verifications per second, and the share of CPU those verifications cost
+  (Ed25519 verify timed here); false suspicions (claims made, per node-hour) and false deaths
+  in the window (nobody crashes in it);
 - not-alive / dead: from SIGKILL of one node until each other node shows it not alive / dead.
 
 Usage: .venv/bin/python tests/bench/bench_mesh_processes.py [--nodes 10] [--steady-s 20]
@@ -170,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             return c["transport"].get("probe_sent", 0) + c["messages_out"].get("digest", 0)
 
         requests = [(sent_requests(a) - sent_requests(b)) / args.steady_s for a, b in zip(after, before, strict=True)]
+        def probe_count(c: dict, name: str) -> int:
+            return c.get("probe", {}).get(name, 0)
+
+        # Nobody crashed in the window: every suspicion raised and every death declared is false.
+        pairs = list(zip(after, before, strict=True))
+        suspicions = sum(probe_count(a, "claims_made") - probe_count(b, "claims_made") for a, b in pairs)
+        deaths = sum(probe_count(a, "detector_deaths") - probe_count(b, "detector_deaths") for a, b in pairs)
         kinds = sorted({k for a in after for k in a["messages_out"]})
         by_kind = {k: round(statistics.mean((a["messages_out"].get(k, 0) - b["messages_out"].get(k, 0)) / args.steady_s
                                             for a, b in zip(after, before, strict=True)), 2) for k in kinds}
@@ -201,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_sent_per_node_s": round(statistics.mean(sent)),
             "requests_per_node_s": round(statistics.mean(requests), 1),
             "sig_verif_per_node_s": round(statistics.mean(verif), 1),
+            "false_susp_per_node_h": round(suspicions / args.nodes / (args.steady_s / 3600), 1),
+            "false_deaths": deaths,
             "ed25519_verify_us": round(verify_us, 1),
             "verify_cpu_%": round(100 * statistics.mean(verif) * verify_us / 1e6, 3),
             "not_alive_p50_ms": round(pct(list(not_alive.values()), 0.5)),

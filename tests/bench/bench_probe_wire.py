@@ -1,18 +1,18 @@
 """Probe mode's wire (issue 16): one ping's round trip over the mutual-TLS mesh listener.
 
 Two real ``MeshNode``s in probe mode (``detector = "probe"``, open trust, seeds on
-127.0.0.1) in this process; once both hold each other alive, node A's client sends
-``--pings`` pings to B's ``POST /mesh/v1/probe`` one after the other (80 a second, under
-the listener's per-peer rate limit), on a kept-alive connection (a pooled session like the
-transport's), and B answers each with its ack in the response. Measured:
+127.0.0.1) in this process; once both hold each other alive, node A's certificate opens a
+channel to B (``GET /mesh/v1/probe`` upgraded to a WebSocket, as the transport does) and
+sends ``--pings`` pings as frames one after the other (80 a second, under the channel's
+per-peer rate limit); B answers each with its ack on the channel. Measured:
 
-- round trip p50 / p99 / max (ms): from the request to the ack read, client side (what the
-  detector's ``probe_timeout_ms``, 200 ms, must cover);
-- bytes on the wire per round trip, both directions (TCP payload: TLS records, HTTP heads,
-  the JSON): through a counting TCP relay in front of B, over a second run of the same
-  pings, against the JSON alone (the message sizes the simulator counts);
-- the first ping on a new connection (TCP + TLS handshake, mutual certificates), which
-  a node pays once per peer per keep-alive period (30 s).
+- round trip p50 / p99 / max (ms): from the frame written to the ack read, client side
+  (what the detector's ``probe_timeout_ms``, 200 ms, must cover);
+- bytes on the wire per round trip, both directions (TCP payload: TLS records, WebSocket
+  framing, the JSON): through a counting TCP relay in front of B, over a second run of the
+  same pings, against the JSON alone (the message sizes the simulator counts);
+- opening a channel (TCP + mutual TLS handshake + the upgrade), which a node pays once per
+  peer while it keeps talking to it (an idle channel closes after 30 s).
 
 Both nodes run their own probing meanwhile (a ping each way every 500 ms): the figures
 include that background, as a live mesh would.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 import sys
 import tempfile
 import time
@@ -93,19 +94,37 @@ def node(tmp: Path, name: str, seeds: tuple[str, ...]) -> MeshNode:
     return MeshNode(settings, provider=lambda: ([model], PublishedState.SERVING))
 
 
-async def pings(session: aiohttp.ClientSession, url: str, node_id: str, n: int) -> tuple[list[float], int, int]:
-    """Round trips (ms), request JSON bytes and answer JSON bytes of ``n`` pings."""
+async def pings(ws: aiohttp.ClientWebSocketResponse, n: int, first_id: int) -> tuple[list[float], int, int]:
+    """Round trips (ms), ping JSON bytes and ack JSON bytes of ``n`` pings on channel ``ws``."""
     times, sent, got = [], 0, 0
     for i in range(n):
-        body = encode_any(Ping(PROTOCOL_VERSION, MESH_ID, i + 1, ()))
+        body = encode_any(Ping(PROTOCOL_VERSION, MESH_ID, first_id + i, ()))
         started = time.perf_counter()
-        async with session.post(url, data=body, headers=expect_node(node_id)) as resp:
-            answer = await resp.read()
+        await ws.send_bytes(body)
+        while True:  # the ack to this ping (an answer to an earlier one may come first)
+            msg = await ws.receive(timeout=5)
+            assert msg.type == aiohttp.WSMsgType.BINARY, msg
+            if b'"type":"ack"' in msg.data and f'"id":{first_id + i},'.encode() in msg.data:
+                break
         times.append((time.perf_counter() - started) * 1000.0)
-        await asyncio.sleep(PACE_S)  # under the listener's per-peer rate (PROBE_RATE_PER_S)
-        assert resp.status == 200 and b'"type":"ack"' in answer, (resp.status, answer[:200])
-        sent, got = sent + len(body), got + len(answer)
+        await asyncio.sleep(PACE_S)  # under the channel's per-peer rate (PROBE_RATE_PER_S)
+        sent, got = sent + len(body), got + len(msg.data)
     return times, sent, got
+
+
+async def channel_pings(ctx: ssl.SSLContext, port: int, node_id: str, n: int,
+                        relay: CountingRelay | None = None) -> tuple[float, list[float], int, int, int, int]:
+    """Open a channel to 127.0.0.1:``port`` (B, or the relay in front of it), ping once, then
+    ``n`` times: (open + first ping ms, round trips, JSON out, JSON in, wire out, wire in)."""
+    async with aiohttp.ClientSession(**peer_session_parts(ctx)) as session:
+        started = time.perf_counter()
+        async with session.ws_connect(f"https://127.0.0.1:{port}{PROBE_PATH}", headers=expect_node(node_id)) as ws:
+            await pings(ws, 1, 1)
+            first_ms = (time.perf_counter() - started) * 1000.0
+            up0, down0 = (relay.up, relay.down) if relay is not None else (0, 0)
+            times, sent, got = await pings(ws, n, 2)
+            up, down = (relay.up - up0, relay.down - down0) if relay is not None else (0, 0)
+    return first_ms, times, sent, got, up, down
 
 
 async def main(n: int) -> int:
@@ -126,28 +145,18 @@ async def main(n: int) -> int:
                 await asyncio.sleep(0.1)
             assert a.client_ssl_context is not None
             ctx = a.client_ssl_context
-            async with aiohttp.ClientSession(**peer_session_parts(ctx, limit=4, keepalive_timeout=30)) as session:
-                url = f"https://127.0.0.1:{b.listen_port}{PROBE_PATH}"
-                started = time.perf_counter()
-                await pings(session, url, b.node_id, 1)
-                first_ms = (time.perf_counter() - started) * 1000.0
-                times, sent, got = await pings(session, url, b.node_id, n)
+            first_ms, times, sent, got, _, _ = await channel_pings(ctx, int(b.listen_port or 0), b.node_id, n)
             relay_port = await relay.start()
-            async with aiohttp.ClientSession(**peer_session_parts(ctx, limit=4, keepalive_timeout=30)) as session:
-                url = f"https://127.0.0.1:{relay_port}{PROBE_PATH}"
-                await pings(session, url, b.node_id, 1)
-                up0, down0 = relay.up, relay.down
-                _, _, _ = await pings(session, url, b.node_id, n)
-                up, down = relay.up - up0, relay.down - down0
+            _, _, _, _, up, down = await channel_pings(ctx, relay_port, b.node_id, n, relay)
         finally:
             await relay.stop()
             await a.stop()
             await b.stop()
-    print(f"ping round trip over mutual TLS on 127.0.0.1, {n} pings, kept-alive connection:")
+    print(f"ping round trip over mutual TLS on 127.0.0.1, {n} pings on one channel (WebSocket):")
     print("| figure | value |")
     print("|---|---|")
     print(f"| round trip p50 / p99 / max | {pct(times, 0.5):.2f} / {pct(times, 0.99):.2f} / {max(times):.2f} ms |")
-    print(f"| first ping on a new connection (TCP + mutual TLS handshake) | {first_ms:.1f} ms |")
+    print(f"| first ping on a new channel (TCP + mutual TLS handshake + upgrade) | {first_ms:.1f} ms |")
     print(f"| bytes on the wire per round trip (request / answer) | {up / n:.0f} / {down / n:.0f} |")
     print(f"| of which JSON (ping / ack, no news) | {sent / n:.0f} / {got / n:.0f} |")
     return 0
