@@ -196,10 +196,11 @@ def test_forged_and_flooding_probe_messages_are_dropped_and_counted(mesh, tmp_pa
     ping = encode_probe_message(Ping(PROTOCOL_VERSION, MESH_ID, 7, (forged, unknown)))
     relay = encode_probe_message(PingReq(PROTOCOL_VERSION, MESH_ID, 8, c.node_id, c.mesh, ()))
     forger = tmp_path / "forger"
-    answers, closed = asyncio.run(_client_frames(forger, a.mesh, [b"{not json", "a text frame", ping, relay]))
+    as_text = encode_probe_message(Ping(PROTOCOL_VERSION, MESH_ID, 6, ())).decode()  # a ping, but in a text frame
+    answers, closed = asyncio.run(_client_frames(forger, a.mesh, [b"{not json", as_text, ping, relay]))
     assert closed is None  # bad frames are dropped, the channel stays
     acks = [json.loads(frame) for frame in answers]
-    assert [(m["type"], m["id"]) for m in acks] == [("ack", 7)]  # the ping is answered on the channel
+    assert [(m["type"], m["id"]) for m in acks] == [("ack", 7)]  # the ping is answered on the channel, not the text one
 
     def counted() -> bool:
         now = a.get("/v1/counters")
