@@ -114,6 +114,7 @@ class ProbeTransport:
         self._channels: OrderedDict[str, _Channel] = OrderedDict()  # by address, least recently used first
         self._served: set[web.WebSocketResponse] = set()
         self._wake = asyncio.Event()
+        self._sleeping_until = -float("inf")  # clock ms until which the probe loop sleeps (wait)
         self._closing = False
 
     def attach(self, node: ProbeNode) -> None:
@@ -150,6 +151,7 @@ class ProbeTransport:
     async def wait(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s``, or until a message arrived (the core may then have new
         deadlines: a relay's, a pull's)."""
+        self._sleeping_until = self.m.clock() + timeout_s * 1000.0
         if timeout_s > 0 and not self._wake.is_set():
             # asyncio.wait, not wait_for: Python 3.11's wait_for can lose a cancellation that
             # comes as the event is set, and the loop task then outlived stop() (a hang).
@@ -204,10 +206,9 @@ class ProbeTransport:
             self.m.counters.messages_in["probe"] += 1
             self.m.counters.drop(DropReason.RATE_LIMITED)
             return []
-        wakeup = node.next_wakeup()
         out = node.receive_bytes(sender, address, msg.data)
         self._send_bytes((to, data) for to, data in out if to != address)
-        if node.next_wakeup() < wakeup:  # the loop sleeps until the old wake-up: bring it forward
+        if node.next_wakeup() < self._sleeping_until:  # a new deadline before the loop wakes: bring it forward
             self._wake.set()
         return [data for to, data in out if to == address]
 

@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         kinds = sorted({k for a in after for k in a["messages_out"]})
         by_kind = {k: round(statistics.mean((a["messages_out"].get(k, 0) - b["messages_out"].get(k, 0)) / args.steady_s
                                             for a, b in zip(after, before, strict=True)), 2) for k in kinds}
-        print(f"messages sent per node per second, by kind: {by_kind}", file=sys.stderr)
+        opened = statistics.mean(a["transport"].get("channels_opened", 0) - b["transport"].get("channels_opened", 0)
+                                 for a, b in pairs)
+        print(f"messages sent per node per second, by kind: {by_kind}; channels opened per node in the window: "
+              f"{opened:.1f}", file=sys.stderr)
 
         # Crash detection.
         victim = args.nodes - 1
