@@ -251,3 +251,23 @@ def test_a_copy_of_a_refuted_claim_that_comes_back_is_refuted_again():
     assert member.publisher.last.payload.order > refuted
     assert sim.run_until_true(lambda: observer.probe.detector.state(member.node_id) == "alive", 2000, 20), \
         "the observer still holds the member suspect"
+
+
+def test_copies_of_a_forged_claim_about_a_node_never_make_it_refute():
+    """A claim about this node that did not verify (a forged signature, an unknown signer)
+    is remembered so that its copies are not verified again; those copies must not take the
+    "refuted again" path either: only a verified claim makes a node publish (attack review
+    of the probe channels: any member could make every node republish once per probe
+    interval with a claim it never signed)."""
+    sim = probe_mesh(5, seed=23)
+    member, claimer = sim.nodes[1], sim.nodes[2]
+    order = member.publisher.last.payload.order
+    forged = Claim(member.node_id, order, claimer.node_id, b"\0" * 64)
+    stranger = Claim(member.node_id, order, sim_node_id(99), b"\1" * 64)
+    for _ in range(3):
+        member.probe.receive(claimer.node_id, claimer.address,
+                             Gossip(member.membership.protocol, SIM_MESH_ID, (forged, stranger)))
+        sim.run_until(sim.now + D.probe_interval_ms + 1)
+    assert member.probe.counters["claims_forged"] == 1  # verified once, its copies remembered
+    assert member.probe.counters["claims_unknown_signer"] == 1
+    assert member.probe.counters["refutations"] == 0
