@@ -22,6 +22,9 @@ frames of a **WebSocket channel** per peer:
   :data:`PROBE_RATE_PER_S` frames per peer and second, twice that as burst, on both ends of a
   channel), a frame beyond :data:`~viiwork.mesh.probe_codec.MAX_PROBE_MESSAGE_BYTES`
   (``oversized``: the channel is closed, 1009).
+- **No compression**: neither end offers or takes permessage-deflate (aiohttp's default on
+  both): its zlib state cost ~107 KiB more per channel (measured on a real node), beyond the
+  listener's per-connection bound (docs/security.md), for frames of a few hundred bytes.
 - **Channels are bounded**: this node opens at most :data:`MAX_CHANNELS` (the least recently
   used one is closed for a new one), queues at most :data:`CHANNEL_QUEUE` frames on each
   (beyond that a message is not sent: ``probe_skipped_busy``; the core's timers treat it as
@@ -169,7 +172,7 @@ class ProbeTransport:
         node, sender = self.node, peer_of(request)
         if node is None or sender is None or self._closing:
             return web.Response(status=503)
-        ws = web.WebSocketResponse(max_msg_size=MAX_PROBE_MESSAGE_BYTES, autoping=True)
+        ws = web.WebSocketResponse(max_msg_size=MAX_PROBE_MESSAGE_BYTES, autoping=True, compress=False)
         if not ws.can_prepare(request).ok:
             self.m.counters.drop(DropReason.MALFORMED)
             return web.Response(status=400, text="a WebSocket upgrade")
@@ -319,7 +322,7 @@ class ProbeTransport:
         headers = {} if channel.node_id is None else expect_node(channel.node_id)
         try:
             return await session.ws_connect(f"https://{channel.address}{PROBE_PATH}", headers=headers,
-                                            max_msg_size=MAX_PROBE_MESSAGE_BYTES, autoping=True)
+                                            max_msg_size=MAX_PROBE_MESSAGE_BYTES, autoping=True, compress=0)
         except TimeoutError:
             self.counters["probe_timeout"] += 1
         except PeerMismatch:  # counted (peer_mismatch) and logged by the connector

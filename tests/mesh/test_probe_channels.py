@@ -8,16 +8,22 @@ listeners that accept and never speak TLS (a remote party that froze or is not a
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from support.mesh_nodes import loopback_settings, wait_for
+from viiwork.mesh import tls
+from viiwork.mesh.identity import load_or_create_identity
 from viiwork.mesh.messages import Ping
 from viiwork.mesh.node import MeshNode
-from viiwork.mesh.probe_transport import CHANNEL_QUEUE, ProbeTransport
+from viiwork.mesh.probe_codec import encode_probe_message
+from viiwork.mesh.probe_transport import CHANNEL_QUEUE, PROBE_PATH, ProbeTransport
 from viiwork.mesh.summary import PROTOCOL_VERSION
+from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 
 MESH = "lab"
 
@@ -112,3 +118,31 @@ async def test_channels_are_capped_and_the_least_recently_used_goes_first(pair, 
     transport.send([(holes[0], ping(3))])  # holes[0] is now the most recently used
     transport.send([(holes[2], ping(4))])
     assert transport.channels == [holes[0], holes[2]]
+
+
+def forger_context(node_dir: Path) -> ssl.SSLContext:
+    """A member of the open mesh ``MESH`` that is no node of the table (its own certificate)."""
+    from cryptography.hazmat.primitives import serialization
+
+    identity = load_or_create_identity(node_dir)
+    cert = node_dir / "node.crt"
+    cert.write_bytes(issue_open_certificate(identity, "forger", MESH))
+    ca_pem = open_mesh_ca(MESH)[1].public_bytes(serialization.Encoding.PEM)
+    return tls.client_context(cert, identity.key_path, ca_pem)
+
+
+async def test_a_channel_never_negotiates_compression(pair, tmp_path):
+    """permessage-deflate (aiohttp's default on both ends) would hold a zlib compressor and
+    decompressor per channel: measured ~107 KiB more per channel on a real node (120 forged
+    channels: +45.7 MiB RSS against +33.2 MiB), beyond the listener's per-connection bound
+    (docs/security.md), and CPU for frames of a few hundred bytes."""
+    a, b = pair
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=forger_context(tmp_path / "forger"))) as s:
+        async with s.ws_connect(f"https://127.0.0.1:{a.listen_port}{PROBE_PATH}", compress=15) as ws:
+            assert ws.compress == 0  # the node answered the offer without the extension
+            await ws.send_bytes(encode_probe_message(ping(5)))
+            answer = await ws.receive(timeout=5)
+            assert answer.type == aiohttp.WSMsgType.BINARY  # the channel works, uncompressed
+    # The nodes' own channels do not ask for it either: the one a opened to b, as b serves it.
+    await wait_for(lambda: len(wire(b)._served) >= 1, 5, "a's channel to b")
+    assert [ws.compress for ws in wire(b)._served] == [0]
