@@ -30,7 +30,10 @@ frames of a **WebSocket channel** per peer:
   (beyond that a message is not sent: ``probe_skipped_busy``; the core's timers treat it as
   lost, and a frozen peer's channel fills so), closes one idle for :data:`CHANNEL_IDLE_S`,
   and the listener closes a channel that brought nothing for
-  :data:`~viiwork.mesh.transport.KEEPALIVE_TIMEOUT_S`. Opening one (TCP, mutual TLS, the
+  :data:`~viiwork.mesh.transport.KEEPALIVE_TIMEOUT_S` (a WebSocket ping counts: a member can
+  keep a channel as it can keep any connection alive, within the listener's caps) and one
+  whose peer does not read this node's answers within ``timeout_s`` (``channel_stalled``;
+  aborted when its closing frame cannot go either). Opening one (TCP, mutual TLS, the
   upgrade) is bounded by ``connect_timeout_s`` and ``timeout_s``; the TLS peer must be the
   node the address belongs to (:mod:`viiwork.mesh.dialing`). Frames queued while a channel
   opens go once it is open; a channel that fails to open or breaks drops what it held
@@ -45,7 +48,8 @@ frames of a **WebSocket channel** per peer:
 Counters (in the membership's ``transport`` counters): probe_sent (frames written),
 probe_ok (frames received on a channel this node opened), probe_failed, probe_timeout,
 probe_refused (an upgrade answered with another status), probe_unsupported,
-probe_skipped_busy, probe_unaddressed (a reply to a sender this node has no address for,
+probe_skipped_busy, channel_stalled (a channel a peer opened whose answers it did not read
+within ``timeout_s``: closed), probe_unaddressed (a reply to a sender this node has no address for,
 made outside that sender's channel), channels_opened, channels_closed.
 """
 
@@ -115,7 +119,8 @@ class ProbeTransport:
         self._limiter = PeerRateLimiter(rate_per_s, 2 * rate_per_s, max_buckets=2 * membership.settings.max_peers)
         self._session: aiohttp.ClientSession | None = None
         self._channels: OrderedDict[str, _Channel] = OrderedDict()  # by address, least recently used first
-        self._served: set[web.WebSocketResponse] = set()
+        # The channels peers opened, with their connections (a stalled one is aborted).
+        self._served: dict[web.WebSocketResponse, asyncio.Transport | None] = {}
         self._wake = asyncio.Event()
         self._sleeping_until = -float("inf")  # clock ms until which the probe loop sleeps (wait)
         self._closing = False
@@ -140,8 +145,8 @@ class ProbeTransport:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._channels.clear()
-        for ws in list(self._served):
-            await ws.close(code=WSCloseCode.GOING_AWAY)
+        await asyncio.gather(*(self._close_served(ws, transport, WSCloseCode.GOING_AWAY)
+                               for ws, transport in list(self._served.items())))
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -177,7 +182,8 @@ class ProbeTransport:
             self.m.counters.drop(DropReason.MALFORMED)
             return web.Response(status=400, text="a WebSocket upgrade")
         await ws.prepare(request)
-        self._served.add(ws)
+        transport = request.transport
+        self._served[ws] = transport
         try:
             while not ws.closed:
                 try:
@@ -189,12 +195,33 @@ class ProbeTransport:
                     break
                 address = self._address_of(sender)
                 back = self._frame(sender, address, msg)
-                for data in back:
-                    await ws.send_bytes(data)
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        for data in back:
+                            await ws.send_bytes(data)
+                except TimeoutError:  # the peer reads nothing (frozen, or never meant to)
+                    self.counters["channel_stalled"] += 1
+                    break
+                except ConnectionError:  # gone while answered
+                    break
         finally:
-            self._served.discard(ws)
-            await ws.close()
+            self._served.pop(ws, None)
+            await self._close_served(ws, transport)
         return ws
+
+    async def _close_served(self, ws: web.WebSocketResponse, transport: asyncio.Transport | None,
+                            code: int = WSCloseCode.OK) -> None:
+        """Close a channel a peer opened; one whose peer does not read its closing frame
+        within ``timeout_s`` (its writes wait for room that never comes) is aborted, so a
+        member that stops reading holds neither the channel nor this node's stop."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await ws.close(code=code)
+        except TimeoutError:
+            if transport is not None:
+                transport.abort()
+        except ConnectionError:
+            pass
 
     def _frame(self, sender: NodeId, address: str, msg: aiohttp.WSMessage) -> list[bytes]:
         """One frame from ``sender`` to the core: the answers for ``sender`` (the rest sent)."""

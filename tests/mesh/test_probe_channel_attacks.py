@@ -1,0 +1,149 @@
+"""Attacks on probe mode's channels (mesh/probe_transport.py) by a member of an open mesh
+that is no node of the table: a channel opened and never read.
+
+In-process ``MeshNode``s on 127.0.0.1 (open trust); the attacker is a raw TLS socket that
+upgrades to a WebSocket by hand, so it can stop reading (aiohttp's client reads on its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import socket
+import ssl
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from support.mesh_nodes import loopback_settings, wait_for
+from viiwork.mesh import tls
+from viiwork.mesh.identity import load_or_create_identity
+from viiwork.mesh.messages import Pull
+from viiwork.mesh.node import MeshNode
+from viiwork.mesh.probe_codec import encode_probe_message
+from viiwork.mesh.probe_transport import PROBE_PATH, ProbeTransport
+from viiwork.mesh.summary import PROTOCOL_VERSION
+from viiwork.mesh.ratelimit import PeerRateLimiter
+from viiwork.mesh.tls import peer_node_id
+from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
+
+MESH = "lab"
+pytestmark = pytest.mark.timeout(60)
+
+
+def forger_context(node_dir: Path) -> ssl.SSLContext:
+    from cryptography.hazmat.primitives import serialization
+
+    identity = load_or_create_identity(node_dir)
+    cert = node_dir / "node.crt"
+    cert.write_bytes(issue_open_certificate(identity, "forger", MESH))
+    ca_pem = open_mesh_ca(MESH)[1].public_bytes(serialization.Encoding.PEM)
+    return tls.client_context(cert, identity.key_path, ca_pem)
+
+
+def frame(payload: bytes) -> bytes:
+    """One masked binary WebSocket frame (RFC 6455 5.2)."""
+    mask = os.urandom(4)
+    n = len(payload)
+    head = bytes([0x82]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n))
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def open_raw_channel(ctx: ssl.SSLContext, port: int) -> ssl.SSLSocket:
+    """A probe channel to 127.0.0.1:``port`` upgraded by hand; the caller then never reads."""
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    raw.settimeout(5)
+    raw.connect(("127.0.0.1", port))
+    sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall((f"GET {PROBE_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def wire(node: MeshNode) -> ProbeTransport:
+    transport = node._probe_wire
+    assert transport is not None
+    return transport
+
+
+def served_peers(node: MeshNode) -> list[str | None]:
+    """The nodes whose channels ``node`` serves (by their TLS certificates)."""
+    return [None if t is None else peer_node_id(t.get_extra_info("ssl_object")) for t in wire(node)._served.values()]
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[MeshNode, MeshNode]]:
+    b = MeshNode(loopback_settings(tmp_path / "b", "b", trust="open", mesh_id=MESH))
+    await b.start()
+    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH,
+                                   seeds=(f"127.0.0.1:{b.listen_port}",)))
+    await a.start()
+    try:
+        await wait_for(lambda: {p.name for p in a.peers() if p.liveness.value == "alive"} == {"b"}, 10, "a and b to meet")
+        yield a, b
+    finally:
+        await a.stop(leave=False)
+        await b.stop(leave=False)
+
+
+async def flood_unread(a: MeshNode, b: MeshNode, tmp_path: Path, until: Callable[[], bool]) -> ssl.SSLSocket:
+    """A forger's channel to ``a``: pulls for both summaries, whose answers (a push of two
+    summaries each) it never reads, until ``until()`` (at most 30 s). At the rate limit (100
+    frames a second) the socket buffers fill in about 20 s: ``a`` takes 2,000 a second here."""
+    wire(a)._limiter = PeerRateLimiter(2000.0, 4000.0, max_buckets=16)
+    pull = encode_probe_message(Pull(PROTOCOL_VERSION, MESH, {a.membership.node_id: (0, 0),  # type: ignore[union-attr]
+                                                              b.membership.node_id: (0, 0)}))  # type: ignore[union-attr]
+    sock = await asyncio.to_thread(open_raw_channel, forger_context(tmp_path / "forger"), a.listen_port)
+    sock.settimeout(1.0)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline and not until():
+            await asyncio.to_thread(sock.sendall, frame(pull) * 100)
+            await asyncio.sleep(0.1)
+    except (TimeoutError, OSError):  # a stopped reading (its handler waits on its answers), or closed it
+        pass
+    return sock
+
+
+async def test_a_channel_whose_answers_are_never_read_is_closed(pair, tmp_path):
+    """Before: the handler waited forever to write its answers (the listener's idle timeout
+    is on reading), so it held the connection with no traffic at all."""
+    a, b = pair
+    counters = a.membership.counters.transport  # type: ignore[union-attr]
+    forger = load_or_create_identity(tmp_path / "forger").node_id
+    sock = await flood_unread(a, b, tmp_path, lambda: counters["channel_stalled"] >= 1)
+    try:
+        await wait_for(lambda: counters["channel_stalled"] >= 1, 10, "the stalled channel to be counted")
+        await wait_for(lambda: forger not in served_peers(a), 10, "the stalled channel to close")
+    finally:
+        sock.close()
+
+
+async def test_a_channel_that_is_never_read_does_not_hold_the_node_at_stop(pair, tmp_path):
+    """Before: stop() waited forever for its closing frame to go (a graceful stop of the
+    agent then hung until systemd killed it)."""
+    a, b = pair
+    wire(a).timeout_s = 60.0  # the handler is still waiting on its answers when stop comes
+    pushes: list[int] = []  # the pushes a answered with, every 0.1 s: the same for 1 s once its writes wait
+
+    def writes_wait() -> bool:
+        pushes.append(a.membership.counters.messages_out["push"])  # type: ignore[union-attr]
+        return len(pushes) > 10 and pushes[-11] == pushes[-1] > 0
+
+    sock = await flood_unread(a, b, tmp_path, writes_wait)
+    try:
+        assert load_or_create_identity(tmp_path / "forger").node_id in served_peers(a)
+        wire(a).timeout_s = 1.0
+        await asyncio.wait_for(a.stop(leave=False), 20)
+    finally:
+        sock.close()
