@@ -26,8 +26,8 @@ from viiwork.mesh.messages import Pull
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.probe_codec import encode_probe_message
 from viiwork.mesh.probe_transport import PROBE_PATH, ProbeTransport
-from viiwork.mesh.summary import PROTOCOL_VERSION
 from viiwork.mesh.ratelimit import PeerRateLimiter
+from viiwork.mesh.summary import PROTOCOL_VERSION
 from viiwork.mesh.tls import peer_node_id
 from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 
