@@ -679,13 +679,14 @@ class Membership:
         item = RelayedSummary(summary, int(min(max(now - heard_at, 0), MAX_AGE_MS)))
         return item, summary.wire_size() + 14
 
-    def _fill(self, wanted: list[tuple[NodeId, bool]], protocol: int) -> tuple[RelayedSummary, ...]:
+    def _fill(self, wanted: list[tuple[NodeId, bool]], protocol: int,
+              max_bytes: int | None = None) -> tuple[RelayedSummary, ...]:
         """Relayed summaries for ``wanted`` (node id, with certificate) within the message
-        budget; when they do not all fit, this node's own first, then a random subset (the
-        rest goes in later rounds)."""
+        budget (``max_bytes``, default ``max_message_bytes``); when they do not all fit, this
+        node's own first, then a random subset (the rest goes in later rounds)."""
         now = self.clock()
         out = [o for nid, wc in wanted if (o := self._outgoing(nid, wc, protocol, now)) is not None]
-        budget = self.settings.max_message_bytes - 1024
+        budget = min(self.settings.max_message_bytes, max_bytes or self.settings.max_message_bytes) - 1024
         if sum(size for _, size in out) > budget:
             own = [o for o in out if o[0].summary.payload.node_id == self.node_id]
             rest = [o for o in out if o[0].summary.payload.node_id != self.node_id]
@@ -698,13 +699,14 @@ class Membership:
             out = kept
         return tuple(item for item, _ in out)
 
-    def relay(self, wants: Entries, protocol: int) -> tuple[RelayedSummary, ...]:
+    def relay(self, wants: Entries, protocol: int, max_bytes: int | None = None) -> tuple[RelayedSummary, ...]:
         """The summaries this node holds newer than ``wants`` (node id -> the version the
         asker holds, (0, 0) when it lacks the node: sent with the certificate), in
-        ``protocol``, within the message budget: probe mode's pull (mesh/probing.py)."""
+        ``protocol``, within ``max_bytes`` (default ``max_message_bytes``; probe mode's
+        channel frames are smaller): probe mode's pull (mesh/probing.py)."""
         mine = self.orders
         send = [(nid, t[0] == 0) for nid, t in wants.items() if (m := mine.get(nid)) is not None and m > t]
-        return self._fill(send, protocol)
+        return self._fill(send, protocol, max_bytes)
 
     def handle_digest(self, sender: str | None, digest: Digest) -> Reply | None:
         """Answer a peer's digest: the summaries it lacks and the entries we want. None when

@@ -97,7 +97,7 @@ from viiwork.mesh.messages import (
     Reply,
     claim_signing_input,
 )
-from viiwork.mesh.probe_codec import MAX_PROBE_ITEMS, decode_any, encode_any
+from viiwork.mesh.probe_codec import MAX_PROBE_ITEMS, MAX_PROBE_MESSAGE_BYTES, decode_any, encode_any
 from viiwork.mesh.publisher import HEARTBEAT_SLACK, LocalPublisher
 from viiwork.mesh.quantise import LoadQuantiser, PublishLimiter, compare_models
 from viiwork.mesh.ratelimit import PeerRateLimiter
@@ -677,7 +677,8 @@ class ProbeNode:
             self.m.counters.drop(DropReason.WRONG_MESH)
             return out
         if isinstance(msg, Pull):
-            summaries = self.m.relay(msg.wants, msg.protocol)
+            # Within one channel frame (a peer closes one beyond it): the rest on a later pull.
+            summaries = self.m.relay(msg.wants, msg.protocol, MAX_PROBE_MESSAGE_BYTES)
             if summaries:
                 out.append((address, Push(msg.protocol, self.m.mesh_id, summaries)))
             records = self._loads_for(msg.wants)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness
-from viiwork.mesh.messages import NEWS_BYTES, Claim, Gossip, News, Ping, PingReq, Push, claim_signing_input, item_size
+from viiwork.mesh.messages import NEWS_BYTES, Claim, Gossip, News, Ping, PingReq, Pull, Push, claim_signing_input, item_size
+from viiwork.mesh.probe_codec import MAX_PROBE_MESSAGE_BYTES, decode_any, encode_probe_message
 from viiwork.mesh.probing import ProbeSettings
 from viiwork.mesh.quantise import LoadQuantiser
 from viiwork.mesh.sim import SIM_MESH_ID, Simulator, sim_node_id
@@ -271,3 +272,19 @@ def test_copies_of_a_forged_claim_about_a_node_never_make_it_refute():
     assert member.probe.counters["claims_forged"] == 1  # verified once, its copies remembered
     assert member.probe.counters["claims_unknown_signer"] == 1
     assert member.probe.counters["refutations"] == 0
+
+
+def test_a_pull_for_every_node_is_answered_within_one_channel_frame():
+    """A pull's answers go back as frames of a channel, which a peer closes beyond
+    MAX_PROBE_MESSAGE_BYTES (64 KiB, oversized); the push used to be filled up to
+    max_message_bytes (4 MiB): at 120 nodes a 2 KB pull naming them all (any member may
+    send one, 100 a second) was answered with a 77 KB push that no peer takes."""
+    sim = probe_mesh(120, seed=5)
+    asker, node = sim.nodes[0], sim.nodes[1]
+    wants = {o.node_id: (0, 0) for o in sim.nodes}
+    pull = encode_probe_message(Pull(node.membership.protocol, SIM_MESH_ID, wants))
+    answers = node.probe.receive_bytes(asker.node_id, asker.address, pull)
+    assert answers and all(to == asker.address for to, _ in answers)
+    assert max(len(data) for _, data in answers) <= MAX_PROBE_MESSAGE_BYTES
+    push = decode_any(answers[0][1], asker.membership.accepted, asker.membership.settings.max_message_bytes)
+    assert isinstance(push, Push) and len(push.summaries) >= 60  # as many as fit: the rest on a later pull
