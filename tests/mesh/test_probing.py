@@ -10,7 +10,18 @@ from __future__ import annotations
 from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness
-from viiwork.mesh.messages import NEWS_BYTES, Claim, Gossip, News, Ping, PingReq, Pull, Push, claim_signing_input, item_size
+from viiwork.mesh.messages import (
+    NEWS_BYTES,
+    Claim,
+    Gossip,
+    News,
+    Ping,
+    PingReq,
+    Pull,
+    Push,
+    claim_signing_input,
+    item_size,
+)
 from viiwork.mesh.probe_codec import MAX_PROBE_MESSAGE_BYTES, decode_any, encode_probe_message
 from viiwork.mesh.probing import ProbeSettings
 from viiwork.mesh.quantise import LoadQuantiser
