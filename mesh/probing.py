@@ -892,15 +892,18 @@ class ProbeNode:
         every load publication, not only with refutations as SWIM's incarnation does, so the
         prober's version is often one behind ours: within one generation a claim stands for
         the newest version held here (the suspect refutes it with a newer one, for this node
-        too), while a claim about an older generation stays older and is ignored."""
+        too), while a claim about an older generation stays older and is ignored. A claim
+        never stands for more than the newest version held: a member could otherwise sign one
+        about a version far ahead (``seq + 10**6``, a generation that never booted) that no
+        refutation (one ``seq`` up) ever passes, and every node would hold its node dead."""
         if claim.node_id == self.m.node_id:
             own = self.m.self_summary
             held = None if own is None else own.payload.order
         else:
             rec = self.m.records.get(claim.node_id)
             held = None if rec is None else rec.order
-        if held is not None and held[0] == claim.order[0]:
-            return max(held, claim.order)
+        if held is not None and claim.order[0] >= held[0]:
+            return held
         return claim.order
 
     def _refute(self, claim: Claim, again: bool = False) -> None:

@@ -299,3 +299,27 @@ def test_a_pull_for_every_node_is_answered_within_one_channel_frame():
     assert max(len(data) for _, data in answers) <= MAX_PROBE_MESSAGE_BYTES
     push = decode_any(answers[0][1], asker.membership.accepted, asker.membership.settings.max_message_bytes)
     assert isinstance(push, Push) and len(push.summaries) >= 60  # as many as fit: the rest on a later pull
+
+
+def test_a_claim_about_a_version_the_node_never_published_is_refuted():
+    """A member (anyone with the mesh id, in open trust) signed one claim about another node
+    at a version far ahead of its own, (generation, seq + 10**6), and gossiped it: every
+    observer took it at that version, the node's refutations (seq + 1 each) never reached it,
+    and all held the node dead for good while it refuted forever. A claim is taken at most
+    at the newest version held of its node: one newer than any it published is refuted too."""
+    sim = probe_mesh(5, seed=21)
+    member, claimer = sim.nodes[1], sim.nodes[2]
+    g, seq = member.publisher.last.payload.order
+    claims = []
+    for order in ((g, seq + 10**6), (g + 1, 0)):  # ahead in seq, and a boot that never was
+        data = claim_signing_input(SIM_MESH_ID, member.node_id, order, claimer.node_id)
+        claims.append(Claim(member.node_id, order, claimer.node_id, claimer.signer.sign(data)))
+    observers = [o for o in sim.nodes if o is not member and o is not claimer]
+    for o in [*observers, member]:
+        o.probe.receive(claimer.node_id, claimer.address, Gossip(o.membership.protocol, SIM_MESH_ID, tuple(claims)))
+    assert all(o.probe.detector.state(member.node_id) == "suspect" for o in observers)
+    assert member.probe.counters["refutations"] >= 1
+    assert sim.run_until_true(lambda: all(o.probe.detector.state(member.node_id) == "alive" for o in observers),
+                              5000, 50), "the node's refutation did not clear the claim"
+    sim.run_until(sim.now + 20_000)
+    assert all(sim.view_of(o.index, member.index) is Liveness.ALIVE for o in observers)
