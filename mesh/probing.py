@@ -251,6 +251,7 @@ class ProbeNode:
         self._next_heartbeat = now
         self._next_dead_probe = now + settings.dead_probe_ms
         self._refuted_at = -float("inf")
+        self._refute_due = False  # a refutation waits for the probe interval's end (_refute)
         self._started = now
         membership.liveness_hook = self._liveness
         membership.on_update.append(self._on_update)
@@ -412,6 +413,8 @@ class ProbeNode:
         times += [p.deadline for p in self._pulls.values()]
         if len(self.queue):
             times.append(self._next_gossip)
+        if self._refute_due:
+            times.append(self._refuted_at + self.settings.detector.probe_interval_ms)
         return max(now, min(times))
 
     def poll(self) -> list[Outgoing]:
@@ -435,6 +438,8 @@ class ProbeNode:
         self._retry_pulls(now, out)
         if self.detector.tick(now):
             self.m.tick()  # Dead: liveness transitions fire
+        if self._refute_due and now - self._refuted_at >= self.settings.detector.probe_interval_ms:
+            self._publish_refutation(now)
         self.publish()
         probe = self.detector.next_probe()
         if probe is not None:
@@ -908,14 +913,24 @@ class ProbeNode:
 
     def _refute(self, claim: Claim, again: bool = False) -> None:
         """A verified claim about this node: a newer summary refutes it (a copy of one refuted
-        before: not within ``probe_interval_ms`` of the last refutation)."""
+        before: not within ``probe_interval_ms`` of the last refutation). At most one
+        refutation per probe interval: a new claim within it is refuted at the interval's end
+        by one summary with any others (:meth:`poll`): a member can sign claims as fast as
+        its verification budget allows, and each summary is verified by every node."""
         now = self.m.clock()
         if again and now - self._refuted_at < self.settings.detector.probe_interval_ms:
             return
         if isinstance(self.detector.suspect(claim.node_id, self._claim_incarnation(claim), claim.by), Refute):
-            self.counters["refutations"] += 1
-            self._refuted_at = now
-            self.publish(force=True)
+            if now - self._refuted_at < self.settings.detector.probe_interval_ms:
+                self._refute_due = True
+                return
+            self._publish_refutation(now)
+
+    def _publish_refutation(self, now: float) -> None:
+        self.counters["refutations"] += 1
+        self._refuted_at = now
+        self._refute_due = False
+        self.publish(force=True)
 
     def _take_claim(self, claim: Claim, sender: NodeId | None = None) -> None:
         """A claim: verified once (by its signer's certificate), then given to the detector,

@@ -323,3 +323,28 @@ def test_a_claim_about_a_version_the_node_never_published_is_refuted():
                               5000, 50), "the node's refutation did not clear the claim"
     sim.run_until(sim.now + 20_000)
     assert all(sim.view_of(o.index, member.index) is Liveness.ALIVE for o in observers)
+
+
+def test_a_burst_of_fresh_claims_about_a_node_is_refuted_by_one_summary_per_probe_interval():
+    """A member may sign as many claims about another node as it likes (each at another
+    version: a claim stands for the newest version held, so an old one is as good as a new
+    one). Each verified one used to make the node publish a new summary at once, which every
+    node then verifies: 100 claims in a burst, 100 summaries. Refutations within a probe
+    interval of the last are coalesced into one at the interval's end."""
+    sim = probe_mesh(5, seed=21)
+    member, claimer = sim.nodes[1], sim.nodes[2]
+    g, _ = member.publisher.last.payload.order
+    claims = []
+    for seq in range(100):
+        data = claim_signing_input(SIM_MESH_ID, member.node_id, (g, seq), claimer.node_id)
+        claims.append(Claim(member.node_id, (g, seq), claimer.node_id, claimer.signer.sign(data)))
+    for claim in claims:
+        member.probe.receive(claimer.node_id, claimer.address, Gossip(member.membership.protocol, SIM_MESH_ID, (claim,)))
+    assert member.probe.counters["claims_verified"] == 100
+    assert member.probe.counters["refutations"] == 1
+    sim.run_until(sim.now + D.probe_interval_ms + 100)
+    assert member.probe.counters["refutations"] == 2  # the rest, at once, one interval later
+    refuted = member.publisher.last.payload.order
+    assert sim.run_until_true(lambda: all(o.probe.detector.state(member.node_id) == "alive"
+                                          for o in sim.nodes if o is not member), 5000, 50)
+    assert member.probe.counters["refutations"] == 2 and member.publisher.last.payload.order == refuted
