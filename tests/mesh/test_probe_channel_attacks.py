@@ -1,18 +1,21 @@
 """Attacks on probe mode's channels (mesh/probe_transport.py) by a member of an open mesh
-that is no node of the table: a channel opened and never read.
+that is no node of the table: a channel opened and never read, from either end.
 
 In-process ``MeshNode``s on 127.0.0.1 (open trust); the attacker is a raw TLS socket that
-upgrades to a WebSocket by hand, so it can stop reading (aiohttp's client reads on its own).
+upgrades to a WebSocket by hand (or answers this node's upgrade), so it can stop reading
+(aiohttp's client reads on its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import os
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -22,10 +25,10 @@ import pytest
 from support.mesh_nodes import loopback_settings, wait_for
 from viiwork.mesh import tls
 from viiwork.mesh.identity import load_or_create_identity
-from viiwork.mesh.messages import Pull
+from viiwork.mesh.messages import Ping, Pull
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.probe_codec import encode_probe_message
-from viiwork.mesh.probe_transport import PROBE_PATH, ProbeTransport
+from viiwork.mesh.probe_transport import CHANNEL_QUEUE, PROBE_PATH, ProbeTransport
 from viiwork.mesh.ratelimit import PeerRateLimiter
 from viiwork.mesh.summary import PROTOCOL_VERSION
 from viiwork.mesh.tls import peer_node_id
@@ -147,3 +150,72 @@ async def test_a_channel_that_is_never_read_does_not_hold_the_node_at_stop(pair,
         await asyncio.wait_for(a.stop(leave=False), 20)
     finally:
         sock.close()
+
+
+def forger_server_context(node_dir: Path) -> ssl.SSLContext:
+    from cryptography.hazmat.primitives import serialization
+
+    identity = load_or_create_identity(node_dir)
+    cert = node_dir / "node.crt"
+    cert.write_bytes(issue_open_certificate(identity, "forger", MESH))
+    ca_pem = open_mesh_ca(MESH)[1].public_bytes(serialization.Encoding.PEM)
+    return tls.server_context(cert, identity.key_path, ca_pem)
+
+
+async def test_a_channel_this_node_opened_to_a_peer_that_never_reads_does_not_hold_its_stop(pair, tmp_path):
+    """The client side: a member this node opened a channel to (it probes it, gossips to it)
+    sends pulls on it and never reads the pushes this node answers with; this node's writes
+    then wait for room, and stop() waited forever for the channel's closing frame."""
+    a, b = pair
+    wire(a)._limiter = PeerRateLimiter(2000.0, 4000.0, max_buckets=16)
+    pull = encode_probe_message(Pull(PROTOCOL_VERSION, MESH, {a.membership.node_id: (0, 0),  # type: ignore[union-attr]
+                                                              b.membership.node_id: (0, 0)}))  # type: ignore[union-attr]
+    ctx = forger_server_context(tmp_path / "forger")
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited by the accepted socket: a small window
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    stop_flood = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        sock = ctx.wrap_socket(conn, server_side=True)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(1)
+        key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"sec-websocket-key"))
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        unmasked = bytes([0x82, 126]) + struct.pack("!H", len(pull)) + pull if len(pull) >= 126 \
+            else bytes([0x82, len(pull)]) + pull
+        sock.settimeout(1.0)
+        try:
+            while not stop_flood.is_set():
+                sock.sendall(unmasked * 100)
+                time.sleep(0.05)
+        except OSError:
+            pass
+        stop_flood.wait(60)
+        sock.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        wire(a).send([(address, Ping(PROTOCOL_VERSION, MESH, 1, ()))])  # this node opens the channel
+        full: list[bool] = []  # the channel's queue full, every 0.1 s: full for 1 s once its writes wait
+
+        def writes_wait() -> bool:
+            channel = wire(a)._channels.get(address)
+            full.append(channel is not None and len(channel.queue) >= CHANNEL_QUEUE)
+            return len(full) > 10 and all(full[-10:])
+
+        await wait_for(writes_wait, 30, "this node's writes to wait for room", poll_s=0.1)
+        assert address in wire(a).channels
+        await asyncio.wait_for(a.stop(leave=False), 20)
+    finally:
+        stop_flood.set()
+        listener.close()
+        await asyncio.to_thread(thread.join, 10)
