@@ -199,6 +199,7 @@ class ProbeTransport:
                     async with asyncio.timeout(self.timeout_s):
                         for data in back:
                             await ws.send_bytes(data)
+                            self.counters["probe_sent"] += 1
                 except TimeoutError:  # the peer reads nothing (frozen, or never meant to)
                     self.counters["channel_stalled"] += 1
                     break
@@ -333,13 +334,16 @@ class ProbeTransport:
             self.counters["probe_failed"] += 1
             log.debug("probe channel to %s: %s: %s", channel.address, type(exc).__name__, exc)
         finally:
+            if self._channels.get(channel.address) is channel:  # first: a frame sent now opens a new one
+                del self._channels[channel.address]
+            if channel.queue:  # queued and never written: lost (the core's timers expect losses)
+                self.counters["probe_dropped"] += len(channel.queue)
+                channel.queue.clear()
             if reader is not None:
                 reader.cancel()
             if ws is not None:
                 await asyncio.shield(ws.close())
                 self.counters["channels_closed"] += 1
-            if self._channels.get(channel.address) is channel:
-                del self._channels[channel.address]
 
     async def _connect(self, channel: _Channel) -> aiohttp.ClientWebSocketResponse | None:
         """The channel's WebSocket, or None (counted) when it cannot be opened."""

@@ -733,6 +733,7 @@ class ProbeNode:
             self.m.counters.messages_in["undecodable"] += 1
             self.m.counters.drop(exc.reason)
             return []
+        self.m.counters.messages_in[type(msg).__name__.lower()] += 1
         out = []
         for to, reply in self.receive(sender, address, msg):
             encoded = encode_any(reply)

@@ -353,9 +353,9 @@ class MutualTlsSite(BaseSite):
         host = _host_of(peer)
         if host not in self._warned and len(self._warned) < 10_000:
             self._warned.add(host)
-            log.warning("mesh listener: TLS handshake from %s failed: %s", host, exc)
+            log.warning("mesh listener: TLS handshake from %s failed: %s: %s", host, type(exc).__name__, exc)
         else:
-            log.debug("mesh listener: TLS handshake from %s failed: %s", host, exc)
+            log.debug("mesh listener: TLS handshake from %s failed: %s: %s", host, type(exc).__name__, exc)
         if self._on_failure is not None:
             self._on_failure(peer, exc)
 

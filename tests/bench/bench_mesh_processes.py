@@ -13,7 +13,8 @@ slots whose load moves one slot up or down ``--churn-per-s`` (2) times a second 
   carry up to one sweep of polling delay, printed as ``sweep_ms``);
 - per node, steady state over ``--steady-s``: CPU (user+sys of the whole process: Python,
   TLS, WebSocket framing, JSON and crypto), bytes sent (the JSON the mesh counts, not TLS and
-  framing), messages sent (probe-mode frames and digest exchanges; by kind on stderr),
+  framing), frames sent (probe mode's frames written on channels either end opened; messages
+  by kind on stderr),
   signature verifications per second, and the share of CPU those verifications cost
   (Ed25519 verify timed here); false suspicions (claims made, per node-hour) and false deaths
   in the window (nobody crashes in it);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import socket
 import statistics
@@ -168,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         verif = [(a["verifications"]["signature"] - b["verifications"]["signature"]) / args.steady_s
                  for a, b in zip(after, before, strict=True)]
         verify_us = ed25519_verify_us()
-        def sent_requests(c: dict) -> int:  # HTTP requests: probe messages and digest exchanges
-            return c["transport"].get("probe_sent", 0) + c["messages_out"].get("digest", 0)
-
-        requests = [(sent_requests(a) - sent_requests(b)) / args.steady_s for a, b in zip(after, before, strict=True)]
+        frames = [(a["transport"].get("probe_sent", 0) - b["transport"].get("probe_sent", 0)) / args.steady_s
+                  for a, b in zip(after, before, strict=True)]  # probe-mode frames written, both channel ends
         def probe_count(c: dict, name: str) -> int:
             return c.get("probe", {}).get(name, 0)
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "change_p50_ms": round(pct(change_ms, 0.5)), "change_p99_ms": round(pct(change_ms, 0.99)),
             "cpu_per_node_%": round(100 * statistics.mean(cpu), 2),
             "bytes_sent_per_node_s": round(statistics.mean(sent)),
-            "requests_per_node_s": round(statistics.mean(requests), 1),
+            "frames_sent_per_node_s": round(statistics.mean(frames), 1),
             "sig_verif_per_node_s": round(statistics.mean(verif), 1),
             "false_susp_per_node_h": round(suspicions / args.nodes / (args.steady_s / 3600), 1),
             "false_deaths": deaths,
@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(rows) + " |")
         print("|" + "---|" * len(rows))
         print("| " + " | ".join(str(v) for v in rows.values()) + " |")
+    except BaseException:
+        print(f"the nodes' state directories and logs are kept in {tmp}", file=sys.stderr)
+        raise
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -234,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+    shutil.rmtree(tmp, ignore_errors=True)  # keys and logs of a run that went through
     return 0
 
 

@@ -38,17 +38,32 @@ def ping(i: int) -> Ping:
     return Ping(PROTOCOL_VERSION, MESH, i, ())
 
 
+class Holes(list[str]):
+    """Addresses that accept TCP and never answer; ``hung_up`` holds those whose caller closed."""
+
+    connected: set[str]
+    hung_up: set[str]
+
+
 @pytest.fixture
-async def holes() -> AsyncIterator[list[str]]:
+async def holes() -> AsyncIterator[Holes]:
     """Three addresses that accept TCP and never answer."""
     held: list[asyncio.StreamWriter] = []
+    found = Holes()
+    found.connected, found.hung_up = set(), set()
 
     async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
+        host, port = writer.get_extra_info("sockname")[:2]
+        found.connected.add(f"{host}:{port}")
+        while await reader.read(65536):  # what the caller sends (a TLS hello) is never answered
+            pass
+        found.hung_up.add(f"{host}:{port}")
 
     servers = [await asyncio.start_server(swallow, "127.0.0.1", 0) for _ in range(3)]
+    found.extend(f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers)
     try:
-        yield [f"127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+        yield found
     finally:
         for w in held:
             w.close()
@@ -108,16 +123,26 @@ async def test_frames_for_a_peer_that_never_answers_are_bounded_and_dropped(pair
     assert counters["channels_opened"] == 1  # only b's
 
 
-async def test_channels_are_capped_and_the_least_recently_used_goes_first(pair, holes):
-    a, _ = pair
-    transport = wire(a)
-    transport.max_channels = 2
-    transport.send([(holes[0], ping(1))])
-    transport.send([(holes[1], ping(2))])  # (b's channel, if open, was the least recently used: gone)
-    assert transport.channels == [holes[0], holes[1]]
-    transport.send([(holes[0], ping(3))])  # holes[0] is now the most recently used
-    transport.send([(holes[2], ping(4))])
-    assert transport.channels == [holes[0], holes[2]]
+async def test_channels_are_capped_and_the_least_recently_used_goes_first(tmp_path, holes):
+    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH))  # no peers: its own
+    await a.start()                                                                    # probes open nothing
+    try:
+        transport = wire(a)
+        transport.max_channels = 2
+        transport.send([(holes[0], ping(1))])
+        transport.send([(holes[1], ping(2))])
+        assert transport.channels == [holes[0], holes[1]]
+        await wait_for(lambda: holes.connected == {holes[0], holes[1]}, 5, "both channels to connect")
+        transport.send([(holes[0], ping(3))])  # holes[0] is now the most recently used
+        transport.send([(holes[2], ping(4))])
+        assert transport.channels == [holes[0], holes[2]]
+        # The channel recycled is closed, its frame dropped and counted; the others stay open.
+        await wait_for(lambda: holes[1] in holes.hung_up, 5, "the recycled channel's connection to close")
+        assert holes.hung_up == {holes[1]}
+        assert a.membership.counters.transport["probe_dropped"] >= 1  # type: ignore[union-attr]
+    finally:
+        await a.stop(leave=False)
+
 
 
 def forger_context(node_dir: Path) -> ssl.SSLContext:
