@@ -13,10 +13,10 @@ frames of a **WebSocket channel** per peer:
   What the core addresses back to the sender while handling a frame (an ``ack`` to a
   ``ping``, a ``pull`` for news it lacks, the ``loads`` a pull asked for) goes back as frames
   on the same channel; anything it sends elsewhere goes on this node's channel to that node's
-  published mesh address. Why frames and not a request per message: on the 2-core
-  development VM an HTTPS request with its answer cost ~0.7 ms of CPU on the two ends against
-  ~0.15 ms for a frame (docs/benchmarks-mesh.md, "Channels"), and a node of a churning mesh
-  sends tens of messages a second.
+  published mesh address. Why frames and not a request per message: a node of a churning
+  mesh sends tens of messages a second, and at the same rate a node used 37% less CPU with
+  frames than with an HTTPS request each (docs/benchmarks-mesh.md, "Channels against a
+  request per message").
 - **Dropped and counted**, never raised: a frame that does not decode (by reason, as any
   mesh message), a text frame (``malformed``), a peer over its rate (``rate_limited``;
   :data:`PROBE_RATE_PER_S` frames per peer and second, twice that as burst, on both ends of a
