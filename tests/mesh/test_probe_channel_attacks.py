@@ -22,30 +22,18 @@ from pathlib import Path
 
 import pytest
 
-from support.mesh_nodes import loopback_settings, wait_for
-from viiwork.mesh import tls
+from support.mesh_nodes import outsider_tls, probe_pair, probe_wire, wait_for
 from viiwork.mesh.identity import load_or_create_identity
 from viiwork.mesh.messages import Ping, Pull
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.probe_codec import encode_probe_message
-from viiwork.mesh.probe_transport import CHANNEL_QUEUE, PROBE_PATH, ProbeTransport
+from viiwork.mesh.probe_transport import CHANNEL_QUEUE, PROBE_PATH
 from viiwork.mesh.ratelimit import PeerRateLimiter
 from viiwork.mesh.summary import PROTOCOL_VERSION
 from viiwork.mesh.tls import peer_node_id
-from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 
 MESH = "lab"
 pytestmark = pytest.mark.timeout(60)
-
-
-def forger_context(node_dir: Path) -> ssl.SSLContext:
-    from cryptography.hazmat.primitives import serialization
-
-    identity = load_or_create_identity(node_dir)
-    cert = node_dir / "node.crt"
-    cert.write_bytes(issue_open_certificate(identity, "forger", MESH))
-    ca_pem = open_mesh_ca(MESH)[1].public_bytes(serialization.Encoding.PEM)
-    return tls.client_context(cert, identity.key_path, ca_pem)
 
 
 def frame(payload: bytes) -> bytes:
@@ -73,40 +61,25 @@ def open_raw_channel(ctx: ssl.SSLContext, port: int) -> ssl.SSLSocket:
     return sock
 
 
-def wire(node: MeshNode) -> ProbeTransport:
-    transport = node._probe_wire
-    assert transport is not None
-    return transport
-
-
 def served_peers(node: MeshNode) -> list[str | None]:
     """The nodes whose channels ``node`` serves (by their TLS certificates)."""
-    return [None if t is None else peer_node_id(t.get_extra_info("ssl_object")) for t in wire(node)._served.values()]
+    return [None if t is None else peer_node_id(t.get_extra_info("ssl_object")) for t in probe_wire(node)._served.values()]
 
 
 @pytest.fixture
 async def pair(tmp_path: Path) -> AsyncIterator[tuple[MeshNode, MeshNode]]:
-    b = MeshNode(loopback_settings(tmp_path / "b", "b", trust="open", mesh_id=MESH))
-    await b.start()
-    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH,
-                                   seeds=(f"127.0.0.1:{b.listen_port}",)))
-    await a.start()
-    try:
-        await wait_for(lambda: {p.name for p in a.peers() if p.liveness.value == "alive"} == {"b"}, 10, "a and b to meet")
-        yield a, b
-    finally:
-        await a.stop(leave=False)
-        await b.stop(leave=False)
+    async with probe_pair(tmp_path, MESH) as nodes:
+        yield nodes
 
 
 async def flood_unread(a: MeshNode, b: MeshNode, tmp_path: Path, until: Callable[[], bool]) -> ssl.SSLSocket:
     """A forger's channel to ``a``: pulls for both summaries, whose answers (a push of two
     summaries each) it never reads, until ``until()`` (at most 30 s). At the rate limit (100
     frames a second) the socket buffers fill in about 20 s: ``a`` takes 2,000 a second here."""
-    wire(a)._limiter = PeerRateLimiter(2000.0, 4000.0, max_buckets=16)
+    probe_wire(a)._limiter = PeerRateLimiter(2000.0, 4000.0, max_buckets=16)
     pull = encode_probe_message(Pull(PROTOCOL_VERSION, MESH, {a.membership.node_id: (0, 0),  # type: ignore[union-attr]
                                                               b.membership.node_id: (0, 0)}))  # type: ignore[union-attr]
-    sock = await asyncio.to_thread(open_raw_channel, forger_context(tmp_path / "forger"), a.listen_port)
+    sock = await asyncio.to_thread(open_raw_channel, outsider_tls(tmp_path / "forger", MESH), a.listen_port)
     sock.settimeout(1.0)
     deadline = time.monotonic() + 30
     try:
@@ -136,7 +109,7 @@ async def test_a_channel_that_is_never_read_does_not_hold_the_node_at_stop(pair,
     """Before: stop() waited forever for its closing frame to go (a graceful stop of the
     agent then hung until systemd killed it)."""
     a, b = pair
-    wire(a).timeout_s = 60.0  # the handler is still waiting on its answers when stop comes
+    probe_wire(a).timeout_s = 60.0  # the handler is still waiting on its answers when stop comes
     pushes: list[int] = []  # the pushes a answered with, every 0.1 s: the same for 1 s once its writes wait
 
     def writes_wait() -> bool:
@@ -146,20 +119,10 @@ async def test_a_channel_that_is_never_read_does_not_hold_the_node_at_stop(pair,
     sock = await flood_unread(a, b, tmp_path, writes_wait)
     try:
         assert load_or_create_identity(tmp_path / "forger").node_id in served_peers(a)
-        wire(a).timeout_s = 1.0
+        probe_wire(a).timeout_s = 1.0
         await asyncio.wait_for(a.stop(leave=False), 20)
     finally:
         sock.close()
-
-
-def forger_server_context(node_dir: Path) -> ssl.SSLContext:
-    from cryptography.hazmat.primitives import serialization
-
-    identity = load_or_create_identity(node_dir)
-    cert = node_dir / "node.crt"
-    cert.write_bytes(issue_open_certificate(identity, "forger", MESH))
-    ca_pem = open_mesh_ca(MESH)[1].public_bytes(serialization.Encoding.PEM)
-    return tls.server_context(cert, identity.key_path, ca_pem)
 
 
 async def test_a_channel_this_node_opened_to_a_peer_that_never_reads_does_not_hold_its_stop(pair, tmp_path):
@@ -167,10 +130,10 @@ async def test_a_channel_this_node_opened_to_a_peer_that_never_reads_does_not_ho
     sends pulls on it and never reads the pushes this node answers with; this node's writes
     then wait for room, and stop() waited forever for the channel's closing frame."""
     a, b = pair
-    wire(a)._limiter = PeerRateLimiter(2000.0, 4000.0, max_buckets=16)
+    probe_wire(a)._limiter = PeerRateLimiter(2000.0, 4000.0, max_buckets=16)
     pull = encode_probe_message(Pull(PROTOCOL_VERSION, MESH, {a.membership.node_id: (0, 0),  # type: ignore[union-attr]
                                                               b.membership.node_id: (0, 0)}))  # type: ignore[union-attr]
-    ctx = forger_server_context(tmp_path / "forger")
+    ctx = outsider_tls(tmp_path / "forger", MESH, server=True)
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited by the accepted socket: a small window
     listener.bind(("127.0.0.1", 0))
@@ -204,16 +167,16 @@ async def test_a_channel_this_node_opened_to_a_peer_that_never_reads_does_not_ho
     thread.start()
     try:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        wire(a).send([(address, Ping(PROTOCOL_VERSION, MESH, 1, ()))])  # this node opens the channel
+        probe_wire(a).send([(address, Ping(PROTOCOL_VERSION, MESH, 1, ()))])  # this node opens the channel
         full: list[bool] = []  # the channel's queue full, every 0.1 s: full for 1 s once its writes wait
 
         def writes_wait() -> bool:
-            channel = wire(a)._channels.get(address)
+            channel = probe_wire(a)._channels.get(address)
             full.append(channel is not None and len(channel.queue) >= CHANNEL_QUEUE)
             return len(full) > 10 and all(full[-10:])
 
         await wait_for(writes_wait, 30, "this node's writes to wait for room", poll_s=0.1)
-        assert address in wire(a).channels
+        assert address in probe_wire(a).channels
         await asyncio.wait_for(a.stop(leave=False), 20)
     finally:
         stop_flood.set()

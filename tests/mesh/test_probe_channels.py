@@ -8,30 +8,20 @@ listeners that accept and never speak TLS (a remote party that froze or is not a
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from support.mesh_nodes import loopback_settings, wait_for
-from viiwork.mesh import tls
-from viiwork.mesh.identity import load_or_create_identity
+from support.mesh_nodes import loopback_settings, outsider_tls, probe_pair, probe_wire, wait_for
 from viiwork.mesh.messages import Ping
 from viiwork.mesh.node import MeshNode
 from viiwork.mesh.probe_codec import encode_probe_message
-from viiwork.mesh.probe_transport import CHANNEL_QUEUE, PROBE_PATH, ProbeTransport
+from viiwork.mesh.probe_transport import CHANNEL_QUEUE, PROBE_PATH
 from viiwork.mesh.summary import PROTOCOL_VERSION
-from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 
 MESH = "lab"
-
-
-def wire(node: MeshNode) -> ProbeTransport:
-    transport = node._probe_wire
-    assert transport is not None
-    return transport
 
 
 def ping(i: int) -> Ping:
@@ -43,6 +33,12 @@ class Holes(list[str]):
 
     connected: set[str]
     hung_up: set[str]
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[MeshNode, MeshNode]]:
+    async with probe_pair(tmp_path, MESH) as nodes:
+        yield nodes
 
 
 @pytest.fixture
@@ -72,39 +68,23 @@ async def holes() -> AsyncIterator[Holes]:
             await s.wait_closed()
 
 
-@pytest.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[tuple[MeshNode, MeshNode]]:
-    b = MeshNode(loopback_settings(tmp_path / "b", "b", trust="open", mesh_id=MESH))
-    await b.start()
-    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH,
-                                   seeds=(f"127.0.0.1:{b.listen_port}",)))
-    await a.start()
-    try:
-        await wait_for(lambda: {p.name for p in a.peers() if p.liveness.value == "alive"} == {"b"}
-                       and {p.name for p in b.peers() if p.liveness.value == "alive"} == {"a"}, 10, "a and b to meet")
-        yield a, b
-    finally:
-        await a.stop(leave=False)
-        await b.stop(leave=False)
-
-
 async def test_a_peers_messages_share_one_channel_and_an_idle_channel_is_closed(pair, tmp_path):
     a, b = pair
     counters = a.membership.counters.transport  # type: ignore[union-attr]
     before = counters["probe_sent"]
     await wait_for(lambda: counters["probe_sent"] >= before + 6, 10, "a few rounds of probes")  # 2 a second
-    assert wire(a).channels == [f"127.0.0.1:{b.listen_port}"]
+    assert probe_wire(a).channels == [f"127.0.0.1:{b.listen_port}"]
     assert counters["channels_opened"] == 1, dict(counters)  # every frame on the one channel
     assert counters["probe_ok"] >= 3  # b's acks came back on it
     # A node this one sends one message and nothing after: its channel closes once idle.
     c = MeshNode(loopback_settings(tmp_path / "c", "c", trust="open", mesh_id=MESH))
     await c.start()
     try:
-        wire(a).idle_s = 0.5
+        probe_wire(a).idle_s = 0.5
         c_address = f"127.0.0.1:{c.listen_port}"
-        wire(a).send([(c_address, ping(10_001))])
+        probe_wire(a).send([(c_address, ping(10_001))])
         await wait_for(lambda: counters["channels_opened"] == 2, 5, "a channel to c")
-        await wait_for(lambda: c_address not in wire(a).channels, 5, "the idle channel to c to close")
+        await wait_for(lambda: c_address not in probe_wire(a).channels, 5, "the idle channel to c to close")
         assert counters["channels_closed"] >= 1
     finally:
         await c.stop(leave=False)
@@ -114,11 +94,11 @@ async def test_frames_for_a_peer_that_never_answers_are_bounded_and_dropped(pair
     a, _ = pair
     counters = a.membership.counters.transport  # type: ignore[union-attr]
     hole = holes[0]
-    wire(a).send([(hole, ping(i)) for i in range(CHANNEL_QUEUE + 6)])
+    probe_wire(a).send([(hole, ping(i)) for i in range(CHANNEL_QUEUE + 6)])
     assert counters["probe_skipped_busy"] == 6  # the queue holds CHANNEL_QUEUE while the channel opens
-    assert hole in wire(a).channels
+    assert hole in probe_wire(a).channels
     # The handshake never ends: after the open's deadline (1 s) the channel and its frames are gone.
-    await wait_for(lambda: hole not in wire(a).channels, 5, "the channel that never opened to go")
+    await wait_for(lambda: hole not in probe_wire(a).channels, 5, "the channel that never opened to go")
     assert counters["probe_timeout"] + counters["probe_failed"] >= 1
     assert counters["channels_opened"] == 1  # only b's
 
@@ -127,7 +107,7 @@ async def test_channels_are_capped_and_the_least_recently_used_goes_first(tmp_pa
     a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH))  # no peers: its own
     await a.start()                                                                    # probes open nothing
     try:
-        transport = wire(a)
+        transport = probe_wire(a)
         transport.max_channels = 2
         transport.send([(holes[0], ping(1))])
         transport.send([(holes[1], ping(2))])
@@ -145,29 +125,18 @@ async def test_channels_are_capped_and_the_least_recently_used_goes_first(tmp_pa
 
 
 
-def forger_context(node_dir: Path) -> ssl.SSLContext:
-    """A member of the open mesh ``MESH`` that is no node of the table (its own certificate)."""
-    from cryptography.hazmat.primitives import serialization
-
-    identity = load_or_create_identity(node_dir)
-    cert = node_dir / "node.crt"
-    cert.write_bytes(issue_open_certificate(identity, "forger", MESH))
-    ca_pem = open_mesh_ca(MESH)[1].public_bytes(serialization.Encoding.PEM)
-    return tls.client_context(cert, identity.key_path, ca_pem)
-
-
 async def test_a_channel_never_negotiates_compression(pair, tmp_path):
     """permessage-deflate (aiohttp's default on both ends) would hold a zlib compressor and
     decompressor per channel: measured ~107 KiB more per channel on a real node (120 forged
     channels: +45.7 MiB RSS against +33.2 MiB), beyond the listener's per-connection bound
     (docs/security.md), and CPU for frames of a few hundred bytes."""
     a, b = pair
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=forger_context(tmp_path / "forger"))) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=outsider_tls(tmp_path / "forger", MESH))) as s:
         async with s.ws_connect(f"https://127.0.0.1:{a.listen_port}{PROBE_PATH}", compress=15) as ws:
             assert ws.compress == 0  # the node answered the offer without the extension
             await ws.send_bytes(encode_probe_message(ping(5)))
             answer = await ws.receive(timeout=5)
             assert answer.type == aiohttp.WSMsgType.BINARY  # the channel works, uncompressed
     # The nodes' own channels do not ask for it either: the one a opened to b, as b serves it.
-    await wait_for(lambda: len(wire(b)._served) >= 1, 5, "a's channel to b")
-    assert [ws.compress for ws in wire(b)._served] == [0]
+    await wait_for(lambda: len(probe_wire(b)._served) >= 1, 5, "a's channel to b")
+    assert [ws.compress for ws in probe_wire(b)._served] == [0]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import ssl
 import subprocess
 import sys
 import time
@@ -26,13 +25,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from viiwork.mesh import tls
-from viiwork.mesh.identity import load_or_create_identity
+from support.mesh_nodes import outsider_tls
 from viiwork.mesh.messages import Claim, Ping, PingReq
 from viiwork.mesh.probe_codec import MAX_PROBE_MESSAGE_BYTES, encode_probe_message
 from viiwork.mesh.probe_transport import PROBE_PATH
 from viiwork.mesh.summary import PROTOCOL_VERSION
-from viiwork.mesh.trust import issue_open_certificate, open_mesh_ca
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,22 +145,12 @@ def test_a_new_capacity_reaches_the_peers(mesh):
     assert all(x.get("/v1/counters")["probe"]["loads_accepted"] >= 3 for x in (a, c))
 
 
-def _forger_context(node_dir: Path) -> ssl.SSLContext:
-    """A member of the open mesh that is no node of the table (a test-made identity and certificate)."""
-    identity = load_or_create_identity(node_dir)
-    cert = node_dir / "node.crt"
-    cert.write_bytes(issue_open_certificate(identity, "forger", MESH_ID))
-    from cryptography.hazmat.primitives import serialization
-    ca_pem = open_mesh_ca(MESH_ID)[1].public_bytes(serialization.Encoding.PEM)
-    return tls.client_context(cert, identity.key_path, ca_pem)
-
-
 async def _client_frames(node_dir: Path, address: str, frames: list[bytes | str],
                          quiet_s: float = 1.0) -> tuple[list[bytes], int | None]:
     """Open a channel to ``address``'s probe endpoint as the forger, send ``frames`` (str: a
     text frame) at once, and read the answers until none came for ``quiet_s`` or the node
     closed the channel: (answer frames, the close code or None)."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_forger_context(node_dir))) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=outsider_tls(node_dir, MESH_ID))) as session:
         async with session.ws_connect(f"https://{address}{PROBE_PATH}") as ws:
             for frame in frames:
                 await (ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
@@ -179,7 +166,7 @@ async def _client_frames(node_dir: Path, address: str, frames: list[bytes | str]
 
 
 async def _plain_get(node_dir: Path, address: str) -> int:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=_forger_context(node_dir))) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=outsider_tls(node_dir, MESH_ID))) as session:
         async with session.get(f"https://{address}{PROBE_PATH}") as resp:
             return resp.status
 

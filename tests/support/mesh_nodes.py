@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+
+from viiwork.mesh import tls
 from viiwork.mesh.identity import load_or_create_identity
 from viiwork.mesh.membership import GossipSettings
 from viiwork.mesh.node import MeshNode, MeshSettings
-from viiwork.mesh.trust import init_ca, install_certificate, load_ca, make_signing_request, sign_request
+from viiwork.mesh.probe_transport import ProbeTransport
+from viiwork.mesh.trust import (
+    init_ca,
+    install_certificate,
+    issue_open_certificate,
+    load_ca,
+    make_signing_request,
+    open_mesh_ca,
+    sign_request,
+)
 
 FAST = GossipSettings(gossip_interval_ms=100, suspect_after_ms=600, dead_after_ms=1500, scale_with_size=False)
 
@@ -63,3 +77,39 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, p
         await asyncio.sleep(poll_s)
     if not predicate():
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def outsider_tls(node_dir: Path, mesh_id: str, server: bool = False) -> ssl.SSLContext:
+    """TLS of a member of the open mesh ``mesh_id`` that is no node of any table (a test-made
+    identity in ``node_dir`` named "forger", with its open-mesh certificate): a client
+    context, or a server one with ``server``. What anyone who knows the mesh id can make."""
+    identity = load_or_create_identity(node_dir)
+    cert = node_dir / "node.crt"
+    cert.write_bytes(issue_open_certificate(identity, "forger", mesh_id))
+    ca_pem = open_mesh_ca(mesh_id)[1].public_bytes(serialization.Encoding.PEM)
+    return (tls.server_context if server else tls.client_context)(cert, identity.key_path, ca_pem)
+
+
+def probe_wire(node: MeshNode) -> ProbeTransport:
+    """A probe-mode node's channels (its ProbeTransport)."""
+    transport = node._probe_wire
+    assert transport is not None, "not a probe-mode node"
+    return transport
+
+
+@asynccontextmanager
+async def probe_pair(tmp_path: Path, mesh_id: str) -> AsyncIterator[tuple[MeshNode, MeshNode]]:
+    """Two probe-mode nodes on 127.0.0.1 in open trust, ``a`` seeded with ``b``, once each
+    holds the other alive; both stopped (no leave) at the end."""
+    b = MeshNode(loopback_settings(tmp_path / "b", "b", trust="open", mesh_id=mesh_id))
+    await b.start()
+    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=mesh_id,
+                                   seeds=(f"127.0.0.1:{b.listen_port}",)))
+    await a.start()
+    try:
+        await wait_for(lambda: {p.name for p in a.peers() if p.liveness.value == "alive"} == {"b"}
+                       and {p.name for p in b.peers() if p.liveness.value == "alive"} == {"a"}, 10, "a and b to meet")
+        yield a, b
+    finally:
+        await a.stop(leave=False)
+        await b.stop(leave=False)
