@@ -348,3 +348,18 @@ def test_a_burst_of_fresh_claims_about_a_node_is_refuted_by_one_summary_per_prob
     assert sim.run_until_true(lambda: all(o.probe.detector.state(member.node_id) == "alive"
                                           for o in sim.nodes if o is not member), 5000, 50)
     assert member.probe.counters["refutations"] == 2 and member.publisher.last.payload.order == refuted
+
+
+def test_a_structural_change_spreads_as_news_not_by_anti_entropy():
+    """A new summary (a model added: structural, not a load record) goes out as news at once.
+    After the start window (two anti-entropy intervals, when anti-entropy runs every probe
+    interval: ProbeNode._racing) anti-entropy alone runs every ~5 s per node, so every node
+    holding the change within 1.5 s was the news'."""
+    sim = probe_mesh(10, seed=22)
+    sim.run_for(2 * ProbeSettings().sync_interval_ms + 1000)
+    origin = sim.nodes[5]
+    added = (*BUSY, ModelCapacity("model-y", "llamacpp", "chat", 4, 0, 0, 4096, 1, 1, "fp-y"))
+    order = sim.set_models(5, added)
+    assert sim.run_until_true(
+        lambda: all(sim.knows(o, origin, order) for o in sim.up_nodes() if o is not origin), 1500, 20), \
+        "the new summary did not reach every node within 1.5 s"
