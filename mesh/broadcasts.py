@@ -101,9 +101,12 @@ class BroadcastQueue(Generic[K, T]):
 
     def __init__(self, retransmit_mult: int = DEFAULT_RETRANSMIT_MULT,
                  max_items: int = DEFAULT_MAX_ITEMS,
-                 max_skipped: int = DEFAULT_MAX_SKIPPED) -> None:
+                 max_skipped: int = DEFAULT_MAX_SKIPPED, min_transmits: int = 1) -> None:
         if retransmit_mult < 1:
             raise ValueError(f"retransmit_mult must be >= 1, got {retransmit_mult}")
+        if min_transmits < 1:
+            raise ValueError(f"min_transmits must be >= 1, got {min_transmits}")
+        self.min_transmits = min_transmits
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
         if max_skipped < 0:
@@ -126,14 +129,15 @@ class BroadcastQueue(Generic[K, T]):
 
     def limit(self, n_nodes: int) -> int:
         """Transmissions of one item in a mesh of ``n_nodes`` nodes (self included):
-        ``retransmit_mult * ceil(log10(n_nodes + 1))``, memberlist's retransmit limit.
-        For n = 1, 9, 10, 99, 1000 that is 1, 1, 2, 2, 4 times ``retransmit_mult``.
-        Raises ValueError when ``n_nodes`` < 1 (a mesh holds at least this node)."""
+        ``max(min_transmits, retransmit_mult * ceil(log10(n_nodes + 1)))``, memberlist's
+        retransmit limit with a floor. For n = 1, 9, 10, 99, 1000 the product is 1, 1, 2, 2, 4
+        times ``retransmit_mult``. Raises ValueError when ``n_nodes`` < 1 (a mesh holds at
+        least this node)."""
         if n_nodes < 1:
             raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
         # ceil(log10(n + 1)) is the count of decimal digits of n for n >= 1: exact, unlike
         # floating-point log10 near powers of ten.
-        return self.retransmit_mult * len(str(n_nodes))
+        return max(self.min_transmits, self.retransmit_mult * len(str(n_nodes)))
 
     def put(self, key: K, item: T, size_bytes: int, version: Version) -> bool:
         """Queue ``item`` about ``key``; ``size_bytes`` (>= 0) is its encoded size, which

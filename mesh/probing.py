@@ -132,6 +132,11 @@ class ProbeSettings:
       sends ~1,000 news a second (docs/mesh.md, "Probe mode"); 1 kB gossip messages could
       not carry them and the queue's tail set the publication latency.
     - ``retransmit_mult`` (2): see :class:`~viiwork.mesh.broadcasts.BroadcastQueue`.
+    - ``min_transmits`` (6): each item is sent at least this often by each node that queued
+      it. A node hears an item about as many times as each holder sends it, and misses every
+      copy with a chance of about ``e ** -transmits``: with the product's 4 below 100 nodes
+      that is 1.8%, and the 50-process run saw 2-4 of 245 observers wait 3-10 s for
+      anti-entropy; with 6 it is 0.25% (docs/benchmarks-mesh.md, "Fifty real processes").
     - ``sync_interval_ms`` (5000): one anti-entropy exchange per node.
     - ``republish_ms`` (60000): the summary is re-signed at least this often.
     - ``pull_timeout_ms`` (100) / ``pull_attempts`` (3): a pull not answered by then is sent
@@ -151,6 +156,7 @@ class ProbeSettings:
     piggyback_bytes: int = 1024
     gossip_bytes: int = 4096
     retransmit_mult: int = 2
+    min_transmits: int = 6
     sync_interval_ms: float = 5000.0
     republish_ms: float = 60_000.0
     pull_timeout_ms: float = 100.0
@@ -162,7 +168,8 @@ class ProbeSettings:
         for name in ("gossip_interval_ms", "sync_interval_ms", "republish_ms", "pull_timeout_ms", "dead_probe_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"probe.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("gossip_nodes", "piggyback_bytes", "gossip_bytes", "retransmit_mult", "pull_attempts", "digest_every"):
+        for name in ("gossip_nodes", "piggyback_bytes", "gossip_bytes", "retransmit_mult", "min_transmits",
+                     "pull_attempts", "digest_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"probe.{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -216,7 +223,8 @@ class ProbeNode:
         self.settings = settings
         self.rng = rng
         self.detector = Detector(membership.node_id, settings.detector, membership.clock, rng)
-        self.queue: BroadcastQueue[Any, News | Claim] = BroadcastQueue(settings.retransmit_mult)
+        self.queue: BroadcastQueue[Any, News | Claim] = BroadcastQueue(settings.retransmit_mult,
+                                                                       min_transmits=settings.min_transmits)
         self.quantiser = LoadQuantiser()
         self.limiter = PublishLimiter()
         self.counters: Counter[str] = Counter()
@@ -799,6 +807,7 @@ class ProbeNode:
                 continue
             if pull.attempts_left <= 0:
                 del self._pulls[nid]
+                self.counters["pulls_abandoned"] += 1  # anti-entropy (or the next news) repairs
                 continue
             held = self.version_of(nid)
             if held is not None and held >= pull.order:

@@ -8,9 +8,10 @@ slots whose load moves one slot up or down ``--churn-per-s`` (2) times a second 
 
 - join: time until every node sees every other as alive (after the last process is up);
 - change p50/p99: a node (its churn stopped) changes its published load to ``slots - 1`` or
-  ``slots`` busy (1 or 0 free: published exactly by the quantiser); time until each other
-  node shows it, pooled over 5 changes (polled over HTTP, ``GET /v1/brief``: the figures
-  carry up to one sweep of polling delay, printed as ``sweep_ms``);
+  ``slots`` busy (1 or 0 free: published exactly by the quantiser); time from its publication
+  (the publication limit may hold a load change back first: the longest hold is ``held_max``)
+  until each other node shows it, noted by each node on its own loop every 5 ms (the
+  runner's ``/v1/watch``; times on the host's shared monotonic clock), pooled over 5 changes;
 - per node, steady state over ``--steady-s``: CPU (user+sys of the whole process: Python,
   TLS, WebSocket framing, JSON and crypto), bytes sent (the JSON the mesh counts, not TLS and
   framing), frames sent (probe mode's frames written on channels either end opened; messages
@@ -140,23 +141,34 @@ def main(argv: list[str] | None = None) -> int:
 
         # Capacity changes.
         change_ms: list[float] = []
+        held_ms: list[float] = []  # from the local change to its publication (the publication limit)
+        slowest: list[tuple[float, int, int]] = []  # (ms, origin, observer)
         for k, origin in enumerate([1, args.nodes // 2, args.nodes - 1, 2, 3]):
             origin %= args.nodes
             node_id = infos[origin]["node_id"]
             seen_busy = get(urls[(origin + 1) % args.nodes] + "/v1/brief")[node_id][1]
             busy = args.slots - 1 if seen_busy == args.slots else args.slots  # 1 or 0 free: exact, and a change
-            post(urls[origin] + "/v1/busy", {"busy": busy})
-            t0 = time.monotonic()
-            pending = {i for i in range(args.nodes) if i != origin}
-            while pending and time.monotonic() - t0 < 20:
-                for i, brief in briefs(sorted(pending), node_id).items():
-                    if brief.get(node_id, [None, None])[1] == busy:
-                        change_ms.append((time.monotonic() - t0) * 1000)
+            observers = [i for i in range(args.nodes) if i != origin]
+            for i in observers:  # each notes on its own loop when it shows the change
+                post(urls[i] + "/v1/watch", {"id": node_id, "busy": busy})
+            t_local = time.monotonic()
+            answer = post(urls[origin] + "/v1/busy", {"busy": busy})  # answers once published
+            t0 = answer["published_at"] if answer.get("published_at") is not None else t_local
+            held_ms.append((t0 - t_local) * 1000)
+            pending = set(observers)
+            while pending and time.monotonic() - t0 < 25:
+                for i in sorted(pending):
+                    seen_at = get(urls[i] + "/v1/watch")["seen_at"]
+                    if seen_at is not None:
+                        change_ms.append((seen_at - t0) * 1000)
+                        slowest.append((change_ms[-1], origin, i))
                         pending.discard(i)
-                time.sleep(0.02)
+                time.sleep(0.05)
             if pending:
                 print(f"change {k}: {len(pending)} node(s) did not see it within 20 s", file=sys.stderr)
 
+        print("slowest to see a change (ms, origin, observer): "
+              + ", ".join(f"({ms:.0f}, n{o}, n{i})" for ms, o, i in sorted(slowest, reverse=True)[:6]), file=sys.stderr)
         if args.churn_per_s > 0:  # the origins churn again for the steady window
             for origin in {o % args.nodes for o in (1, args.nodes // 2, args.nodes - 1, 2, 3)}:
                 post(urls[origin] + "/v1/busy", {"busy": args.slots // 2, "churn": True})
@@ -184,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                                             for a, b in zip(after, before, strict=True)), 2) for k in kinds}
         opened = statistics.mean(a["transport"].get("channels_opened", 0) - b["transport"].get("channels_opened", 0)
                                  for a, b in pairs)
+        abandoned = sum(probe_count(a, "pulls_abandoned") - probe_count(b, "pulls_abandoned") for a, b in pairs)
+        pulled = sum(probe_count(a, "pulls_sent") - probe_count(b, "pulls_sent") for a, b in pairs)
         print(f"messages sent per node per second, by kind: {by_kind}; channels opened per node in the window: "
-              f"{opened:.1f}", file=sys.stderr)
+              f"{opened:.1f}; pulls abandoned after every attempt: {abandoned} of {pulled}", file=sys.stderr)
 
         # Crash detection.
         victim = args.nodes - 1
@@ -208,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = {
             "detector": args.detector, "nodes": args.nodes, "churn_per_s": args.churn_per_s,
             "join_s": round(join_s, 2), "sweep_ms": round(1000 * statistics.median(sweeps)),
+            "held_max_ms": round(max(held_ms)),
             "change_p50_ms": round(pct(change_ms, 0.5)), "change_p99_ms": round(pct(change_ms, 0.99)),
             "cpu_per_node_%": round(100 * statistics.mean(cpu), 2),
             "bytes_sent_per_node_s": round(statistics.mean(sent)),

@@ -340,3 +340,11 @@ def test_a_broadcast_reaches_100_nodes_in_log_rounds_with_bounded_sends() -> Non
 def test_a_larger_multiplier_reaches_every_node() -> None:
     runs = [epidemic(seed, mult=4) for seed in range(20)]
     assert all(by is not None and by <= 9 for by, _, _ in runs)
+
+
+def test_a_floor_of_transmissions_below_the_decades():
+    """``min_transmits`` lifts the product below it (probe mode: 6, mesh/probing.py), and only there."""
+    queue = Queue(retransmit_mult=2, min_transmits=6)
+    assert [queue.limit(n) for n in (1, 10, 50, 99, 100, 1000)] == [6, 6, 6, 6, 6, 8]
+    with pytest.raises(ValueError, match="min_transmits"):
+        Queue(min_transmits=0)

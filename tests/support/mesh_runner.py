@@ -8,12 +8,15 @@
 Everything binds 127.0.0.1 only (mDNS too), or ``--host`` (a namespace's address). When ready it prints one JSON line
 ``{"node_id", "mesh_port", "api_port"}``. SIGTERM stops gracefully (publishes ``leaving``);
 SIGKILL is a crash. ``GET /v1/counters`` adds the process's CPU time and ``POST /v1/busy``
-``{"busy": n}`` changes the published load (both for the benchmark). ``--churn-per-s R``
+``{"busy": n}`` changes the published load (both for the benchmark) and answers once it is
+published, with ``published_at`` (``time.monotonic()``, shared by every process of the host). ``--churn-per-s R``
 moves the load one slot up or down R times a second on average (exponential gaps: requests
 starting and ending, issue 16's realistic load) until a ``POST /v1/busy`` (that goes on
 churning from its load with ``"churn": true``); ``GET /v1/brief``
 is ``{node_id: [liveness, busy of its first model]}`` for every peer (cheap to poll at 50
-nodes, unlike ``/v1/mesh``; ``?id=NODE_ID``: that peer only). ``VIIWORK_RUNNER_PROFILE=DIR``
+nodes, unlike ``/v1/mesh``; ``?id=NODE_ID``: that peer only). ``POST /v1/watch`` ``{"id", "busy"}`` notes (every 5 ms,
+in this process) when that peer first shows that load; ``GET /v1/watch`` is ``{"seen_at"}``
+(``time.monotonic()``, or null). ``VIIWORK_RUNNER_PROFILE=DIR``
 writes the process's CPU profile (cProfile) to ``DIR/NAME.prof`` when it stops.
 """
 
@@ -85,10 +88,48 @@ async def main(args: argparse.Namespace) -> int:
             asyncio.get_running_loop().create_task(churn_loop())
         state["model"] = ModelCapacity(args.model, "llamacpp", "chat", args.slots, busy, None, 4096, 1, 1,
                                        f"fp-{args.model}")
-        node_ref["node"].set_local_summary([state["model"]], PublishedState.SERVING)
-        return web.json_response({"busy": busy, "seq": node_ref["node"].publisher.seq})
+        node = node_ref["node"]
+        assert node.publisher is not None
+        seq = node.publisher.seq
+        node.set_local_summary([state["model"]], PublishedState.SERVING)
+        # The moment the change goes out (the publication limit may hold a load change back:
+        # up to n_live / 40 s, docs/mesh.md "Publication rate"), on the host's monotonic clock,
+        # which the benchmark shares; None when nothing was published within 5 s.
+        published_at = None
+        for _ in range(1000):
+            if node.publisher.seq != seq:
+                published_at = time.monotonic()
+                break
+            await asyncio.sleep(0.005)
+        return web.json_response({"busy": busy, "seq": node.publisher.seq, "published_at": published_at})
+
+    watch: dict[str, object] = {}
+
+    async def start_watch(request: web.Request) -> web.Response:
+        """Note, on this process's own loop (every 5 ms), when peer ``id`` first shows ``busy``:
+        the benchmark times a change without the delay of polling 50 processes over HTTP."""
+        body = await request.json()
+        watch.clear()
+        watch.update(id=NodeId(str(body["id"])), busy=int(body["busy"]), seen_at=None)
+
+        async def look() -> None:
+            m = node_ref["node"].membership
+            for _ in range(6000):  # 30 s
+                p = None if m is None else m.peer(watch["id"])  # type: ignore[arg-type]
+                if p is not None and p.models and p.models[0].busy == watch["busy"]:
+                    watch["seen_at"] = time.monotonic()
+                    return
+                await asyncio.sleep(0.005)
+
+        asyncio.get_running_loop().create_task(look())
+        return web.json_response({"watching": str(body["id"])})
+
+    async def watched(request: web.Request) -> web.Response:
+        return web.json_response({"seen_at": watch.get("seen_at")})
 
     api = web.Application()
+    api.router.add_post("/v1/watch", start_watch)
+    api.router.add_get("/v1/watch", watched)
     api.router.add_get("/v1/mesh", mesh_view)
     api.router.add_get("/v1/counters", counters)
     api.router.add_post("/v1/busy", set_busy)
