@@ -58,6 +58,7 @@ DEBUG: a wrong peer never stops the agent.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -156,9 +157,10 @@ class _Unframed(Exception):
     """A record length above the bound."""
 
 
-class _End:
+class _End(abc.ABC):
     """What an entry and an exit share: the loopback-or-TLS listener, the connection cap,
-    the counters, the splice."""
+    the counters, the splice. Each end serves an accepted connection its own way
+    (:meth:`_serve`)."""
 
     role = ""
 
@@ -238,8 +240,10 @@ class _End:
             if not writer.transport.is_closing():
                 writer.transport.abort()
 
+    @abc.abstractmethod
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        raise NotImplementedError
+        """One accepted connection: the exit checks the head and dials rpc-server, the entry
+        dials the exit; both then splice."""
 
     async def _splice(self, plain: tuple[asyncio.StreamReader, asyncio.StreamWriter],
                       tls: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
