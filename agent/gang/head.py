@@ -438,9 +438,14 @@ class GangHead:
             if worker.restarting_since is not None:
                 return (f"{worker.host} (rank {worker.rank}) did not come back within its restart grace "
                         f"({self.restart_grace_s():.0f} s)")
+            if view is not None and view.liveness is Liveness.SUSPECT and not lost(view):
+                # Suspicion may be refuted (an agent that restarted faster than a watch saw
+                # it publish `restarting`, a missed probe): it is `dead` after the suspicion
+                # timeout, or its agent misses WATCH_MISSES watches, either of which is lost.
+                continue
             if view is None or view.liveness is not Liveness.ALIVE or lost(view):
-                return (f"{worker.host} (rank {worker.rank}) is "
-                        + ("gone from the mesh" if view is None else standing(view)))
+                return (f"{worker.host} (rank {worker.rank}) "
+                        + ("is gone from the mesh" if view is None else standing(view)))
         for handle in gang.local:
             if not handle.running():
                 return "the head's own part exited"

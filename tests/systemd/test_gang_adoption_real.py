@@ -129,6 +129,44 @@ def test_head_agent_kill_9_and_restart_adopts_the_whole_gang(systemd_user: UserM
             time.sleep(0.1)
 
 
+def test_worker_agent_frozen_and_suspected_keeps_the_gang_serving(systemd_user: UserManager, tmp_path: Path,
+                                                                  entry: dict[str, Any]) -> None:
+    """The worker's agent stopped (SIGSTOP) for 4.5 s, long enough for the head to suspect it,
+    then resumed: a suspicion that is refuted is not a lost part (its rpc-server and tunnel exit
+    are units of their own and serve throughout), so the gang keeps serving: same gang, same
+    PIDs. (An agent that restarts faster than the head's watch sees it publish ``restarting``
+    is suspected the same way: the CI flake of stop 32.) The head watches every
+    WATCH_INTERVAL_S after a watch of up to WATCH_TIMEOUT_S (3 s apart at most while the
+    worker is frozen), so it looks at the worker while it is suspect; with
+    ``suspicion_mult = 20`` the suspicion lasts 10 s before ``dead``, so the refutation comes
+    well within it; and the frozen agent misses at most 2 watches (3 make a lost part)."""
+    runner = {"runner": "systemd", "bus": "user", "bus_address": systemd_user.bus_address}
+    with ExitStack() as stack:
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={
+            "mesh": {**mesh_section([]), "suspicion_mult": 20}, "supervisor": runner}))
+        address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
+        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
+            "mesh": {**mesh_section([address]), "suspicion_mult": 20}, "supervisor": runner}))
+        head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+        first = snapshot(head, worker)
+        reference = complete(head.url)
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            while "-> suspect" not in head.log_text():
+                assert time.monotonic() < stopped + 10, "the head never suspected the stopped worker"
+                time.sleep(0.05)
+            time.sleep(max(0.0, stopped + 4.5 - time.monotonic()))
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        head.wait_for(lambda d: d["mesh"]["peers"] == {"alive": 1} and "suspect -> alive" in head.log_text(),
+                      30, "the worker refuting its suspicion")
+        assert complete(head.url) == reference
+        assert snapshot(head, worker) == first  # nothing restarted
+        status = head.status()["gangs"]["heads"]["smol"]
+        assert status["parts_lost"] == 0 and status["starts"] == 1, status
+
+
 WORKER_UNIT = "viiwork-test-gang-worker.service"
 
 
