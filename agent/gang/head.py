@@ -168,6 +168,9 @@ class GangHead:
         self.last_failure = ""
         #: The serving engine's own nftables table (agent/gang/firewall.py), set by prepare().
         self.server_firewall: NftTable | None = None
+        #: The parts of a gang whose engine ended, being stopped (``GangHandle.wait`` returns
+        #: before: the backend leaves service at once); ``abort`` and ``prepare`` wait for it.
+        self.ending: asyncio.Future[None] | None = None
 
     # -- the workers --------------------------------------------------------------------------
 
@@ -384,7 +387,16 @@ class GangHead:
 
     async def abort(self) -> None:
         """Stop every part of the current gang (workers asked, tunnels closed, local parts
-        stopped); no-op without one."""
+        stopped), after the parts of an ended gang still being stopped (:attr:`ending`);
+        no-op without either."""
+        ending = self.ending
+        if ending is not None and not ending.done():
+            await asyncio.shield(ending)
+        await self.stop_current()
+
+    async def stop_current(self) -> None:
+        """Stop every part of the current gang; no-op without one (a worker's agent that does
+        not answer is given 5 s + ``stop_timeout_s``)."""
         gang, self.current = self.current, None
         if gang is None:
             return
@@ -608,7 +620,10 @@ class GangHandle:
             info = ExitInfo("gang", detail=f"part lost: {self._lost.result()}")
         else:
             info = exited.result()
-        await self._end()
+        # The engine is gone: say so now, so that its backend leaves service, while the parts
+        # are stopped in the background (a frozen worker's agent may take 5 s + stop_timeout_s
+        # to give up on); the next launch waits for them (GangHead.abort).
+        self._begin_end()
         self._ended = info
         return info
 
@@ -622,13 +637,16 @@ class GangHandle:
         ``stop()`` may both get here, and the task running ``wait()`` is cancelled once the
         engine is stopped; the parts are stopped in a task of their own that such a
         cancellation does not cut (else the worker's part and the tunnels would outlive the head)."""
+        await asyncio.shield(self._begin_end())
+
+    def _begin_end(self) -> asyncio.Future[None]:
         if self._ending is None:
-            self._ending = asyncio.ensure_future(self._finish())
-        await asyncio.shield(self._ending)
+            self._ending = self.head.ending = asyncio.ensure_future(self._finish())
+        return self._ending
 
     async def _finish(self) -> None:
         self._watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watch
         if self.head.current is self.gang:
-            await self.head.abort()
+            await self.head.stop_current()

@@ -223,6 +223,8 @@ class BackendTask:
         backend = self.backend
         handle = self.handle
         if handle is None:
+            if self.runtime.gang is not None:  # the parts of a gang whose engine ended, if any
+                await self.runtime.gang.abort()
             return
         if drain and backend.in_flight > 0 and handle.running():
             previous = backend.state

@@ -167,6 +167,41 @@ def test_worker_agent_frozen_and_suspected_keeps_the_gang_serving(systemd_user: 
         assert status["parts_lost"] == 0 and status["starts"] == 1, status
 
 
+def test_gang_lost_to_a_frozen_worker_is_not_routed_to_while_its_part_is_asked_to_stop(
+        systemd_user: UserManager, tmp_path: Path, entry: dict[str, Any]) -> None:
+    """The worker's agent stopped (SIGSTOP) until the head holds it ``dead``: the gang is lost
+    and its engine stopped at once, while asking the frozen worker to stop its part waits for
+    up to 5 s + stop_timeout_s. Meanwhile the backend is not ``healthy`` (a request is
+    answered 503, not sent to the stopped engine for a 502); once the worker is back, a new
+    gang serves the same tokens."""
+    runner = {"runner": "systemd", "bus": "user", "bus_address": systemd_user.bus_address}
+    with ExitStack() as stack:
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
+                                               extra={"mesh": mesh_section([]), "supervisor": runner}))
+        address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
+        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
+            "mesh": mesh_section([address]), "supervisor": {**runner, "stop_timeout_s": 20}}))
+        head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+        first = snapshot(head, worker)
+        reference = complete(head.url)
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while f"engine unit {first['engine'][0]} (pid {first['engine'][1]}) ended" not in head.log_text():
+                assert time.monotonic() < deadline, "the head's engine was not stopped with its gang"
+                time.sleep(0.05)
+            assert "is dead (no answer): stopping the gang" in head.log_text()
+            # The worker is still frozen: the head's request to stop its part is pending.
+            head.wait_for(lambda d: not healthy(d), 3, "the backend of the lost gang out of service")
+            r = requests.post(f"{head.url}/v1/completions", json=BODY, timeout=30)
+            assert r.status_code == 503, r.text
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        head.wait_for(lambda d: healthy(d) and d["gangs"]["heads"]["smol"]["gang"] not in (None, first["gang"]),
+                      180, "a new gang")
+        assert complete(head.url) == reference
+
+
 WORKER_UNIT = "viiwork-test-gang-worker.service"
 
 
