@@ -401,7 +401,12 @@ class GangHead:
         if gang is None:
             return
         model = self.model()
-        await asyncio.gather(*(self._stop_worker(w, model.name, gang.gang) for w in gang.workers))
+        # The head's own parts stop meanwhile: a worker's agent that does not answer does not
+        # keep them running.
+        await asyncio.gather(*(self._stop_worker(w, model.name, gang.gang) for w in gang.workers),
+                             self._stop_local(gang))
+
+    async def _stop_local(self, gang: _Gang) -> None:
         grace = self.node.config.supervisor.stop_timeout_s
         for handle in reversed(gang.local):
             with contextlib.suppress(Exception):
