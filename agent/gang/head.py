@@ -638,10 +638,11 @@ class GangHandle:
         return info
 
     async def _end(self) -> None:
-        """Stop watching and stop the gang's parts, once: ``wait()`` (the engine exited) and
-        ``stop()`` may both get here, and the task running ``wait()`` is cancelled once the
-        engine is stopped; the parts are stopped in a task of their own that such a
-        cancellation does not cut (else the worker's part and the tunnels would outlive the head)."""
+        """Stop watching and stop the gang's parts, once: ``wait()`` (the engine exited: it
+        begins this and does not wait) and ``stop()`` may both get here, and the task running
+        ``stop()`` may be cancelled (the agent's stop ends its backend tasks); the parts are
+        stopped in a task of their own that such a cancellation does not cut (else the
+        worker's part and the tunnels would outlive the head)."""
         await asyncio.shield(self._begin_end())
 
     def _begin_end(self) -> asyncio.Future[None]:
