@@ -618,16 +618,17 @@ class GangHandle:
         waited: set[asyncio.Future[Any]] = {exited, self._lost}
         await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
         if self._lost.done() and not exited.done():
-            # The engine cannot serve without its part (llama-server on a dead RPC device hangs
-            # and ignores SIGTERM): a short grace, so requests stop going to it at once.
-            await self.inner.stop(min(LOST_STOP_GRACE_S, self.head.node.config.supervisor.stop_timeout_s))
-            await exited
+            # The engine cannot serve without its part: said now, so that its backend leaves
+            # service before the engine is stopped (a request sent to an engine being stopped
+            # got a 502 for the second that took); the engine is stopped first thing in the
+            # gang's end (_finish), which the next launch and a stop wait for.
+            exited.cancel()
             info = ExitInfo("gang", detail=f"part lost: {self._lost.result()}")
         else:
             info = exited.result()
-        # The engine is gone: say so now, so that its backend leaves service, while the parts
-        # are stopped in the background (a frozen worker's agent may take 5 s + stop_timeout_s
-        # to give up on); the next launch waits for them (GangHead.abort).
+        # The engine is gone or going: say so now, so that its backend leaves service, while
+        # the engine and the parts are stopped in the background (a frozen worker's agent may
+        # take 5 s + stop_timeout_s to give up on); the next launch waits for them (GangHead.abort).
         self._begin_end()
         self._ended = info
         return info
@@ -654,5 +655,9 @@ class GangHandle:
         self._watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watch
+        if self.inner.running():  # a part was lost: the engine cannot serve without it
+            # A short grace: llama-server on a dead RPC device hangs and ignores SIGTERM.
+            with contextlib.suppress(Exception):
+                await self.inner.stop(min(LOST_STOP_GRACE_S, self.head.node.config.supervisor.stop_timeout_s))
         if self.head.current is self.gang:
             await self.head.stop_current()
