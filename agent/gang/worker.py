@@ -156,6 +156,13 @@ class GangWorker:
         self._warned: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()
         self._head_hosts: dict[str, str] = {}  # model -> the address its head's last start came from
+        #: Set once :meth:`adopt` is over (at once without a gang entry: the agent does not call
+        #: it then). A head's start, stop or parts question waits for it: the mesh listener
+        #: serves before adoption ends, and a just-started agent that answered ``parts: []``
+        #: for a part it was about to adopt made the head take the part for lost.
+        self.adoption_over = asyncio.Event()
+        if not any(m.hosts for m in node.config.models):
+            self.adoption_over.set()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(START_PATH, self.handle_start)
@@ -257,6 +264,7 @@ class GangWorker:
         return peer, sender, raw
 
     async def handle_start(self, request: web.Request) -> web.Response:
+        await self.adoption_over.wait()
         read = await self._read(request)
         if isinstance(read, web.Response):
             return read
@@ -316,6 +324,7 @@ class GangWorker:
                                   "tunnel_port": gang.tunnel_port, "tunnel_cert": gang.tunnel_cert})
 
     async def handle_stop(self, request: web.Request) -> web.Response:
+        await self.adoption_over.wait()
         read = await self._read(request)
         if isinstance(read, web.Response):
             return read
@@ -339,6 +348,7 @@ class GangWorker:
     async def handle_parts(self, request: web.Request) -> web.Response:
         if peer_of(request) is None:
             return self._refuse(Reason.MALFORMED, str(request.remote), "no verified peer")
+        await self.adoption_over.wait()
         return web.json_response({"parts": [
             {"model": g.model, "gang": g.gang, "rank": g.rank, "running": g.running()} for g in self.gangs.values()]})
 
@@ -428,6 +438,12 @@ class GangWorker:
         one gang labelled with this node, that rank, the entry's shared hash and a head, every
         role this host runs for it (its tunnel exit included) running. Returns the adopted units'
         names; the supervisor stops every other gang unit (agent/supervision/supervisor.py)."""
+        try:
+            return await self._adopt()
+        finally:
+            self.adoption_over.set()
+
+    async def _adopt(self) -> set[str]:
         try:
             handles = await self.node.runner.adoptable(self.node.node_name, GANG_UNIT_PREFIX)
         except RunnerError as exc:
