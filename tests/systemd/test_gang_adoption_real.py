@@ -27,6 +27,7 @@ import pytest
 import requests
 
 from support.agent import Agent, node_ids, run_agent, write_config
+from support.dbus_relay import DbusRelay
 from support.procs import free_port
 from support.systemd import UserManager, process_gone, unit_show
 
@@ -199,6 +200,39 @@ def test_gang_lost_to_a_frozen_worker_is_not_routed_to_while_its_part_is_asked_t
             os.kill(worker.proc.pid, signal.SIGCONT)
         head.wait_for(lambda d: healthy(d) and d["gangs"]["heads"]["smol"]["gang"] not in (None, first["gang"]),
                       180, "a new gang")
+        assert complete(head.url) == reference
+
+
+def test_worker_agent_back_answers_its_head_only_once_it_adopted_its_part(
+        systemd_user: UserManager, tmp_path: Path, entry: dict[str, Any]) -> None:
+    """kill -9 of the worker's agent and a new one at once, on a slow systemd: its mesh
+    listener is up before it has listed and adopted its part (GangWorker.adopt), and a head
+    that asks meanwhile must not hear that no part runs (``parts: []``), or it takes the part
+    for lost and restarts the gang. The D-Bus relay (support/dbus_relay.py) holds systemd's
+    answer to the new agent's listing of its gang units for 1.5 s, longer than the head's
+    watch period (1 s), shorter than a watch's timeout (2 s). Same gang, same PIDs after."""
+    runner = {"runner": "systemd", "bus": "user", "bus_address": systemd_user.bus_address}
+    worker_mesh = {**mesh_section([]), "listen": f"127.0.0.1:{free_port()}"}
+    with ExitStack() as stack:
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
+                                               extra={"mesh": worker_mesh, "supervisor": runner}))
+        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
+            "mesh": mesh_section([worker_mesh["listen"]]), "supervisor": runner}))
+        head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+        first = snapshot(head, worker)
+        reference = complete(head.url)
+        relay = stack.enter_context(DbusRelay(systemd_user.runtime_dir / "bus", tmp_path / "relay.sock",
+                                              (b"ListUnitsByPatterns", b"viiwork-gang-"), hold_s=1.5))
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait(10)
+        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={
+            "mesh": worker_mesh, "supervisor": {**runner, "bus_address": relay.address}}))
+        assert relay.held_at is not None, "the new agent never listed its gang units"
+        worker.wait_for(lambda d: bool(d["gangs"]["parts"]), 30, "the new worker to adopt its part")
+        time.sleep(max(0.0, relay.held_at + 3 - time.monotonic()))  # the head's watches since
+        status = head.status()["gangs"]["heads"]["smol"]
+        assert status["parts_lost"] == 0 and status["starts"] == 1, status
+        assert snapshot(head, worker) == first
         assert complete(head.url) == reference
 
 
