@@ -162,7 +162,7 @@ class GangHead:
         self.model = model
         self.mesh = mesh
         self.current: _Gang | None = None
-        self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0, "adopted": 0}
+        self.counters: dict[str, int] = {"starts": 0, "failures": 0, "parts_lost": 0, "adoptions": 0}
         #: The last launch found a host away (GangHostsAway): one not known then is ``away``.
         self.hosts_missing = False
         self.last_failure = ""
@@ -356,7 +356,7 @@ class GangHead:
                                 + ", ".join(f"{w.host} (rank {w.rank})" for w in missing))
         gang.tunnels.sort(key=lambda t: t.rank)
         self.current = gang
-        self.counters["adopted"] += 1
+        self.counters["adoptions"] += 1
         log.info("gang %s of %s: adopted (%s; %d local parts)", gang_id, model.name,
                  ", ".join(f"{w.host} rank {w.rank}" for w in workers), len(gang.local))
 

@@ -122,6 +122,10 @@ class _Failure:
     # The backend's key file could not be written (a full or read-only disk): not the engine's
     # fault, so no respawn is spent; the launch is retried every PendingWrites.retry_s.
     disk: bool = False
+    # A gang that lost a part because a worker host is away (dead, left, leaving: GangLauncher
+    # ``away``): not the engine's fault either, so no respawn is spent and the launch is
+    # retried as a disk fault's (it waits for the host: docs/mesh.md, "Gangs"); logged.
+    host_away: bool = False
     # What the ladder decided already (the probe failure that ended health), else None.
     planned: tuple[hl.Action, ...] | None = None
 
@@ -576,11 +580,12 @@ class BackendTask:
         backend = self.backend
         actions = failure.planned
         if actions is None:
-            actions = self.step(hl.Failed(failure.reason, disk=failure.disk))
+            actions = self.step(hl.Failed(failure.reason, disk=failure.disk or failure.host_away))
         self.respawning = not any(isinstance(a, hl.Die) for a in actions)
         self._set(BackendState.UNHEALTHY, reason=failure.reason, phase="", progress=-1.0)
         if not failure.disk:
-            log.warning("backend %s unhealthy: %s", backend.id, failure.reason)
+            log.warning("backend %s unhealthy: %s%s", backend.id, failure.reason,
+                        "; its gang's worker host is away: no respawn spent" if failure.host_away else "")
         for action in actions:
             if isinstance(action, hl.RetryDisk):
                 self._update_model_state()
@@ -675,7 +680,10 @@ class BackendTask:
         backend.pid = None
         self.handle = None
         self.discard_exit_task()
-        return _Failure(reason=f"exited: {info.describe()}", exit=info, quick_exit=quick_ok and lived < QUICK_EXIT_S)
+        gang = self.runtime.gang
+        away = gang is not None and gang.away() is not None  # the part lost, or the engine died of it
+        return _Failure(reason=f"exited: {info.describe()}", exit=info, quick_exit=quick_ok and lived < QUICK_EXIT_S,
+                        host_away=away)
 
     async def _drain(self) -> None:
         backend = self.backend

@@ -273,6 +273,13 @@ def test_a_worker_host_stopping_takes_the_model_down_and_its_part_with_it(gang: 
         (again,) = worker_parts(worker)
         assert again["running"] and again["gang"] != part["gang"]
         assert worker.status()["gangs"]["refused"] == {}
+    # Stopped and back again: a gang lost because its worker host left spends no respawn
+    # either (the budget is 1 here), so a worker's restarts never leave the model dead.
+    doc = gang.head.wait_for(lambda d: not healthy(d), 15, "the model down once its worker host left again")
+    assert all(b["state"] != "dead" for b in gang.head.model("g")["backends"])
+    assert "its gang's worker host is away: no respawn spent" in gang.head.log_text()
+    with run_agent(gang.tmp, [gang.entry], name="gw", extra={"mesh": mesh_section([head_mesh])}):
+        gang.head.wait_for(healthy, 30, "the gang whole again after a second stop of its worker")
 
 
 def test_a_frozen_tunnel_end_takes_the_gang_down_and_it_comes_back_whole(gang: Gang) -> None:

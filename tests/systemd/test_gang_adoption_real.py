@@ -105,7 +105,7 @@ def test_head_agent_kill_9_and_restart_adopts_the_whole_gang(systemd_user: UserM
             assert f"gang {first['gang']} of smol: adopted" in head.log_text()
             assert complete(head.url) == reference  # the engine kept its RPC devices through the tunnel
             status = head.status()["gangs"]["heads"]["smol"]
-            assert status["starts"] == 0 and status["adopted"] == 1
+            assert status["starts"] == 0 and status["adoptions"] == 1 and status["adopted"] is True
             # Again, but the tunnel dies while the head's agent is away: that gang cannot serve,
             # so it is not adopted: its units are stopped and a new gang starts.
             os.kill(head.proc.pid, signal.SIGKILL)
