@@ -66,6 +66,38 @@ def snapshot(head: Agent, worker: Agent) -> dict[str, Any]:
             "part": (part["gang"], part["parts"][0]["unit"], part["parts"][0]["pid"])}
 
 
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """``pid`` stopped (SIGSTOP) for the block, continued after, whatever happens."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_log(agent: Agent, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in agent.log_text():
+        assert time.monotonic() < deadline, f"{text!r} not logged within {timeout_s} s:\n{agent.log_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def start_pair(stack: ExitStack, tmp_path: Path, entry: dict[str, Any], um: UserManager,
+               head_supervisor: dict[str, Any] | None = None,
+               mesh_extra: dict[str, Any] | None = None) -> tuple[Agent, Agent]:
+    """The worker's agent ``gw`` and the head's ``gh`` (systemd runner on ``um``), the gang healthy."""
+    runner = {"runner": "systemd", "bus": "user", "bus_address": um.bus_address}
+    worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={
+        "mesh": {**mesh_section([]), **(mesh_extra or {})}, "supervisor": runner}))
+    address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
+    head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
+        "mesh": {**mesh_section([address]), **(mesh_extra or {})}, "supervisor": {**runner, **(head_supervisor or {})},
+        "health": {"drain_timeout_s": 5}}))
+    head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+    return worker, head
+
+
 @pytest.fixture
 def entry(tmp_path: Path, llama_server: Path, rpc_server: Path, smollm2_path: Path) -> dict[str, Any]:
     return {"name": "smol", "engine": "llamacpp", "path": str(smollm2_path), "parallel": 1, "ctx_per_slot": 1024,
@@ -141,25 +173,14 @@ def test_worker_agent_frozen_and_suspected_keeps_the_gang_serving(systemd_user: 
     worker is frozen), so it looks at the worker while it is suspect; with
     ``suspicion_mult = 20`` the suspicion lasts 10 s before ``dead``, so the refutation comes
     well within it; and the frozen agent misses at most 2 watches (3 make a lost part)."""
-    runner = {"runner": "systemd", "bus": "user", "bus_address": systemd_user.bus_address}
     with ExitStack() as stack:
-        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw", extra={
-            "mesh": {**mesh_section([]), "suspicion_mult": 20}, "supervisor": runner}))
-        address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
-        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
-            "mesh": {**mesh_section([address]), "suspicion_mult": 20}, "supervisor": runner}))
-        head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+        worker, head = start_pair(stack, tmp_path, entry, systemd_user, mesh_extra={"suspicion_mult": 20})
         first = snapshot(head, worker)
         reference = complete(head.url)
-        os.kill(worker.proc.pid, signal.SIGSTOP)
-        try:
+        with frozen(worker.proc.pid):
             stopped = time.monotonic()
-            while "-> suspect" not in head.log_text():
-                assert time.monotonic() < stopped + 10, "the head never suspected the stopped worker"
-                time.sleep(0.05)
+            wait_log(head, "-> suspect", 10)
             time.sleep(max(0.0, stopped + 4.5 - time.monotonic()))
-        finally:
-            os.kill(worker.proc.pid, signal.SIGCONT)
         head.wait_for(lambda d: d["mesh"]["peers"] == {"alive": 1} and "suspect -> alive" in head.log_text(),
                       30, "the worker refuting its suspicion")
         assert complete(head.url) == reference
@@ -175,29 +196,17 @@ def test_gang_lost_to_a_frozen_worker_is_not_routed_to_while_its_part_is_asked_t
     up to 5 s + stop_timeout_s. Meanwhile the backend is not ``healthy`` (a request is
     answered 503, not sent to the stopped engine for a 502); once the worker is back, a new
     gang serves the same tokens."""
-    runner = {"runner": "systemd", "bus": "user", "bus_address": systemd_user.bus_address}
     with ExitStack() as stack:
-        worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
-                                               extra={"mesh": mesh_section([]), "supervisor": runner}))
-        address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
-        head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
-            "mesh": mesh_section([address]), "supervisor": {**runner, "stop_timeout_s": 20}}))
-        head.wait_for(healthy, 180, "SmolLM2 served by the gang")
+        worker, head = start_pair(stack, tmp_path, entry, systemd_user, {"stop_timeout_s": 20})
         first = snapshot(head, worker)
         reference = complete(head.url)
-        os.kill(worker.proc.pid, signal.SIGSTOP)
-        try:
-            deadline = time.monotonic() + 30
-            while f"engine unit {first['engine'][0]} (pid {first['engine'][1]}) ended" not in head.log_text():
-                assert time.monotonic() < deadline, "the head's engine was not stopped with its gang"
-                time.sleep(0.05)
+        with frozen(worker.proc.pid):
+            wait_log(head, f"engine unit {first['engine'][0]} (pid {first['engine'][1]}) ended", 30)
             assert "is dead (no answer): stopping the gang" in head.log_text()
             # The worker is still frozen: the head's request to stop its part is pending.
             head.wait_for(lambda d: not healthy(d), 3, "the backend of the lost gang out of service")
             r = requests.post(f"{head.url}/v1/completions", json=BODY, timeout=30)
             assert r.status_code == 503, r.text
-        finally:
-            os.kill(worker.proc.pid, signal.SIGCONT)
         head.wait_for(lambda d: healthy(d) and d["gangs"]["heads"]["smol"]["gang"] not in (None, first["gang"]),
                       180, "a new gang")
         assert complete(head.url) == reference

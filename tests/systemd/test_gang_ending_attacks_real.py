@@ -12,58 +12,21 @@ the loss is known is answered 503 with Retry-After, never sent to the engine bei
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from systemd.test_gang_adoption_real import BODY, complete, entry, healthy, mesh_section, snapshot
+from systemd.test_gang_adoption_real import BODY, complete, entry, frozen, snapshot, start_pair, wait_log
 
-from support.agent import Agent, run_agent
 from support.systemd import UserManager
 
 pytestmark = [pytest.mark.systemd, pytest.mark.engine, pytest.mark.timeout(420)]
 
 __all__ = ["entry"]  # the fixture, shared
-
-@contextmanager
-def frozen(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-def wait_log(agent: Agent, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in agent.log_text():
-        assert time.monotonic() < deadline, f"{text!r} not logged within {timeout_s} s:\n{agent.log_text()[-3000:]}"
-        time.sleep(0.05)
-
-
-def lose_gang_to_frozen_worker(head: Agent, first: dict[str, Any]) -> None:
-    """With the worker frozen: wait until the head stopped the gang's engine."""
-    wait_log(head, f"engine unit {first['engine'][0]} (pid {first['engine'][1]}) ended", 30)
-
-
-def start_pair(stack: ExitStack, tmp_path: Path, entry: dict[str, Any], um: UserManager,
-               head_supervisor: dict[str, Any] | None = None) -> tuple[Agent, Agent]:
-    runner = {"runner": "systemd", "bus": "user", "bus_address": um.bus_address}
-    worker = stack.enter_context(run_agent(tmp_path, [entry], name="gw",
-                                           extra={"mesh": mesh_section([]), "supervisor": runner}))
-    address = worker.wait_for(lambda d: bool(d["mesh"]["self"]["mesh"]), 30, "mesh address")["mesh"]["self"]["mesh"]
-    head = stack.enter_context(run_agent(tmp_path, [entry], name="gh", extra={
-        "mesh": mesh_section([address]), "supervisor": {**runner, **(head_supervisor or {})},
-        "health": {"drain_timeout_s": 5}}))
-    head.wait_for(healthy, 180, "SmolLM2 served by the gang")
-    return worker, head
 
 
 def test_requests_while_a_gang_is_lost_never_hang_nor_reach_the_stopped_engine(
@@ -98,7 +61,7 @@ def test_requests_while_a_gang_is_lost_never_hang_nor_reach_the_stopped_engine(
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
                 lost_at = time.monotonic()
-                lose_gang_to_frozen_worker(head, first)
+                wait_log(head, f"engine unit {first['engine'][0]} (pid {first['engine'][1]}) ended", 30)
                 time.sleep(4)
         finally:
             halt.set()
