@@ -45,6 +45,13 @@ configuration):
   never picked as a relay. Charging those misses stretched a node's probe interval after
   every graceful stop of a peer, delaying the detection of a real crash behind it.
 - A successful probe of a suspect does not clear it: only a newer incarnation does (SWIM).
+- **A probe suspects the incarnation it started on**: a newer one accepted while it was in
+  flight (a refutation after a partition heals, or any newer summary) is proof of life later
+  than the probe's first ping, so its miss raises no suspicion (counted
+  ``probes_outdated``; its health accounting stands). memberlist probes a copy of the
+  member's state for the same reason. Suspecting the newer incarnation instead made a peer
+  that had just refuted suspect again ~20 ms later, and a request routed to it in between
+  was refused (found by CI, tests/mesh/test_partition.py).
   Dead members stay known (and are not probed) until removed; a newer incarnation of a dead
   member makes it alive again.
 
@@ -231,6 +238,7 @@ class _Member:
 class _InFlight:
     probe: Probe
     started_at: float
+    incarnation: Incarnation  # the target's when the probe started
     relays: tuple[NodeId, ...] | None = None  # None while direct
 
 
@@ -265,11 +273,12 @@ class Detector:
         self.counters: dict[str, int] = dict.fromkeys((
             "probes", "probe_misses", "indirect_probes", "suspicions_raised", "confirmations",
             "refutations", "refutes", "claims_ignored", "deaths", "probes_abandoned",
-            "results_ignored", "relay_refunds", "leaving_misses"), 0)
+            "results_ignored", "relay_refunds", "leaving_misses", "probes_outdated"), 0)
         """For /metrics: probes started, direct misses, indirect probes, suspicions raised by
         this node's probes, confirmations counted, suspicions refuted, Refute events, claims
         ignored, members declared dead, probes abandoned, results for no current probe,
-        health charges given back for silent relays found suspect or dead."""
+        health charges given back for silent relays found suspect or dead, misses of leaving
+        members, misses outdated by a newer incarnation heard during the probe."""
 
     # -- members --------------------------------------------------------------------------
 
@@ -441,7 +450,7 @@ class Detector:
         self._probe_ids += 1
         probe = Probe(self._probe_ids, target, self.settings.probe_timeout_ms * (self._score + 1),
                       self.settings.direct_attempts)
-        self._in_flight = _InFlight(probe, now)
+        self._in_flight = _InFlight(probe, now, self._members[target].incarnation)
         self._last_probe_at = now
         self.counters["probes"] += 1
         return probe
@@ -493,7 +502,8 @@ class Detector:
         target is alive (health -1). None: each silent relay costs health +1 (``silent``
         names them, so that the charge is given back if one is found suspect or dead first;
         +1 when there were no relays), and the target becomes suspect: :class:`Suspected`
-        ``by_self`` is returned, unless this node already suspects it. Raises ValueError when
+        ``by_self`` is returned, unless this node already suspects it or a newer incarnation
+        of it was accepted since the probe started (module docstring). Raises ValueError when
         the counts are negative or exceed the relays."""
         flight = self._current(probe_id, direct=False)
         if flight is None:
@@ -516,6 +526,9 @@ class Detector:
             for relay in silent or ():
                 if relay in flight.relays and relay in self._members:
                     self._charged[relay] = self._charged.get(relay, 0) + 1
+        if member.incarnation > flight.incarnation:  # heard alive since the first ping
+            self.counters["probes_outdated"] += 1
+            return None
         if member.state == "dead" or self.self_id in member.suspectors:
             return None
         self.counters["suspicions_raised"] += 1

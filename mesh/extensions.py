@@ -193,6 +193,17 @@ class Extensions:
             raise ValueError(f"extensions {ext.ignored!r}: the spec's decoder refuses its encoding")
         return ext
 
+    def with_value(self, spec: ExtensionSpec[T], value: T) -> Extensions:
+        """These extensions with ``spec``'s set to ``value`` (replacing one of its name), held
+        to the bounds as :meth:`of` holds them (the others against :data:`REGISTRY`); the
+        others keep their bytes. ValueError when ``spec``'s decoder refuses its encoding."""
+        raw = self.encode()
+        raw[spec.name] = [spec.version, spec.encode(value)]
+        ext = decode_extensions(raw, {**REGISTRY, spec.name: {spec.version: spec}})
+        if ext._decoded(spec) is _BAD:
+            raise ValueError(f"extension {spec.name!r}: the spec's decoder refuses its encoding")
+        return ext
+
     @property
     def ignored(self) -> tuple[tuple[str, str], ...]:
         return self._ignored
@@ -505,6 +516,14 @@ def _encode_priority(value: Priority) -> Any:
     return value.value
 
 
+def _decode_refuted(value: Any) -> int:
+    return _count(value, "refuted", 0, MAX_EXTENSION_INT)
+
+
+def _encode_refuted(value: int) -> Any:
+    return value
+
+
 MAX_ENDPOINT_GROUPS = 8
 MAX_ENDPOINT_NAMES = 32
 
@@ -570,6 +589,9 @@ PREFIXES = ExtensionSpec("prefixes", 1, 4096, _decode_prefixes, _encode_prefixes
 GANGS = ExtensionSpec("gangs", 1, 2048, _decode_gangs, _encode_gangs)
 REVOCATIONS = ExtensionSpec("revocations", 1, 64, _decode_revocations, _encode_revocations)
 PRIORITY = ExtensionSpec("priority", 1, 16, _decode_priority, _encode_priority)
+# ``refuted`` v1 (probe mode, docs/mesh.md "Probe mode"): the publisher's own seq, within its
+# summary's generation, through which claims about it are refuted. 16 digits hold MAX_INT.
+REFUTED = ExtensionSpec("refuted", 1, 16, _decode_refuted, _encode_refuted)
 # At most UNKNOWN_EXTENSION_CAP: a node from before this extension refuses a summary whose
 # unknown value is larger. All ten endpoints take 130 bytes; the rest is model names.
 ENDPOINTS = ExtensionSpec("endpoints", 1, UNKNOWN_EXTENSION_CAP, _decode_endpoints, _encode_endpoints)
@@ -586,4 +608,4 @@ def registry_of(*specs: ExtensionSpec[Any]) -> Registry:
 
 
 #: The extensions this node understands.
-REGISTRY: Registry = registry_of(SPEEDS, PREFIXES, GANGS, REVOCATIONS, PRIORITY, ENDPOINTS)
+REGISTRY: Registry = registry_of(SPEEDS, PREFIXES, GANGS, REVOCATIONS, PRIORITY, ENDPOINTS, REFUTED)

@@ -74,6 +74,7 @@ from typing import Any
 from viiwork.mesh.broadcasts import BroadcastQueue
 from viiwork.mesh.counters import DropReason
 from viiwork.mesh.detector import Alive, Dead, Detector, DetectorSettings, Probe, Refute, Suspected
+from viiwork.mesh.extensions import REFUTED
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.load_record import LoadRecord, load_problem, load_signing_input
 from viiwork.mesh.membership import GossipTarget, Liveness, Membership
@@ -233,7 +234,8 @@ class ProbeNode:
         this node's own, not verified again), pulls_sent, refutations, heartbeat_peers
         (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them),
         relay_acks / relay_nacks (ping-reqs served: the target answered / did not), dead_probes
-        (pings of members held dead: "Partitions heal")."""
+        (pings of members held dead: "Partitions heal"), refutations_resent (the news of a
+        refutation queued again for a claim it already refutes: :meth:`_refute`)."""
         self._wanted: tuple[ModelCapacity, ...] | None = None
         self._ping_ids = 0
         self._run: _Run | None = None
@@ -241,7 +243,7 @@ class ProbeNode:
         self._relays: dict[int, _Relay] = {}
         self._pulls: dict[NodeId, _Pull] = {}
         self._seen_claims: set[tuple[NodeId, Order, NodeId, bytes]] = set()
-        # Of those, the claims about this node that verified: only their copies are refuted again.
+        # Of those, the claims about this node that verified: only their copies are answered.
         self._verified_own: set[tuple[NodeId, Order, NodeId, bytes]] = set()
         self._claims: dict[NodeId, Claim] = {}  # the latest claim held per suspected member
         self._syncs: dict[str, GossipTarget] = {}
@@ -260,6 +262,7 @@ class ProbeNode:
         self._next_dead_probe = now + settings.dead_probe_ms
         self._refuted_at = -float("inf")
         self._refute_due = False  # a refutation waits for the probe interval's end (_refute)
+        self._resent_at = -float("inf")  # news of a refutation last queued again (_refute)
         self._started = now
         membership.liveness_hook = self._liveness
         membership.on_update.append(self._on_update)
@@ -910,15 +913,27 @@ class ProbeNode:
         too), while a claim about an older generation stays older and is ignored. A claim
         never stands for more than the newest version held: a member could otherwise sign one
         about a version far ahead (``seq + 10**6``, a generation that never booted) that no
-        refutation (one ``seq`` up) ever passes, and every node would hold its node dead."""
+        refutation (one ``seq`` up) ever passes, and every node would hold its node dead.
+
+        A claim at or below the seq the held summary says it **refuted** (``refuted``
+        extension, below its own seq) stays at its own version, older, and is ignored: it was
+        made before the refutation (a partitioned prober's, delivered after the partition
+        healed) and, taken at the newest version, made a member that had just refuted suspect
+        again (CI, tests/mesh/test_partition.py; 3 heals in 200 in the simulator)."""
         if claim.node_id == self.m.node_id:
-            own = self.m.self_summary
-            held = None if own is None else own.payload.order
+            summary = self.m.self_summary
         else:
             rec = self.m.records.get(claim.node_id)
-            held = None if rec is None else rec.order
-        if held is not None and claim.order[0] >= held[0]:
+            summary = None if rec is None else rec.summary
+        if summary is None:
+            return claim.order
+        held = summary.payload.order
+        if claim.order[0] > held[0]:
             return held
+        if claim.order[0] == held[0]:
+            refuted = summary.payload.extensions.get(REFUTED)
+            if refuted is None or claim.order[1] > min(refuted, held[1] - 1):
+                return held
         return claim.order
 
     def _refute(self, claim: Claim, again: bool = False) -> None:
@@ -926,20 +941,35 @@ class ProbeNode:
         before: not within ``probe_interval_ms`` of the last refutation). At most one
         refutation per probe interval: a new claim within it is refuted at the interval's end
         by one summary with any others (:meth:`poll`): a member can sign claims as fast as
-        its verification budget allows, and each summary is verified by every node."""
+        its verification budget allows, and each summary is verified by every node.
+
+        A claim the current summary already refutes (``refuted``, :meth:`_claim_incarnation`)
+        needs no new summary, but whoever sent it may lack the refutation (a member that held
+        this node dead pings it with the claim it holds: "Partitions heal"): the news of the
+        current version is queued again, so it rides the answer, at most once per probe
+        interval (``refutations_resent``)."""
         now = self.m.clock()
-        if again and now - self._refuted_at < self.settings.detector.probe_interval_ms:
+        interval = self.settings.detector.probe_interval_ms
+        if again and now - self._refuted_at < interval:
             return
-        if isinstance(self.detector.suspect(claim.node_id, self._claim_incarnation(claim), claim.by), Refute):
-            if now - self._refuted_at < self.settings.detector.probe_interval_ms:
+        event = self.detector.suspect(claim.node_id, self._claim_incarnation(claim), claim.by)
+        if isinstance(event, Refute):
+            if now - self._refuted_at < interval:
                 self._refute_due = True
                 return
             self._publish_refutation(now)
+        elif now - self._resent_at >= interval:
+            version = self.version_of(self.m.node_id)
+            if version is not None:
+                self._resent_at = now
+                self.counters["refutations_resent"] += 1
+                self.queue.put(self.m.node_id, News(self.m.node_id, version), NEWS_BYTES, version)
 
     def _publish_refutation(self, now: float) -> None:
         self.counters["refutations"] += 1
         self._refuted_at = now
         self._refute_due = False
+        self.pub.refute()
         self.publish(force=True)
 
     def _take_claim(self, claim: Claim, sender: NodeId | None = None) -> None:
@@ -949,12 +979,12 @@ class ProbeNode:
         if key in self._seen_claims or claim.by == self.m.node_id:
             self.counters["claims_seen"] += 1
             if key in self._verified_own:
-                # A copy of a claim about this node, verified before, still travels: a member
-                # that holds this node's refutation takes it at that version and suspects
-                # anew (_claim_incarnation), so it is refuted again while copies come, at
-                # most once per probe interval (the 50-process run: docs/benchmarks-mesh.md).
-                # Only a copy of one that verified: a forged claim is remembered too (its
-                # copies are not verified again) and must never make this node publish.
+                # A copy of a claim about this node, verified before, still travels: whoever
+                # sent it may lack the refutation, so it is answered as the claim was (a new
+                # refutation, or the news of the one published: _refute), at most once per
+                # probe interval (the 50-process run: docs/benchmarks-mesh.md). Only a copy
+                # of one that verified: a forged claim is remembered too (its copies are not
+                # verified again) and must never make this node publish.
                 self._refute(claim, again=True)
             return
         if len(self._seen_claims) >= _MAX_SEEN_CLAIMS:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from viiwork.mesh.boot import Boot
 from viiwork.mesh.extensions import EMPTY as EMPTY_EXTENSIONS
-from viiwork.mesh.extensions import Extensions
+from viiwork.mesh.extensions import REFUTED, Extensions
 from viiwork.mesh.load_record import LoadRecord, sign_load
 from viiwork.mesh.membership import Membership
 from viiwork.mesh.signing import Signer
@@ -61,6 +61,7 @@ class LocalPublisher:
         self.gpus: tuple[GpuCapacity, ...] = ()
         self.state = PublishedState.SERVING
         self.extensions: Extensions = EMPTY_EXTENSIONS  # published from protocol 4 on
+        self.refuted: int | None = None  # REFUTED's value, within this generation (probe mode)
         self._changed = True
         self._last_protocol = 0
         self.last: SignedSummary | None = None
@@ -111,6 +112,19 @@ class LocalPublisher:
             self.extensions = extensions
             self._changed = True
 
+    def refute(self) -> None:
+        """Claims about this node at its current ``(generation, seq)`` or below are refuted:
+        the next summary carries the ``refuted`` extension with this seq (mesh/extensions.py
+        ``REFUTED``; docs/mesh.md, "Probe mode"), so a claim about an older version that
+        arrives after it is taken for what it is, stale. Publish with ``force`` after it."""
+        self.refuted = self.seq
+        self._changed = True
+
+    def _extensions(self) -> Extensions:
+        if self.refuted is None:
+            return self.extensions
+        return self.extensions.with_value(REFUTED, self.refuted)
+
     def _sign(self, payload: SummaryPayload) -> SignedSummary | None:
         """The signed summary, or None (counted, logged once at WARNING, then DEBUG: it
         repeats every round while the content stays) when it is over MAX_SUMMARY_BYTES."""
@@ -135,6 +149,7 @@ class LocalPublisher:
         if m.required_generation > self.generation:
             self.generation = m.required_generation
             self.seq = 0
+            self.refuted = None  # a new generation: claims about the old one are ignored anyway
             if self.store_generation is not None:
                 self.store_generation(self.generation)
             due = True
@@ -148,7 +163,7 @@ class LocalPublisher:
             protocol=protocol, speaks=m.protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
             state=state_for_protocol(self.state, protocol), models=models, gpus=self.gpus if protocol >= 2 else (),
-            extensions=self.extensions if protocol >= EXTENSIONS_PROTOCOL else EMPTY_EXTENSIONS,
+            extensions=self._extensions() if protocol >= EXTENSIONS_PROTOCOL else EMPTY_EXTENSIONS,
         )
         summary = self._sign(payload)
         if summary is None and payload.gpus:

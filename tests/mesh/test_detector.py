@@ -460,3 +460,31 @@ def test_a_leaving_member_that_comes_back_is_a_relay_again():
     assert relays_for_other() == ()
     det.set_leaving(back, False)  # restarted: its new summary does not say leaving
     assert relays_for_other() == (back,)
+
+
+@pytest.mark.parametrize("suspected_first", [False, True])
+def test_a_probe_that_misses_after_a_newer_incarnation_was_heard_raises_no_suspicion(suspected_first):
+    # A partition heals: the target's refutation (a newer summary) arrives while a probe of
+    # it that started during the partition is still in flight; the probe's miss is older
+    # than that proof of life and must not suspect the new incarnation (CI, test_partition).
+    det, now = _detector(3)
+    probe = det.next_probe()
+    assert probe is not None
+    if suspected_first:
+        det.suspect(probe.target, (1, 0), by="a")
+    plan = det.direct_result(probe.probe_id, False)
+    assert plan is not None
+    det.set_incarnation(probe.target, (1, 1))
+    assert det.state(probe.target) == "alive"
+    assert det.indirect_result(plan.probe_id, 0, len(plan.relays)) is None
+    assert det.state(probe.target) == "alive"
+    assert det.counters["probes_outdated"] == 1 and det.counters["suspicions_raised"] == 0
+    # the next probe of it starts on (1, 1): its miss suspects (1, 1)
+    det, now = _detector(1)
+    det.set_incarnation(NodeId("p0"), (1, 1))
+    probe = det.next_probe()
+    assert probe is not None
+    plan = det.direct_result(probe.probe_id, False)
+    assert plan is not None
+    det.set_incarnation(probe.target, (1, 1))  # not newer than the probe's start
+    assert det.indirect_result(plan.probe_id, 0, 0) == Suspected(probe.target, (1, 1), by_self=True)
