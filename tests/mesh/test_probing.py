@@ -433,3 +433,39 @@ def _cut_and_heal(seed: int) -> tuple[list[tuple[Liveness, float]], float, Simul
     healed = sim.now
     sim.run_for(6000)
     return seen, healed, sim
+
+
+def test_a_refuted_value_at_or_past_the_summary_seq_does_not_shield_its_publisher():
+    """``refuted`` is the publisher's own word: a member that publishes one at or past its own
+    seq would make every claim about it stale, and a crash of it would never be confirmed
+    by others' claims. Only seqs below the summary's own count: a claim about the version
+    held is always taken."""
+    sim = probe_mesh(4, seed=31)
+    observer, member, claimer = sim.nodes[0], sim.nodes[1], sim.nodes[2]
+    member.publisher.refuted = 10**9
+    member.probe.publish(force=True)
+    held = member.publisher.last.payload
+    assert held.extensions.get(REFUTED) == 10**9
+    assert sim.run_until_true(lambda: observer.membership.records[member.node_id].order == held.order, 2000, 20)
+    data = claim_signing_input(SIM_MESH_ID, member.node_id, held.order, claimer.node_id)
+    claim = Claim(member.node_id, held.order, claimer.node_id, claimer.signer.sign(data))
+    observer.probe.receive(claimer.node_id, claimer.address, Gossip(observer.membership.protocol, SIM_MESH_ID, (claim,)))
+    assert observer.probe.detector.state(member.node_id) == "suspect"
+
+
+def test_a_new_generation_publishes_no_refuted_value_of_the_old_one():
+    """``refuted`` counts seqs within one generation; a new generation starts at seq 0, so the
+    old value would make claims about its first summaries stale."""
+    sim = probe_mesh(3, seed=33)
+    member = sim.nodes[1]
+    member.publisher.refute()
+    member.probe.publish(force=True)
+    before = member.publisher.last.payload
+    assert before.extensions.get(REFUTED) is not None
+    member.membership.required_generation = before.generation + 1
+    member.probe.publish(force=True)
+    after = member.publisher.last.payload
+    assert after.generation == before.generation + 1 and after.extensions.get(REFUTED) is None
+    member.publisher.refute()
+    member.probe.publish(force=True)
+    assert member.publisher.last.payload.extensions.get(REFUTED) == after.seq
