@@ -916,7 +916,8 @@ class ProbeNode:
         refutation (one ``seq`` up) ever passes, and every node would hold its node dead.
 
         A claim at or below the seq the held summary says it **refuted** (``refuted``
-        extension, below its own seq) stays at its own version, older, and is ignored: it was
+        extension) stays at its own version and is ignored, being older than the summary's (a
+        claim about the version held is always taken, whatever ``refuted`` says): it was
         made before the refutation (a partitioned prober's, delivered after the partition
         healed) and, taken at the newest version, made a member that had just refuted suspect
         again (CI, tests/mesh/test_partition.py; 3 heals in 200 in the simulator)."""
@@ -932,7 +933,7 @@ class ProbeNode:
             return held
         if claim.order[0] == held[0]:
             refuted = summary.payload.extensions.get(REFUTED)
-            if refuted is None or claim.order[1] > min(refuted, held[1] - 1):
+            if refuted is None or claim.order[1] > refuted:
                 return held
         return claim.order
 

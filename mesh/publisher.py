@@ -118,7 +118,6 @@ class LocalPublisher:
         ``REFUTED``; docs/mesh.md, "Probe mode"), so a claim about an older version that
         arrives after it is taken for what it is, stale. Publish with ``force`` after it."""
         self.refuted = self.seq
-        self._changed = True
 
     def _extensions(self) -> Extensions:
         if self.refuted is None:
