@@ -120,9 +120,18 @@ class LocalPublisher:
         self.refuted = self.seq
 
     def _extensions(self) -> Extensions:
+        """The extensions to publish: the agent's, with ``refuted`` when set. When the agent's
+        already fill MAX_EXTENSION_BYTES (the caps of those it publishes sum to more), the
+        summary goes without ``refuted`` (counted ``refuted_left_out``): a newer version still
+        refutes, only a claim made before it may be taken again. Raising instead stopped
+        every later summary of the generation (found by the attacker pass)."""
         if self.refuted is None:
             return self.extensions
-        return self.extensions.with_value(REFUTED, self.refuted)
+        try:
+            return self.extensions.with_value(REFUTED, self.refuted)
+        except ValueError:  # ExtensionError (over the limit): the agent's extensions come first
+            self.membership.counters.transport["refuted_left_out"] += 1
+            return self.extensions
 
     def _sign(self, payload: SummaryPayload) -> SignedSummary | None:
         """The signed summary, or None (counted, logged once at WARNING, then DEBUG: it

@@ -8,7 +8,25 @@ for the relays, suspicion 2 s .. 12 s at 10 nodes) and issue 16's goals.
 from __future__ import annotations
 
 from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
-from viiwork.mesh.extensions import REFUTED
+from viiwork.mesh.extensions import (
+    ENDPOINTS,
+    GANGS,
+    MAX_EXTENSION_BYTES,
+    MAX_MODEL_NAME_CHARS,
+    PREFIXES,
+    REFUTED,
+    SPEEDS,
+    Endpoints,
+    Extensions,
+    GangMember,
+    Gangs,
+    ModelEndpoints,
+    ModelPrefixes,
+    ModelSpeed,
+    Prefixes,
+    Speeds,
+    canonical_bytes,
+)
 from viiwork.mesh.identity import NodeId
 from viiwork.mesh.membership import Liveness
 from viiwork.mesh.messages import (
@@ -469,3 +487,47 @@ def test_a_new_generation_publishes_no_refuted_value_of_the_old_one():
     member.publisher.refute()
     member.probe.publish(force=True)
     assert member.publisher.last.payload.extensions.get(REFUTED) == after.seq
+
+
+def _extensions_at_the_limit() -> Extensions:
+    """Extensions an agent publishes (prefixes, speeds, gangs, endpoints) within one byte of
+    MAX_EXTENSION_BYTES, which Extensions.of (and MeshLink.publish_extension) accept: the
+    caps of the published ones sum to more than the limit."""
+    prefixes = Prefixes(tuple(ModelPrefixes(f"model-{m}", tuple(f"{m:02x}{d:014x}" for d in range(52)))
+                              for m in range(4)))
+    speeds = Speeds(tuple(ModelSpeed(f"model-{m:02d}", 1000, 100) for m in range(40)))
+    gangs = Gangs(tuple(GangMember(f"model-{m:02d}-" + "g" * 40, "g", 0, 2, sim_node_id(0)) for m in range(16)))
+    last = None
+    for pad in range(1, MAX_MODEL_NAME_CHARS + 1):
+        endpoints = Endpoints(tuple(ModelEndpoints(name, frozenset({"chat"})) for name in ("e" * pad, "f" * 100)))
+        try:
+            last = Extensions.of({PREFIXES: prefixes, SPEEDS: speeds, GANGS: gangs, ENDPOINTS: endpoints})
+        except ValueError:
+            break
+    assert last is not None and len(canonical_bytes(last.encode())) > MAX_EXTENSION_BYTES - 2
+    return last
+
+
+def test_a_refutation_by_a_node_whose_extensions_fill_the_limit_is_published():
+    """Found by the attacker pass: ``refuted`` is added to the extensions the agent publishes,
+    which may already fill MAX_EXTENSION_BYTES (the caps of those it publishes sum to more):
+    the refutation raised OversizedExtensions out of the probe core, and every later summary
+    of the generation too (the node published nothing more and was declared dead). The
+    summary is published without ``refuted`` (counted ``refuted_left_out``): a newer
+    version still refutes, as before the extension."""
+    sim = probe_mesh(3, seed=35)
+    observer, member, claimer = sim.nodes[0], sim.nodes[1], sim.nodes[2]
+    full = _extensions_at_the_limit()
+    member.probe.pub.set_extensions(full)
+    member.probe.publish(force=True)
+    order = member.publisher.last.payload.order
+    data = claim_signing_input(SIM_MESH_ID, member.node_id, order, claimer.node_id)
+    claim = Claim(member.node_id, order, claimer.node_id, claimer.signer.sign(data))
+    member.probe.receive(claimer.node_id, claimer.address, Gossip(member.membership.protocol, SIM_MESH_ID, (claim,)))
+    assert member.probe.counters["refutations"] == 1
+    refuting = member.publisher.last.payload
+    assert refuting.order > order and refuting.extensions == full
+    assert member.membership.counters.transport["refuted_left_out"] >= 1
+    sim.run_for(3000)  # later summaries too
+    assert sim.run_until_true(lambda: observer.membership.records[member.node_id].order >= refuting.order, 2000, 20)
+    assert observer.probe.detector.state(member.node_id) == "alive"
