@@ -40,10 +40,15 @@ exchange) and its :class:`~viiwork.mesh.publisher.LocalPublisher`, and adds:
   due seed candidates, so joins work from seeds alone) every ``sync_interval_ms``, every
   probe interval while no member is known.
 - **Partitions heal**: every ``dead_probe_ms`` (jittered) a node pings one random member it
-  holds ``dead``, carrying the claim it holds about it. A member that was only cut off or
-  frozen learns it is suspected and refutes (a newer summary, whose news rides its ack), so
-  it is ``alive`` again within seconds of the network healing, not at its next republication
-  (``republish_ms``); a member that is really gone costs one refused connection.
+  holds ``dead``, or ``suspect`` with a claim held, carrying the claim it holds about it. A
+  member that was only cut off or frozen learns it is suspected and refutes (a newer
+  summary, whose news rides its ack), so it is ``alive`` again within seconds of the network
+  healing, not at its next republication (``republish_ms``); a member that is really gone
+  costs one refused connection. A suspect too: a node cut off alone suspects the members it
+  probes meanwhile, and every transmission of its claims is lost in the cut; no suspect
+  heard of them after the heal, and the node held them suspect for the suspicion's full
+  timeout (19 s at 40 nodes), then dead, since its next probe of each comes round only
+  every ``n`` probe intervals (found by the attacker pass).
 - **Heartbeat-mode peers** (a rolling upgrade, docs/mesh.md "Rolling upgrade"): a member the
   transport reports as not speaking probe mode (:meth:`ProbeNode.heartbeat_only`) is judged
   as heartbeat mode judges it (by the age of its newest summary against the membership's
@@ -146,7 +151,7 @@ class ProbeSettings:
       nodes this one lacks altogether), and every round while the table grew since the last;
       the others pull every member at the version held (the only repair of a load record
       that every copy of its news missed).
-    - ``dead_probe_ms`` (2500): one member held dead is pinged about this often (0.5x-1.5x
+    - ``dead_probe_ms`` (2500): one member held dead (or suspect) is pinged about this often (0.5x-1.5x
       jitter), with the claim about it: how a partition or a long freeze heals. Heartbeat
       mode's ``probe_dead_per_round`` (0.1 per 500 ms round) is every 5 s on average.
     """
@@ -234,7 +239,7 @@ class ProbeNode:
         this node's own, not verified again), pulls_sent, refutations, heartbeat_peers
         (members found to speak heartbeat mode only), heartbeats (summaries re-signed for them),
         relay_acks / relay_nacks (ping-reqs served: the target answered / did not), dead_probes
-        (pings of members held dead: "Partitions heal"), refutations_resent (the news of a
+        (pings of members held dead or suspect: "Partitions heal"), refutations_resent (the news of a
         refutation queued again for a claim it already refutes: :meth:`_refute`)."""
         self._wanted: tuple[ModelCapacity, ...] | None = None
         self._ping_ids = 0
@@ -543,11 +548,12 @@ class ProbeNode:
         return {**entries, self.m.node_id: (generation, max(0, seq - 1))}
 
     def _probe_dead(self, now: float, out: list[Outgoing]) -> None:
-        """Ping one random member held dead, with the claim held about it (module doc,
-        "Partitions heal"). Its ack is not awaited: what it carries (the refutation's news) is
-        taken as any message's items are."""
+        """Ping one random member held dead, or suspect with a claim held, with the claim held
+        about it (module doc, "Partitions heal"). Its ack is not awaited: what it carries (the
+        refutation's news) is taken as any message's items are."""
         self._next_dead_probe = now + self.settings.dead_probe_ms * self.rng.uniform(0.5, 1.5)
-        dead = [nid for nid in self._members if self.detector.state(nid) == "dead" and nid in self.m.records]
+        dead = [nid for nid in self._members if nid in self.m.records and (
+            self.detector.state(nid) == "dead" or self.detector.state(nid) == "suspect" and nid in self._claims)]
         if not dead:
             return
         target = self.rng.choice(dead)

@@ -531,3 +531,26 @@ def test_a_refutation_by_a_node_whose_extensions_fill_the_limit_is_published():
     sim.run_for(3000)  # later summaries too
     assert sim.run_until_true(lambda: observer.membership.records[member.node_id].order >= refuting.order, 2000, 20)
     assert observer.probe.detector.state(member.node_id) == "alive"
+
+
+def test_a_node_cut_off_alone_holds_no_live_member_suspect_long_after_the_heal():
+    """Found by the attacker pass (also at 7338f91): a node cut off alone for 2.5 s suspects
+    the members it probes meanwhile, and its claims' transmissions are all lost in the cut.
+    After the heal no suspect hears of them, so none refuted: the node held them suspect
+    until the suspicion's full timeout (19 s at 40 nodes, no confirmations), then dead, then
+    pinged them as dead ("Partitions heal"): the mesh agreed again 12.5 s after the heal
+    (median of 20 seeds; 20 s at worst), while its next probe of each comes round only every
+    ~20 s (one member per probe interval). The dead probe pings a member held suspect with
+    its claim too: 1.4 s (2.9 s at worst)."""
+    slow = []
+    for seed in range(5):  # 3 of the 5 before
+        sim = Simulator(40, seed=seed, mode="probe")
+        assert sim.run_until_true(sim.converged, 60_000, 100), seed
+        sim.run_for(sim.rng.uniform(0, 1000))
+        sim.partition([[seed], [i for i in range(40) if i != seed]])
+        sim.run_for(2500)
+        assert any(sim.view_of(seed, i) is Liveness.SUSPECT for i in range(40) if i != seed), seed
+        sim.heal()
+        if not sim.run_until_true(sim.converged, 8000, 100):
+            slow.append(seed)
+    assert slow == [], f"a live member held suspect or dead 8 s after the heal in seeds {slow}"
