@@ -30,6 +30,7 @@ from viiwork.mesh.summary import (
     PublishedState,
     SignedSummary,
     SummaryPayload,
+    encode_payload,
     sign_payload,
     state_for_protocol,
 )
@@ -133,6 +134,19 @@ class LocalPublisher:
             self.membership.counters.transport["refuted_left_out"] += 1
             return self.extensions
 
+    def _without_refuted_if_over(self, payload: SummaryPayload) -> SummaryPayload:
+        """``payload`` without ``refuted`` when only that tips it over MAX_SUMMARY_BYTES
+        (counted ``refuted_left_out``), as :meth:`_extensions` leaves it out of full
+        extensions: the config's check bounds the models, not the extensions beside them, and
+        a refutation that did not fit went unpublished, with every later summary of the
+        generation (found by the attacker pass)."""
+        try:
+            encode_payload(payload)
+        except OversizedSummary:
+            self.membership.counters.transport["refuted_left_out"] += 1
+            return dataclasses.replace(payload, extensions=self.extensions)
+        return payload
+
     def _sign(self, payload: SummaryPayload) -> SignedSummary | None:
         """The signed summary, or None (counted, logged once at WARNING, then DEBUG: it
         repeats every round while the content stays) when it is over MAX_SUMMARY_BYTES."""
@@ -173,6 +187,8 @@ class LocalPublisher:
             state=state_for_protocol(self.state, protocol), models=models, gpus=self.gpus if protocol >= 2 else (),
             extensions=self._extensions() if protocol >= EXTENSIONS_PROTOCOL else EMPTY_EXTENSIONS,
         )
+        if payload.extensions is not self.extensions and protocol >= EXTENSIONS_PROTOCOL:
+            payload = self._without_refuted_if_over(payload)
         summary = self._sign(payload)
         if summary is None and payload.gpus:
             # The config's models fit (agent/config/schema.py checks the largest summary they can

@@ -7,6 +7,8 @@ for the relays, suspicion 2 s .. 12 s at 10 nodes) and issue 16's goals.
 
 from __future__ import annotations
 
+import dataclasses
+
 from viiwork.mesh.detector import DetectorSettings, suspicion_timeout_ms
 from viiwork.mesh.extensions import (
     ENDPOINTS,
@@ -46,7 +48,7 @@ from viiwork.mesh.probe_codec import MAX_PROBE_MESSAGE_BYTES, decode_any, encode
 from viiwork.mesh.probing import ProbeSettings
 from viiwork.mesh.quantise import LoadQuantiser
 from viiwork.mesh.sim import SIM_MESH_ID, Simulator, sim_node_id
-from viiwork.mesh.summary import ModelCapacity
+from viiwork.mesh.summary import MAX_SUMMARY_BYTES, ModelCapacity, encode_payload
 
 BUSY = (ModelCapacity("model-x", "llamacpp", "chat", 8, 7, 3, 4096, 2, 2, "fp-x"),)
 D = DetectorSettings()
@@ -554,3 +556,42 @@ def test_a_node_cut_off_alone_holds_no_live_member_suspect_long_after_the_heal()
         if not sim.run_until_true(sim.converged, 8000, 100):
             slow.append(seed)
     assert slow == [], f"a live member held suspect or dead 8 s after the heal in seeds {slow}"
+
+
+def test_a_refutation_that_would_tip_the_summary_over_its_limit_is_published_without_refuted():
+    """Found by the attacker pass: the config's check bounds a summary's models, not the
+    extensions beside them, so a summary may sit a few bytes under MAX_SUMMARY_BYTES; the
+    ``refuted`` value tipped it over, the refutation was not published (counted
+    ``summary_oversized``), and neither was any later summary of the generation, which all
+    carry it: the node fell silent and was declared dead. The summary goes without
+    ``refuted`` when only that does not fit (counted ``refuted_left_out``)."""
+    sim = probe_mesh(3, seed=37)
+    observer, member, claimer = sim.nodes[0], sim.nodes[1], sim.nodes[2]
+    member.probe.pub.set_extensions(Extensions.of({PREFIXES: Prefixes((ModelPrefixes(
+        "model-1", tuple(f"{d:016x}" for d in range(64))),))}))  # 1.2 kB, far under its limit
+    member.probe.publish(force=True)
+    last = member.publisher.last.payload
+    assert not last.gpus
+    room = MAX_SUMMARY_BYTES - len(encode_payload(last)) - 5  # 5 bytes short: refuted takes ~20
+    models, n = list(last.models), 0
+    while room > 0:
+        n += 1
+        grown = [*models, dataclasses.replace(last.models[0], name=f"pad-{n}-")]
+        size = len(encode_payload(dataclasses.replace(last, models=tuple(grown))))
+        extra = min(MAX_MODEL_NAME_CHARS - len(f"pad-{n}-"), MAX_SUMMARY_BYTES - 5 - size)
+        models = [*models, dataclasses.replace(last.models[0], name=f"pad-{n}-" + "x" * max(0, extra))]
+        room = MAX_SUMMARY_BYTES - 5 - len(encode_payload(dataclasses.replace(last, models=tuple(models))))
+    sim.set_models(1, tuple(models))
+    order = member.publisher.last.payload.order
+    assert len(member.publisher.last.payload_bytes) >= MAX_SUMMARY_BYTES - 6
+    data = claim_signing_input(SIM_MESH_ID, member.node_id, order, claimer.node_id)
+    claim = Claim(member.node_id, order, claimer.node_id, claimer.signer.sign(data))
+    member.probe.receive(claimer.node_id, claimer.address, Gossip(member.membership.protocol, SIM_MESH_ID, (claim,)))
+    assert member.probe.counters["refutations"] == 1
+    assert member.publisher.last.payload.order > order, "the refutation was not published"
+    assert member.membership.counters.transport["refuted_left_out"] >= 1
+    published = member.publisher.last.payload.order
+    member.probe.publish(force=True)  # and later summaries of the generation
+    assert member.publisher.last.payload.order > published
+    assert sim.run_until_true(lambda: observer.membership.records[member.node_id].order > published, 2000, 20)
+    assert observer.probe.detector.state(member.node_id) == "alive"
