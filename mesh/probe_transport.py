@@ -33,7 +33,12 @@ frames of a **WebSocket channel** per peer:
   :data:`~viiwork.mesh.transport.KEEPALIVE_TIMEOUT_S` (a WebSocket ping counts: a member can
   keep a channel as it can keep any connection alive, within the listener's caps) and one
   whose peer does not read this node's answers within ``timeout_s`` (``channel_stalled``;
-  aborted when its closing frame cannot go either). Opening one (TCP, mutual TLS, the
+  aborted when its closing frame cannot go either). A ping that goes unanswered within its
+  timeout (the core's ``on_unanswered``) drops this node's channel to that address before
+  the next attempt (``channels_reset``): a channel that lived through a partition is still
+  open after the heal, its TCP connection in retransmission backoff for seconds, and every
+  ping written on it missed, so a peer alive again was suspected anew two or three times
+  over 5 s after an 8 s cut (found by a newcomer's check). Opening one (TCP, mutual TLS, the
   upgrade) is bounded by ``connect_timeout_s`` and ``timeout_s``; the TLS peer must be the
   node the address belongs to (:mod:`viiwork.mesh.dialing`). Frames queued while a channel
   opens go once it is open; a channel that fails to open or breaks drops what it held
@@ -48,7 +53,8 @@ frames of a **WebSocket channel** per peer:
 Counters (in the membership's ``transport`` counters): probe_sent (frames written),
 probe_ok (frames received on a channel this node opened), probe_failed, probe_timeout,
 probe_refused (an upgrade answered with another status), probe_unsupported,
-probe_skipped_busy, channel_stalled (a channel a peer opened whose answers it did not read
+probe_skipped_busy, channels_reset (a channel dropped after an unanswered ping),
+channel_stalled (a channel a peer opened whose answers it did not read
 within ``timeout_s``: closed), probe_unaddressed (a reply to a sender this node has no address for,
 made outside that sender's channel), channels_opened, channels_closed.
 """
@@ -128,6 +134,18 @@ class ProbeTransport:
     def attach(self, node: ProbeNode) -> None:
         """The core whose messages this carries (until then the endpoint answers 503)."""
         self.node = node
+        node.on_unanswered.append(self.reset)
+
+    def reset(self, address: str) -> None:
+        """Drop this node's channel to ``address`` (a ping on it went unanswered: module doc),
+        what it still queues included (``probe_dropped``); the next message opens a new one.
+        Counted ``channels_reset``. No-op without one."""
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            return
+        self.counters["channels_reset"] += 1
+        if channel.task is not None:
+            channel.task.cancel()
 
     async def start(self) -> None:
         parts = peer_session_parts(self.ssl_context, counters=self.counters, limit=0,

@@ -260,6 +260,12 @@ class ProbeNode:
         self._verify_budget = PeerRateLimiter(VERIFY_PER_SENDER_PER_S, VERIFY_BURST_PER_SENDER)
         self.on_load: list[Callable[[NodeId, LoadRecord], None]] = []
         """Called with (node id, record) for each load record published here or accepted."""
+        self.on_unanswered: list[Callable[[str], None]] = []
+        """Called with an address whose ping (a probe's direct attempt, or a relay's) went
+        unanswered within its timeout, before the next attempt is sent: the shell drops the
+        connection it holds to it, so the next goes on a new one (a connection that lived
+        through a partition sits in TCP's retransmission backoff for seconds after the heal,
+        and every ping written on it missed: docs/mesh.md, "Partitions heal")."""
         now = membership.clock()
         self._next_gossip = now
         self._next_sync = now
@@ -441,6 +447,7 @@ class ProbeNode:
         for rid, relay in list(self._relays.items()):
             if now >= relay.deadline:
                 del self._relays[rid]
+                self._unanswered(relay.address)
                 if relay.attempts_left > 0:
                     self._relay_ping(relay.requester, relay.request_id, relay.address,
                                      relay.attempts_left - 1, now, out)
@@ -625,6 +632,7 @@ class ProbeNode:
     def _advance(self, run: _Run, now: float, out: list[Outgoing]) -> None:
         """A probe's deadline passed: retry, go indirect, or report the indirect answers."""
         if run.relays is None:
+            self._unanswered(run.address)
             if run.attempts_left > 0:
                 run.attempts_left -= 1
                 run.deadline = now + run.probe.timeout_ms
@@ -645,6 +653,10 @@ class ProbeNode:
             if plan.relays:
                 return
         self._report(run, now)
+
+    def _unanswered(self, address: str) -> None:
+        for cb in self.on_unanswered:
+            cb(address)
 
     def _report(self, run: _Run, now: float) -> None:
         silent = [r for r in run.relays or () if r not in run.answered]
