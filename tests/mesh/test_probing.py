@@ -595,3 +595,36 @@ def test_a_refutation_that_would_tip_the_summary_over_its_limit_is_published_wit
     assert member.publisher.last.payload.order > published
     assert sim.run_until_true(lambda: observer.membership.records[member.node_id].order > published, 2000, 20)
     assert observer.probe.detector.state(member.node_id) == "alive"
+
+
+def test_an_unanswered_ping_is_reported_before_the_next_attempt_direct_and_relayed():
+    """The shell drops its connection to an address whose ping went unanswered (a connection
+    that lived through a partition sits in TCP's backoff after the heal: every ping on it
+    missed; tests/mesh/test_partition_heal.py is the real case). The core says so
+    (``on_unanswered``) for a probe's direct attempt, before the second is sent (else the
+    second would be dropped with the old connection), and for a relay's ping."""
+    sim = probe_mesh(3, seed=41)
+    prober, relay, frozen = sim.nodes
+    calls: list[tuple[str, float, int]] = []  # (address, ms since the probe's last ping, its pings)
+
+    def seen(address: str) -> None:
+        run = prober.probe._run
+        if run is not None:
+            calls.append((address, sim.now - run.pinged_at, len(run.ping_ids)))
+
+    prober.probe.on_unanswered.append(seen)
+    sim.freeze(2)
+    # The prober is a relay for the other node too (its relay pings are reported as well):
+    # its own attempts are reported at their deadline, before the next ping is written.
+    def direct() -> list[tuple[str, int]]:
+        return [(a, pings) for a, since, pings in calls if abs(since - D.probe_timeout_ms) < 1e-6]
+
+    assert sim.run_until_true(lambda: len(direct()) >= 2, 5000, 10), calls
+    assert direct()[:2] == [(frozen.address, 1), (frozen.address, 2)]
+
+    relayed: list[tuple[str, float]] = []
+    relay.probe.on_unanswered.append(lambda address: relayed.append((address, sim.now)))
+    asked = sim.now
+    sim._deliver(prober, relay, PingReq(relay.membership.protocol, SIM_MESH_ID, 7, frozen.node_id, frozen.address, ()))
+    sim.run_for(D.probe_timeout_ms + 50)
+    assert (frozen.address, asked + D.probe_timeout_ms) in relayed, (asked, relayed)
