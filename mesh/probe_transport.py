@@ -34,8 +34,9 @@ frames of a **WebSocket channel** per peer:
   keep a channel as it can keep any connection alive, within the listener's caps) and one
   whose peer does not read this node's answers within ``timeout_s`` (``channel_stalled``;
   aborted when its closing frame cannot go either). A ping that goes unanswered within its
-  timeout (the core's ``on_unanswered``) drops this node's channel to that address before
-  the next attempt (``channels_reset``): a channel that lived through a partition is still
+  timeout (the core's ``on_unanswered``) on a channel that brought nothing for ``timeout_s``
+  drops that channel before the next attempt (``channels_reset``; see
+  :meth:`ProbeTransport.reset`): a channel that lived through a partition is still
   open after the heal, its TCP connection in retransmission backoff for seconds, and every
   ping written on it missed, so a peer alive again was suspected anew two or three times
   over 5 s after an 8 s cut (found by a newcomer's check). Opening one (TCP, mutual TLS, the
@@ -64,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -137,15 +139,19 @@ class ProbeTransport:
         node.on_unanswered.append(self.reset)
 
     def reset(self, address: str) -> None:
-        """Drop this node's channel to ``address`` (a ping on it went unanswered: module doc),
-        what it still queues included (``probe_dropped``); the next message opens a new one.
-        Counted ``channels_reset``. No-op without one."""
-        channel = self._channels.pop(address, None)
-        if channel is None:
+        """A ping to ``address`` went unanswered (module doc): when this node's channel to it
+        has brought nothing for ``timeout_s``, the next message opens a new one (counted
+        ``channels_reset``); the old one is still read for ``timeout_s`` (a late answer on it
+        counts) and then closed, with what it still queues (``probe_dropped``). A channel that
+        brought something within ``timeout_s`` is kept: its peer is slow, not cut off, and a
+        new connection would only add a handshake to its next answer. No-op without one."""
+        channel = self._channels.get(address)
+        if channel is None or time.monotonic() - channel.read_at < self.timeout_s:
             return
+        del self._channels[address]
         self.counters["channels_reset"] += 1
         if channel.task is not None:
-            channel.task.cancel()
+            asyncio.get_running_loop().call_later(self.timeout_s, channel.task.cancel)
 
     async def start(self) -> None:
         parts = peer_session_parts(self.ssl_context, counters=self.counters, limit=0,
@@ -400,6 +406,7 @@ class ProbeTransport:
             if peer is None:
                 continue
             self.counters["probe_ok"] += 1
+            channel.read_at = time.monotonic()
             for data in self._frame(peer, channel.address, msg):
                 self._send_bytes([(channel.address, data)])
 
@@ -413,6 +420,7 @@ class _Channel:
     queue: deque[bytes] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    read_at: float = field(default_factory=time.monotonic)  # when it last brought a frame (or opened)
 
 
 _CLOSING = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR)
