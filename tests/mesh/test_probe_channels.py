@@ -8,6 +8,7 @@ listeners that accept and never speak TLS (a remote party that froze or is not a
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -141,3 +142,18 @@ async def test_a_channel_never_negotiates_compression(pair, tmp_path):
     # The nodes' own channels do not ask for it either: the one a opened to b, as b serves it.
     await wait_for(lambda: len(probe_wire(b)._served) >= 1, 5, "a's channel to b")
     assert [ws.compress for ws in probe_wire(b)._served] == [0]
+
+
+async def test_an_unanswered_ping_keeps_a_channel_that_brought_something_lately(tmp_path: Path) -> None:
+    """The core reports a ping unanswered in its timeout (``on_unanswered``); the channel it
+    went on is dropped only when it brought nothing for ``timeout_s`` (a connection that
+    lived through a partition: tests/mesh/test_partition_heal.py). One that brought an ack
+    just now belongs to a slow peer, not a cut-off one: it is kept, as no new handshake
+    would make the next answer come sooner."""
+    async with probe_pair(tmp_path, "reset-mesh") as (a, b):
+        wire = probe_wire(a)
+        address = f"127.0.0.1:{b.listen_port}"
+        await wait_for(lambda: address in wire.channels and time.monotonic() - wire._channels[address].read_at < 0.2,
+                       10, "an answer on a's channel to b just now")
+        wire.reset(address)
+        assert address in wire.channels and wire.counters.get("channels_reset", 0) == 0
