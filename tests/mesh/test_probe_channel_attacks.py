@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
-from support.mesh_nodes import outsider_tls, probe_pair, probe_wire, wait_for
+from support.mesh_nodes import loopback_settings, outsider_tls, probe_pair, probe_wire, wait_for
 from viiwork.mesh.identity import load_or_create_identity
 from viiwork.mesh.messages import Ping, Pull
 from viiwork.mesh.node import MeshNode
@@ -182,3 +183,48 @@ async def test_a_channel_this_node_opened_to_a_peer_that_never_reads_does_not_ho
         stop_flood.set()
         listener.close()
         await asyncio.to_thread(thread.join, 10)
+
+
+async def test_a_member_that_never_answers_costs_one_new_channel_per_timeout(tmp_path: Path) -> None:
+    """A member that takes the channel and never answers a ping on it (a mute peer: TLS and
+    the upgrade done, nothing written back, its closing frame never sent either): every ping
+    to it goes unanswered and the core reports each (``on_unanswered``, here every 0.1 s, at
+    the rate of a relay's pings a member can ask for). A channel that brought nothing for
+    ``timeout_s`` is dropped (docs/mesh.md, "Partitions heal"), but a new one counts as having
+    brought something when it opened, so such a peer costs one new connection per
+    ``timeout_s``, not one per unanswered ping, and the dropped ones are closed."""
+    served: list[web.WebSocketResponse] = []
+
+    async def mute(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(autoclose=False, autoping=False)
+        await ws.prepare(request)
+        served.append(ws)
+        await asyncio.sleep(60)  # reads nothing, answers nothing
+        return ws
+
+    app = web.Application()
+    app.router.add_get(PROBE_PATH, mute)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=outsider_tls(tmp_path / "forger", MESH, server=True))
+    await site.start()
+    a = MeshNode(loopback_settings(tmp_path / "a", "a", trust="open", mesh_id=MESH))  # no peers: its own probes open nothing
+    await a.start()
+    try:
+        wire = probe_wire(a)
+        address = f"127.0.0.1:{runner.addresses[0][1]}"
+        started = time.monotonic()
+        for i in range(25):  # 2.5 s of unanswered pings
+            wire.send([(address, Ping(PROTOCOL_VERSION, MESH, 100 + i, ()))])
+            await asyncio.sleep(0.1)
+            wire.reset(address)
+        elapsed = time.monotonic() - started
+        counters = wire.counters
+        assert 1 <= counters["channels_reset"] <= elapsed / wire.timeout_s + 1, dict(counters)
+        assert counters["channels_opened"] <= counters["channels_reset"] + 1, dict(counters)
+        # The dropped channels go once read for timeout_s: only the last one or two are open.
+        await wait_for(lambda: counters["channels_closed"] >= counters["channels_reset"] - 1, 5,
+                       "the dropped channels to close")
+    finally:
+        await a.stop(leave=False)
+        await runner.cleanup()
