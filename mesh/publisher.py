@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from viiwork.mesh.boot import Boot
 from viiwork.mesh.extensions import EMPTY as EMPTY_EXTENSIONS
-from viiwork.mesh.extensions import REFUTED, Extensions
+from viiwork.mesh.extensions import REFUTED, ExtensionError, Extensions
 from viiwork.mesh.load_record import LoadRecord, sign_load
 from viiwork.mesh.membership import Membership
 from viiwork.mesh.signing import Signer
@@ -30,7 +30,6 @@ from viiwork.mesh.summary import (
     PublishedState,
     SignedSummary,
     SummaryPayload,
-    encode_payload,
     sign_payload,
     state_for_protocol,
 )
@@ -120,32 +119,23 @@ class LocalPublisher:
         arrives after it is taken for what it is, stale. Publish with ``force`` after it."""
         self.refuted = self.seq
 
-    def _extensions(self) -> Extensions:
-        """The extensions to publish: the agent's, with ``refuted`` when set. When the agent's
-        already fill MAX_EXTENSION_BYTES (the caps of those it publishes sum to more), the
-        summary goes without ``refuted`` (counted ``refuted_left_out``): a newer version still
-        refutes, only a claim made before it may be taken again. Raising instead stopped
-        every later summary of the generation (found by the attacker pass)."""
-        if self.refuted is None:
-            return self.extensions
+    def _sign_refuting(self, payload: SummaryPayload) -> SignedSummary | None:
+        """``payload`` signed with ``refuted`` added to its extensions, or None (counted
+        ``refuted_left_out``) when that does not fit: the agent's extensions already fill
+        MAX_EXTENSION_BYTES (the caps of those it publishes sum to more), or ``refuted`` tips
+        the summary over MAX_SUMMARY_BYTES (the config's check bounds the models, not the
+        extensions beside them). The caller then publishes without it: a newer version still
+        refutes, only a claim made before it may be taken again. Raising, or publishing
+        nothing, stopped every later summary of the generation and the node was declared dead
+        (found by the attacker pass)."""
+        assert self.refuted is not None
         try:
-            return self.extensions.with_value(REFUTED, self.refuted)
-        except ValueError:  # ExtensionError (over the limit): the agent's extensions come first
+            extensions = payload.extensions.with_value(REFUTED, self.refuted)
+            return sign_payload(dataclasses.replace(payload, extensions=extensions), self.signer.sign,
+                                self.signer.certificate_der)
+        except (ExtensionError, OversizedSummary):
             self.membership.counters.transport["refuted_left_out"] += 1
-            return self.extensions
-
-    def _without_refuted_if_over(self, payload: SummaryPayload) -> SummaryPayload:
-        """``payload`` without ``refuted`` when only that tips it over MAX_SUMMARY_BYTES
-        (counted ``refuted_left_out``), as :meth:`_extensions` leaves it out of full
-        extensions: the config's check bounds the models, not the extensions beside them, and
-        a refutation that did not fit went unpublished, with every later summary of the
-        generation (found by the attacker pass)."""
-        try:
-            encode_payload(payload)
-        except OversizedSummary:
-            self.membership.counters.transport["refuted_left_out"] += 1
-            return dataclasses.replace(payload, extensions=self.extensions)
-        return payload
+            return None
 
     def _sign(self, payload: SummaryPayload) -> SignedSummary | None:
         """The signed summary, or None (counted, logged once at WARNING, then DEBUG: it
@@ -185,11 +175,13 @@ class LocalPublisher:
             protocol=protocol, speaks=m.protocol, mesh_id=m.mesh_id, node_id=self.signer.node_id, name=self.name, api=self.api,
             mesh=self.mesh, version=self.version, generation=self.generation, boot=self.boot_nonce, seq=self.seq,
             state=state_for_protocol(self.state, protocol), models=models, gpus=self.gpus if protocol >= 2 else (),
-            extensions=self._extensions() if protocol >= EXTENSIONS_PROTOCOL else EMPTY_EXTENSIONS,
+            extensions=self.extensions if protocol >= EXTENSIONS_PROTOCOL else EMPTY_EXTENSIONS,
         )
-        if payload.extensions is not self.extensions and protocol >= EXTENSIONS_PROTOCOL:
-            payload = self._without_refuted_if_over(payload)
-        summary = self._sign(payload)
+        summary = None
+        if self.refuted is not None and protocol >= EXTENSIONS_PROTOCOL:
+            summary = self._sign_refuting(payload)
+        if summary is None:
+            summary = self._sign(payload)
         if summary is None and payload.gpus:
             # The config's models fit (agent/config/schema.py checks the largest summary they can
             # make); the host's GPUs are not in that bound: publish without them.
